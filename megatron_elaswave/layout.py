@@ -1,0 +1,123 @@
+"""The layout of a hybrid-parallel job: which ranks hold which layers, and which micro-batches
+each data-parallel replica runs.
+
+A job starts as a TP x PP x DP grid in Megatron's rank order ``tp-cp-ep-dp-pp`` (tensor-parallel
+rank fastest, then data-parallel, then pipeline; context and expert parallelism are 1). A *stage
+instance* is the tensor-parallel group that holds one pipeline stage of one replica: it is the
+failure domain. After failures, replicas may have different numbers of stages; every replica
+still holds every layer exactly once, as contiguous ranges.
+
+Layers are numbered from 0 and ranges are inclusive, as in the metrics file and the plan CLI.
+This module is pure Python: it is shared by the planner, the runtime and the training script.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def megatron_rank(tp_rank: int, dp_rank: int, pp_rank: int, *, tp: int, dp: int) -> int:
+    """Global rank of a grid position in Megatron's ``tp-cp-ep-dp-pp`` order."""
+    return tp_rank + tp * (dp_rank + dp * pp_rank)
+
+
+def megatron_position(rank: int, *, tp: int, dp: int) -> tuple[int, int, int]:
+    """Inverse of :func:`megatron_rank`: ``(tp_rank, dp_rank, pp_rank)`` of a global rank."""
+    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+
+def even_layer_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    """Megatron's default split: ``num_layers / num_stages`` layers per stage, in order."""
+    if num_stages <= 0 or num_layers % num_stages:
+        raise ValueError(
+            f"{num_layers} layers cannot be split evenly over {num_stages} pipeline stages"
+        )
+    per_stage = num_layers // num_stages
+    return [(s * per_stage, (s + 1) * per_stage - 1) for s in range(num_stages)]
+
+
+@dataclass(frozen=True)
+class StageInstance:
+    """One pipeline stage of one replica: a tensor-parallel group and its layer range."""
+
+    ranks: tuple[int, ...]
+    """Global ranks of the tensor-parallel group, in TP-rank order."""
+    first_layer: int
+    """First layer held (0-based)."""
+    last_layer: int
+    """Last layer held (inclusive); ``last_layer < first_layer`` means no transformer layer."""
+
+    def to_json(self) -> dict:
+        return {"ranks": list(self.ranks), "layers": [self.first_layer, self.last_layer]}
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A data-parallel replica: a pipeline of stage instances and the micro-batches it runs."""
+
+    index: int
+    stages: tuple[StageInstance, ...]
+    microbatch_ids: tuple[int, ...]
+    """Global micro-batch ids this replica runs each step, in order."""
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.microbatch_ids)
+
+    def to_json(self, with_microbatch_ids: bool = False) -> dict:
+        record = {
+            "replica": self.index,
+            "stages": [stage.to_json() for stage in self.stages],
+            "num_microbatches": self.num_microbatches,
+        }
+        if with_microbatch_ids:
+            record["microbatch_ids"] = list(self.microbatch_ids)
+        return record
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every replica of a job, plus the ranks that are alive but hold no stage (spares)."""
+
+    num_layers: int
+    replicas: tuple[Replica, ...]
+    spares: tuple[int, ...] = field(default=())
+
+    @classmethod
+    def megatron(
+        cls, *, tp: int, pp: int, dp: int, num_layers: int, num_microbatches: int
+    ) -> "Layout":
+        """The failure-free layout Megatron builds: even layer split, and the micro-batches
+        dealt round-robin over replicas as Megatron-LM's pretraining sampler does (micro-batch
+        ``j`` of the global batch goes to replica ``j % dp``)."""
+        if num_microbatches % dp:
+            raise ValueError(f"{num_microbatches} micro-batches cannot be dealt evenly to {dp} replicas")
+        splits = even_layer_split(num_layers, pp)
+        replicas = []
+        for d in range(dp):
+            stages = tuple(
+                StageInstance(
+                    ranks=tuple(megatron_rank(t, d, s, tp=tp, dp=dp) for t in range(tp)),
+                    first_layer=first,
+                    last_layer=last,
+                )
+                for s, (first, last) in enumerate(splits)
+            )
+            replicas.append(Replica(d, stages, tuple(range(d, num_microbatches, dp))))
+        return cls(num_layers=num_layers, replicas=tuple(replicas))
+
+    @property
+    def global_num_microbatches(self) -> int:
+        return sum(r.num_microbatches for r in self.replicas)
+
+    def position(self, rank: int) -> tuple[int, int, int] | None:
+        """``(replica, stage, tp_rank)`` of a rank, or ``None`` for a spare or unknown rank."""
+        for replica in self.replicas:
+            for s, stage in enumerate(replica.stages):
+                if rank in stage.ranks:
+                    return replica.index, s, stage.ranks.index(rank)
+        return None
+
+    def to_json(self, with_microbatch_ids: bool = False) -> list[dict]:
+        """The ``layout`` value of the metrics file and of the plan CLI's ``replicas``."""
+        return [r.to_json(with_microbatch_ids) for r in self.replicas]

@@ -1,0 +1,1 @@
+"""Patches of Megatron-Core internals (placeholder)."""

@@ -1,0 +1,45 @@
+"""Packaging for megatron-elaswave.
+
+The top-level ``patches/`` folder (everything that touches Megatron-Core internals) is installed as
+the sub-package ``megatron_elaswave.patches``.
+"""
+
+from setuptools import find_packages, setup
+
+# The Megatron-Core releases the patches were checked against; megatron_elaswave.patches refuses
+# any other version at import time with a clear message.
+MEGATRON_CORE = "megatron-core>=0.16.1,<0.17"
+
+setup(
+    name="megatron-elaswave",
+    version="0.1.0",
+    description="Elastic-native hybrid-parallel training for Megatron-Core: survive rank failures "
+    "without restart or disk checkpoint.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["megatron_elaswave", "megatron_elaswave.*"])
+    + ["megatron_elaswave.patches"],
+    package_dir={"megatron_elaswave.patches": "patches"},
+    install_requires=[
+        "torch>=2.13,<2.14",
+        MEGATRON_CORE,
+        "numpy>=1.26",
+        # dist_checkpointing's async writer needs psutil but megatron-core does not declare it.
+        "psutil>=5.9",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6"],
+        "bench": ["matplotlib>=3.8", "torchft"],
+        "cuda": ["transformer-engine[pytorch]"],
+        "npu": ["torch-npu"],
+        "dvfs": ["nvidia-ml-py"],
+    },
+    entry_points={"console_scripts": ["elaswave-run=megatron_elaswave.run:main"]},
+    classifiers=[
+        "License :: OSI Approved :: Apache Software License",
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
