@@ -1,1 +1,42 @@
-"""Patches of Megatron-Core internals (placeholder)."""
+"""Everything that touches Megatron-Core internals, as patches applied through one registry.
+
+Each module patches one Megatron-Core module (or, for :mod:`.device_compat`, one concern that
+spans several) and says which versions it was checked against. :func:`install` refuses a
+megatron-core outside :data:`SUPPORTED_MEGATRON_CORE` with a clear message.
+"""
+
+from __future__ import annotations
+
+from megatron_elaswave.device import DeviceBackend
+
+from . import device_compat, distrib_optimizer, tensor_parallel_random
+from .registry import PatchRegistry, PatchTargetError
+from .version import SUPPORTED_MEGATRON_CORE, UnsupportedMegatronVersion, check_megatron_core_version
+
+__all__ = [
+    "PatchRegistry",
+    "PatchTargetError",
+    "SUPPORTED_MEGATRON_CORE",
+    "UnsupportedMegatronVersion",
+    "check_megatron_core_version",
+    "compatibility_registry",
+    "install",
+]
+
+
+def compatibility_registry(backend: DeviceBackend) -> PatchRegistry:
+    """The patches any run on ``backend`` needs: device compatibility (off CUDA) and fixes."""
+    check_megatron_core_version()
+    registry = PatchRegistry()
+    if backend.name != "cuda":
+        device_compat.register(registry, backend)
+        tensor_parallel_random.register(registry, backend)
+    distrib_optimizer.register(registry)
+    return registry
+
+
+def install(backend: DeviceBackend) -> PatchRegistry:
+    """Apply :func:`compatibility_registry` and return it (``remove()`` undoes it)."""
+    registry = compatibility_registry(backend)
+    registry.apply()
+    return registry

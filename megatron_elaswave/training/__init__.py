@@ -1,0 +1,1 @@
+"""GPT pretraining on megatron-core's public API, with Megatron-LM's flags (``pretrain_gpt.py``)."""

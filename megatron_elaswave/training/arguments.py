@@ -1,0 +1,226 @@
+"""Command-line arguments of ``pretrain_gpt.py``: Megatron-LM's names, plus the elastic flags.
+
+Every check that can be made before touching a device or a process group is made here, so a
+wrong combination is reported as one line (:class:`ArgumentError`) before any rank starts work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Sequence
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+TOKENIZER_TYPES = ("ByteLevelTokenizer", "NullTokenizer")
+
+
+class ArgumentError(ValueError):
+    """A flag, or a combination of flags, that cannot work; the message is one line."""
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--num-layers", type=int, required=True)
+    group.add_argument("--hidden-size", type=int, required=True)
+    group.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
+    group.add_argument("--num-attention-heads", type=int, required=True)
+    group.add_argument("--seq-length", type=int, required=True)
+    group.add_argument("--max-position-embeddings", type=int, default=None, help="default: seq length")
+    group.add_argument("--hidden-dropout", type=float, default=0.1)
+    group.add_argument("--attention-dropout", type=float, default=0.1)
+    group.add_argument("--init-method-std", type=float, default=0.02)
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    group.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
+                       default="learned_absolute")
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+
+
+def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("parallelism")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                       help="enables the interleaved 1F1B schedule")
+    group.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                       help="model chunks per pipeline rank (interleaved 1F1B schedule)")
+    group.add_argument("--use-distributed-optimizer", action="store_true")
+    group.add_argument("--distributed-backend", choices=("nccl", "gloo", "hccl"), default=None,
+                       help="default: the device's own (gloo on CPU, nccl on CUDA, hccl on NPU)")
+    group.add_argument("--distributed-timeout-minutes", type=float, default=10.0)
+
+
+def _add_training_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("training")
+    group.add_argument("--micro-batch-size", type=int, required=True)
+    group.add_argument("--global-batch-size", type=int, default=None,
+                       help="default: micro batch size x data-parallel size")
+    group.add_argument("--train-iters", type=int, required=True)
+    group.add_argument("--seed", type=int, default=1234)
+    group.add_argument("--bf16", action="store_true")
+    group.add_argument("--fp16", action="store_true")
+    group = parser.add_argument_group("optimizer")
+    group.add_argument("--optimizer", choices=("adam",), default="adam")
+    group.add_argument("--lr", type=float, required=True)
+    group.add_argument("--min-lr", type=float, default=0.0)
+    group.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
+    group.add_argument("--lr-decay-iters", type=int, default=None, help="default: train iters")
+    group.add_argument("--lr-warmup-iters", type=int, default=0)
+    group.add_argument("--lr-warmup-init", type=float, default=0.0)
+    group.add_argument("--weight-decay", type=float, default=0.01)
+    group.add_argument("--clip-grad", type=float, default=1.0)
+    group.add_argument("--adam-beta1", type=float, default=0.9)
+    group.add_argument("--adam-beta2", type=float, default=0.999)
+    group.add_argument("--adam-eps", type=float, default=1e-8)
+
+
+def _add_data_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("data")
+    group.add_argument("--mock-data", action="store_true")
+    group.add_argument("--data-path", nargs="+", default=None,
+                       help="prefix of a Megatron .bin/.idx pair (see scripts/preprocess_data.py)")
+    group.add_argument("--split", default="969,30,1")
+    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
+    group.add_argument("--vocab-size", type=int, default=None)
+    group.add_argument("--data-cache-path", default=None)
+    group = parser.add_argument_group("logging and checkpoints")
+    group.add_argument("--log-interval", type=int, default=100)
+    group.add_argument("--eval-interval", type=int, default=1000)
+    group.add_argument("--eval-iters", type=int, default=100)
+    group.add_argument("--save", default=None)
+    group.add_argument("--load", default=None)
+    group.add_argument("--save-interval", type=int, default=None)
+
+
+def _add_elastic_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("elastic")
+    group.add_argument("--elastic", action="store_true",
+                       help="survive rank failures without restart (ElasWave)")
+    group.add_argument("--elastic-device", choices=("auto", "cpu", "cuda", "npu"), default=None,
+                       help="default: $ELASWAVE_DEVICE, else auto-detected")
+    group.add_argument("--elastic-metrics-file", default=None,
+                       help="JSON-lines file of per-iteration (and recovery) records")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pretrain_gpt.py",
+        description="GPT pretraining on Megatron-Core with Megatron-LM's flags, plus --elastic.",
+        allow_abbrev=False,
+    )
+    _add_model_args(parser)
+    _add_parallel_args(parser)
+    _add_training_args(parser)
+    _add_data_args(parser)
+    _add_elastic_args(parser)
+    return parser
+
+
+def _fail_unless(condition: bool, message: str) -> None:
+    if not condition:
+        raise ArgumentError(message)
+
+
+def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Check ``args`` against the world size and fill in the derived values.
+
+    Adds ``data_parallel_size``, ``virtual_pipeline_model_parallel_size`` (or None) and
+    ``padded_vocab_size`` is left to the tokenizer; raises :class:`ArgumentError`.
+    """
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
+                 "micro_batch_size", "train_iters", "tensor_model_parallel_size",
+                 "pipeline_model_parallel_size"):
+        value = getattr(args, name)
+        _fail_unless(value > 0, f"--{name.replace('_', '-')} must be positive, got {value}")
+    _fail_unless(world_size % (tp * pp) == 0,
+                 f"world size {world_size} is not a multiple of tensor ({tp}) x pipeline ({pp}) "
+                 "parallel size")
+    args.data_parallel_size = world_size // (tp * pp)
+    _fail_unless(args.num_attention_heads % tp == 0,
+                 f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                 f"--tensor-model-parallel-size {tp}")
+    _fail_unless(args.hidden_size % args.num_attention_heads == 0,
+                 f"--hidden-size {args.hidden_size} is not divisible by "
+                 f"--num-attention-heads {args.num_attention_heads}")
+    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    _fail_unless(args.seq_length <= args.max_position_embeddings,
+                 f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
+                 f"{args.max_position_embeddings}")
+    _validate_pipeline(args)
+    _validate_batch(args)
+    _validate_data(args)
+    _fail_unless(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
+    _fail_unless(args.lr_warmup_iters >= 0, "--lr-warmup-iters must not be negative")
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    _fail_unless(args.save_interval is None or args.save_interval > 0,
+                 "--save-interval must be positive")
+    _fail_unless(args.log_interval > 0 and args.eval_interval > 0,
+                 "--log-interval and --eval-interval must be positive")
+    return args
+
+
+def _validate_pipeline(args: argparse.Namespace) -> None:
+    pp = args.pipeline_model_parallel_size
+    _fail_unless(args.num_layers % pp == 0,
+                 f"--num-layers {args.num_layers} is not divisible by "
+                 f"--pipeline-model-parallel-size {pp}")
+    vpp = args.virtual_pipeline_model_parallel_size
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_chunk = args.num_layers_per_virtual_pipeline_stage
+        _fail_unless(vpp is None, "use --num-layers-per-virtual-pipeline-stage or "
+                     "--virtual-pipeline-model-parallel-size, not both")
+        _fail_unless(per_chunk > 0 and (args.num_layers // pp) % per_chunk == 0,
+                     f"--num-layers-per-virtual-pipeline-stage {per_chunk} does not divide the "
+                     f"{args.num_layers // pp} layers of a pipeline stage")
+        vpp = args.num_layers // pp // per_chunk
+    if vpp is not None:
+        _fail_unless(pp > 1, "the interleaved schedule needs --pipeline-model-parallel-size > 1")
+        _fail_unless(vpp >= 1 and (args.num_layers // pp) % vpp == 0,
+                     f"{args.num_layers // pp} layers per pipeline stage cannot be split into "
+                     f"{vpp} virtual stages")
+        vpp = vpp if vpp > 1 else None
+    args.virtual_pipeline_model_parallel_size = vpp
+
+
+def _validate_batch(args: argparse.Namespace) -> None:
+    dp, mbs = args.data_parallel_size, args.micro_batch_size
+    args.global_batch_size = args.global_batch_size or mbs * dp
+    gbs = args.global_batch_size
+    _fail_unless(gbs % (mbs * dp) == 0,
+                 f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
+                 f"data-parallel size {dp}")
+    if args.virtual_pipeline_model_parallel_size:
+        pp, microbatches = args.pipeline_model_parallel_size, gbs // (mbs * dp)
+        _fail_unless(microbatches >= pp and (microbatches % pp == 0 or microbatches % pp >= pp),
+                     f"the interleaved schedule needs at least {pp} micro-batches per replica, "
+                     f"a multiple of {pp}; got {microbatches}")
+
+
+def _validate_data(args: argparse.Namespace) -> None:
+    _fail_unless(bool(args.mock_data) != bool(args.data_path),
+                 "give exactly one of --mock-data and --data-path")
+    if args.data_path:
+        _fail_unless(len(args.data_path) == 1, "--data-path takes one prefix (blends are not supported)")
+        prefix = args.data_path[0]
+        for suffix in (".bin", ".idx"):
+            _fail_unless(os.path.isfile(prefix + suffix),
+                         f"--data-path {prefix}: {prefix + suffix} does not exist "
+                         "(create it with scripts/preprocess_data.py)")
+        args.tokenizer_type = args.tokenizer_type or "ByteLevelTokenizer"
+    else:
+        args.tokenizer_type = args.tokenizer_type or "NullTokenizer"
+    if args.tokenizer_type == "NullTokenizer":
+        _fail_unless(args.vocab_size is not None and args.vocab_size > 1,
+                     "--tokenizer-type NullTokenizer needs --vocab-size")
+    try:
+        weights = [float(part) for part in args.split.split(",")]
+    except ValueError:
+        raise ArgumentError(f"--split {args.split!r} must be comma-separated numbers") from None
+    _fail_unless(weights and all(w >= 0 for w in weights) and weights[0] > 0,
+                 f"--split {args.split!r} must give the training set a positive share")
+
+
+def parse_args(argv: Sequence[str] | None, world_size: int) -> argparse.Namespace:
+    """Parse and validate; argparse exits on unknown flags, :class:`ArgumentError` otherwise."""
+    return validate(build_parser().parse_args(argv), world_size)

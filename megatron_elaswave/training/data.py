@@ -1,0 +1,93 @@
+"""Training data as micro-batches with global ids.
+
+The global batch of an iteration is the ordered list of micro-batches ``0 .. M-1``; micro-batch
+``j`` holds dataset samples ``consumed + j*mbs .. consumed + (j+1)*mbs - 1``, where ``consumed``
+counts the samples of all earlier iterations. A replica runs whichever micro-batch ids the
+layout gives it, so the samples of a step do not depend on how many replicas there are or how
+they are split. (The failure-free layout deals them round-robin, as Megatron-LM's sampler does.)
+
+Datasets are megatron-core's ``GPTDataset`` on Megatron's indexed ``.bin``/``.idx`` format, or
+``MockGPTDataset`` for ``--mock-data``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+from megatron_elaswave.tokenizer import build_tokenizer
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Megatron-LM's padding: a multiple of ``divisible_by x tp_size``."""
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def build_datasets(args: argparse.Namespace, tokenizer) -> tuple[GPTDataset, GPTDataset | None]:
+    """The training and validation datasets, sized for the whole run."""
+    gbs = args.global_batch_size
+    evaluations = args.train_iters // args.eval_interval + 1
+    sizes = [args.train_iters * gbs, evaluations * args.eval_iters * gbs, 0]
+    config = GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=(args.data_path, None) if args.data_path else None,
+        split=args.split,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+    )
+    dataset_class = MockGPTDataset if args.mock_data else GPTDataset
+    train, valid, _ = BlendedMegatronDatasetBuilder(
+        dataset_class, sizes, lambda: True, config
+    ).build()
+    return train, valid
+
+
+def load_tokenizer(args: argparse.Namespace):
+    return build_tokenizer(args.tokenizer_type, vocab_size=args.vocab_size)
+
+
+@dataclass
+class MicrobatchSource:
+    """Cuts a dataset into micro-batches addressed by ``(consumed samples, micro-batch id)``."""
+
+    dataset: torch.utils.data.Dataset
+    micro_batch_size: int
+
+    def sample_ids(self, consumed_samples: int, microbatch_id: int) -> range:
+        start = consumed_samples + microbatch_id * self.micro_batch_size
+        return range(start, start + self.micro_batch_size)
+
+    def batch(self, consumed_samples: int, microbatch_id: int) -> dict[str, torch.Tensor]:
+        ids = self.sample_ids(consumed_samples, microbatch_id)
+        samples = [self.dataset[i % len(self.dataset)] for i in ids]
+        batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
+                 for key in ("tokens", "labels", "loss_mask", "position_ids")}
+        batch["sample_ids"] = torch.tensor(list(ids), dtype=torch.int64)
+        return batch
+
+
+@dataclass
+class StepData:
+    """The micro-batches one replica runs in one step; remembers which samples it handed out."""
+
+    source: MicrobatchSource
+    consumed_samples: int
+    microbatch_ids: Sequence[int]
+    served_sample_ids: dict[int, list[int]] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for microbatch_id in self.microbatch_ids:
+            batch = self.source.batch(self.consumed_samples, microbatch_id)
+            self.served_sample_ids[microbatch_id] = batch["sample_ids"].tolist()
+            yield batch

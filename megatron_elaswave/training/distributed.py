@@ -1,0 +1,64 @@
+"""Joining the job: the default process group and Megatron's model-parallel groups."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_elaswave.device import DeviceBackend
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the job, as the launcher (or torchrun) told it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @classmethod
+    def from_environment(cls) -> "RankInfo":
+        return cls(
+            rank=int(os.environ.get("RANK", 0)),
+            world_size=int(os.environ.get("WORLD_SIZE", 1)),
+            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+        )
+
+
+def init_default_group(info: RankInfo, backend: DeviceBackend, timeout_minutes: float) -> None:
+    """Join the job's default process group (a one-rank world without a launcher)."""
+    backend.set_device(info.local_rank)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend.dist_backend, init_method="env://", rank=info.rank,
+                                world_size=info.world_size, timeout=timeout)
+    else:
+        if info.world_size != 1:
+            raise RuntimeError("WORLD_SIZE > 1 but no MASTER_ADDR: start the job with elaswave-run")
+        dist.init_process_group(backend.dist_backend, store=dist.HashStore(), rank=0,
+                                world_size=1, timeout=timeout)
+
+
+def init_model_parallel(tp: int, pp: int, vpp: int | None,
+                        timeout_minutes: float) -> ProcessGroupCollection:
+    """Megatron's groups for a TP x PP x DP grid, returned as an explicit collection."""
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        distributed_timeout_minutes=timeout_minutes,
+        create_gloo_process_groups=False,
+    )
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def shutdown() -> None:
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,236 @@
+"""The training loop of ``pretrain_gpt.py``: Megatron-Core schedules, Megatron-LM's log lines,
+and one metrics record per iteration.
+
+Loss is normalised per token over the whole global batch (``calculate_per_token_loss``), so the
+gradient does not depend on how the batch is split over replicas and micro-batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_elaswave.device import DeviceBackend
+from megatron_elaswave.layout import Layout
+from megatron_elaswave.metrics import MetricsWriter, samples_digest
+
+from .data import MicrobatchSource, StepData
+from .model import TrainingObjects
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Per-token loss: (sum of token losses, token count, report) as megatron-core expects."""
+    mask = loss_mask.view(-1).float()
+    loss_sum = torch.sum(output_tensor.view(-1).float() * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach().clone(), num_tokens.detach().float()])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    stage = model.module
+    batch = next(data_iterator) if data_iterator is not None else None
+    tokens = batch["tokens"] if stage.pre_process else None
+    position_ids = batch["position_ids"] if stage.pre_process else None
+    labels = batch["labels"] if stage.post_process else None
+    output = model(tokens, position_ids, None, labels=labels)
+    loss_mask = batch["loss_mask"] if stage.post_process else None
+    return output, partial(loss_func, loss_mask)
+
+
+@dataclass
+class StepResult:
+    """What every rank knows after one iteration (reduced over the job)."""
+
+    lm_loss: float
+    num_tokens: int
+    sample_ids: list[int]
+    grad_norm: float | None
+    step_time_s: float
+    skipped: bool
+
+
+@dataclass
+class Trainer:
+    """Runs iterations on one rank for a fixed layout."""
+
+    args: argparse.Namespace
+    objects: TrainingObjects
+    pg_collection: ProcessGroupCollection
+    backend: DeviceBackend
+    layout: Layout
+    train_source: MicrobatchSource
+    valid_source: MicrobatchSource | None
+    metrics: MetricsWriter
+    rank: int
+    iteration: int = 0
+    consumed_samples: int = 0
+    _interval_times: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        position = self.layout.position(self.rank)
+        assert position is not None, f"rank {self.rank} holds no stage"
+        self.replica = self.layout.replicas[position[0]]
+        self.is_data_reporter = position[2] == 0  # one rank of each TP group reports
+        self.p2p = P2PCommunicator(pp_group=self.pg_collection.pp, config=self.objects.config)
+        self.forward_backward = get_forward_backward_func(
+            pp_size=self.pg_collection.pp.size(),
+            vp_size=self.args.virtual_pipeline_model_parallel_size,
+        )
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _step_data(self, source: MicrobatchSource, consumed: int) -> list[StepData | None]:
+        return [
+            StepData(source, consumed, self.replica.microbatch_ids)
+            if chunk.module.pre_process or chunk.module.post_process else None
+            for chunk in self.objects.model
+        ]
+
+    def _run_schedule(self, data: list[StepData | None], forward_only: bool):
+        iterators = [iter(d) if d is not None else None for d in data]
+        return self.forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(iterators) > 1 else iterators[0],
+            model=self.objects.model,
+            num_microbatches=self.replica.num_microbatches,
+            seq_length=self.args.seq_length,
+            micro_batch_size=self.args.micro_batch_size,
+            forward_only=forward_only,
+            p2p_communicator=self.p2p,
+            pg_collection=self.pg_collection,
+        )
+
+    def _reduce(self, data: list[StepData | None], losses: list[dict], gbs: int):
+        """One world all-reduce: loss sum, token count, and which sample filled each slot."""
+        mbs = self.args.micro_batch_size
+        vector = torch.zeros(2 + 2 * gbs, dtype=torch.float64)
+        if self.is_data_reporter and losses:
+            totals = torch.stack([entry["lm loss"] for entry in losses]).double().sum(dim=0)
+            vector[0:2] += totals.cpu()
+        first = next((d for d, c in zip(data, self.objects.model) if c.module.pre_process), None)
+        if self.is_data_reporter and first is not None:
+            for microbatch_id, ids in first.served_sample_ids.items():
+                for offset, sample_id in enumerate(ids):
+                    slot = microbatch_id * mbs + offset
+                    vector[2 + slot] += sample_id + 1
+                    vector[2 + gbs + slot] += 1
+        vector = vector.to(self.backend.device())
+        dist.all_reduce(vector)
+        vector = vector.cpu()
+        counts = vector[2 + gbs:]
+        ids = [int(v) - 1 if c == 1 else -1 for v, c in zip(vector[2:2 + gbs].tolist(), counts.tolist())]
+        return float(vector[0]), int(vector[1]), ids
+
+    def train_step(self) -> StepResult:
+        gbs = self.layout.global_num_microbatches * self.args.micro_batch_size
+        start = time.perf_counter()
+        for chunk in self.objects.model:
+            chunk.zero_grad_buffer()
+        self.objects.optimizer.zero_grad()
+        data = self._step_data(self.train_source, self.consumed_samples)
+        losses = self._run_schedule(data, forward_only=False)
+        succeeded, grad_norm, _ = self.objects.optimizer.step()
+        self.objects.scheduler.step(increment=gbs)
+        loss_sum, num_tokens, sample_ids = self._reduce(data, losses, gbs)
+        self.backend.synchronize()
+        return StepResult(
+            lm_loss=loss_sum / max(num_tokens, 1),
+            num_tokens=num_tokens,
+            sample_ids=sample_ids,
+            grad_norm=float(grad_norm) if grad_norm is not None else None,
+            step_time_s=time.perf_counter() - start,
+            skipped=not succeeded,
+        )
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    def _record(self, result: StepResult, gbs: int) -> None:
+        self.metrics.write(
+            "iteration",
+            iteration=self.iteration,
+            lm_loss=result.lm_loss,
+            global_batch_size=gbs,
+            consumed_samples=self.consumed_samples,
+            samples_digest=samples_digest(result.sample_ids),
+            world_size=dist.get_world_size(),
+            layout=self.layout.to_json(),
+            step_time_s=result.step_time_s,
+            grad_norm=result.grad_norm,
+        )
+        self._interval_times.append(result.step_time_s)
+        if self.iteration % self.args.log_interval == 0 and self.rank == 0:
+            elapsed_ms = 1000 * sum(self._interval_times) / len(self._interval_times)
+            tokens_per_s = gbs * self.args.seq_length / (elapsed_ms / 1000)
+            lr = self.objects.optimizer.param_groups[0]["lr"]
+            grad_norm = f"{result.grad_norm:.3f}" if result.grad_norm is not None else "n/a"
+            log(
+                f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {self.iteration:8d}/"
+                f"{self.args.train_iters:8d} | consumed samples: {self.consumed_samples:12d} | "
+                f"elapsed time per iteration (ms): {elapsed_ms:.1f} | "
+                f"throughput (tokens/s): {tokens_per_s:.0f} | learning rate: {lr:.6E} | "
+                f"global batch size: {gbs:5d} | lm loss: {result.lm_loss:.6E} | "
+                f"grad norm: {grad_norm} | number of skipped iterations: {int(result.skipped):3d} |"
+            )
+            self._interval_times.clear()
+
+    def evaluate(self) -> float:
+        """Mean per-token validation loss over ``--eval-iters`` global batches."""
+        assert self.valid_source is not None
+        gbs = self.layout.global_num_microbatches * self.args.micro_batch_size
+        evaluation = self.iteration // self.args.eval_interval
+        loss_sum = num_tokens = 0.0
+        for model in self.objects.model:
+            model.eval()
+        with torch.no_grad():
+            for k in range(self.args.eval_iters):
+                consumed = (evaluation * self.args.eval_iters + k) * gbs
+                data = self._step_data(self.valid_source, consumed)
+                losses = self._run_schedule(data, forward_only=True)
+                step_sum, step_tokens, _ = self._reduce(data, losses, gbs)
+                loss_sum, num_tokens = loss_sum + step_sum, num_tokens + step_tokens
+        for model in self.objects.model:
+            model.train()
+        loss = loss_sum / max(num_tokens, 1)
+        if self.rank == 0:
+            log(f" validation loss at iteration {self.iteration} | lm loss value: {loss:.6E} | "
+                f"lm loss PPL: {math.exp(min(loss, 20)):.6E} |")
+        return loss
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def train(self, on_iteration=None) -> None:
+        """Train until ``--train-iters``; ``on_iteration(trainer)`` runs after each iteration."""
+        while self.iteration < self.args.train_iters:
+            result = self.train_step()
+            gbs = len(result.sample_ids)
+            self.iteration += 1
+            self.consumed_samples += gbs
+            self._record(result, gbs)
+            if not math.isfinite(result.lm_loss):
+                raise FloatingPointError(f"lm loss is {result.lm_loss} at iteration {self.iteration}")
+            if self.valid_source is not None and self.iteration % self.args.eval_interval == 0:
+                self.evaluate()
+            if on_iteration is not None:
+                on_iteration(self)
+
+
+def report_error(message: str, rank: int) -> None:
+    """One line on stderr, from rank 0 only (every rank fails the same checks)."""
+    if rank == 0:
+        print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,213 @@
+"""Build GPT model chunks, DDP, the optimizer and the LR schedule on megatron-core's public API.
+
+Every Megatron object gets its process groups explicitly through a ``ProcessGroupCollection``.
+
+Weights are initialised *layout-invariantly*: each parameter is drawn whole from a generator keyed
+by ``(seed, global parameter name)`` and then cut to this rank's tensor-parallel shard. A layer
+therefore starts with the same values whatever the TP x PP x DP layout, so runs on different
+layouts (or the same layer rebuilt on another stage) can be compared exactly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import random
+import re
+from dataclasses import dataclass
+
+import numpy
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+_LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
+# Megatron scales the init of the two projections that feed the residual stream.
+_RESIDUAL_OUTPUT_WEIGHTS = ("linear_proj.weight", "linear_fc2.weight")
+_WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+@dataclass
+class TrainingObjects:
+    """What one rank trains: its model chunks (wrapped in DDP), optimizer and LR schedule."""
+
+    config: TransformerConfig
+    model: list[DistributedDataParallel]
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+
+
+def params_dtype(args: argparse.Namespace) -> torch.dtype:
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
+def transformer_config(args: argparse.Namespace) -> TransformerConfig:
+    dtype = params_dtype(args)
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        use_cpu_initialization=True,
+        # layout_invariant_init overwrites the values, but Megatron's init also marks which
+        # weights are tensor-parallel; without it the shards would count as replicated.
+        perform_initialization=True,
+        # Gradients are normalised by the global token count, so any split of the global batch
+        # over replicas and micro-batches gives the same update.
+        calculate_per_token_loss=True,
+    )
+
+
+def seed_random_generators(seed: int, pg_collection: ProcessGroupCollection) -> None:
+    """Megatron-LM's seeding: per pipeline stage for the default generators, plus the
+    tensor-parallel tracker states (``model-parallel-rng`` differs per TP rank)."""
+    stage_seed = seed + 100 * pg_collection.pp.rank()
+    random.seed(stage_seed)
+    numpy.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        stage_seed, tp_rank=pg_collection.tp.rank(), ep_rank=0, etp_rank=0, force_reset_rng=True
+    )
+
+
+def _parameter_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def _global_parameter_names(chunk: GPTModel) -> dict[str, str]:
+    """Map stage-local parameter names to global ones (layer indices counted over the model)."""
+    layer_numbers = {str(i): layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
+    names = {}
+    for name, _ in chunk.named_parameters():
+        names[name] = _LAYER_PREFIX.sub(
+            lambda m: f"decoder.layers.{layer_numbers[m.group(1)]}.", name
+        )
+    return names
+
+
+def _initial_value(name: str, shape: tuple[int, ...], std: float, num_layers: int, seed: int):
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    if "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1]:
+        return torch.ones(shape)
+    if name.endswith(_RESIDUAL_OUTPUT_WEIGHTS):
+        std = std / math.sqrt(2.0 * num_layers)
+    generator = torch.Generator().manual_seed(_parameter_seed(seed, name))
+    return torch.randn(shape, generator=generator) * std
+
+
+@torch.no_grad()
+def layout_invariant_init(chunk: GPTModel, config: TransformerConfig, seed: int,
+                          tp_rank: int, tp_size: int, tied_embeddings: bool) -> None:
+    """Set every parameter of ``chunk`` from ``(seed, global name)``, sliced to this TP shard."""
+    global_names = _global_parameter_names(chunk)
+    for local_name, param in chunk.named_parameters():
+        name = global_names[local_name]
+        if tied_embeddings and name == "output_layer.weight":
+            name = _WORD_EMBEDDING  # the last stage's copy of the tied embedding
+        shape = list(param.shape)
+        sharded = getattr(param, "tensor_model_parallel", False)
+        if sharded:
+            shape[param.partition_dim] *= tp_size
+        value = _initial_value(name, tuple(shape), config.init_method_std, config.num_layers, seed)
+        if sharded:
+            value = value.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+        param.copy_(value)
+
+
+def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,
+                       pg_collection: ProcessGroupCollection, device: torch.device) -> list[GPTModel]:
+    """One GPTModel per virtual stage of this pipeline rank, initialised layout-invariantly."""
+    pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
+    vpp = args.virtual_pipeline_model_parallel_size or 1
+    tied = not args.untie_embeddings_and_output_weights
+    chunks = []
+    for vp_stage in range(vpp):
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=pp_rank == 0 and vp_stage == 0,
+            post_process=pp_rank == pp_size - 1 and vp_stage == vpp - 1,
+            share_embeddings_and_output_weights=tied,
+            position_embedding_type=args.position_embedding_type,
+            pg_collection=pg_collection,
+            vp_stage=vp_stage if vpp > 1 else None,
+        )
+        chunk.to(device)
+        layout_invariant_init(chunk, config, args.seed, pg_collection.tp.rank(),
+                              pg_collection.tp.size(), tied)
+        chunks.append(chunk)
+    return chunks
+
+
+def wrap_and_optimize(args: argparse.Namespace, config: TransformerConfig, chunks: list[GPTModel],
+                      pg_collection: ProcessGroupCollection) -> TrainingObjects:
+    """DDP per chunk, one Megatron optimizer over all chunks, and Megatron's LR schedule."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    model = [
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                disable_bucketing=index > 0, pg_collection=pg_collection)
+        for index, chunk in enumerate(chunks)
+    ]
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer_config = OptimizerConfig(
+        optimizer=args.optimizer,
+        lr=args.lr,
+        min_lr=args.min_lr,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        bf16=args.bf16,
+        fp16=args.fp16,
+        params_dtype=params_dtype(args),
+    )
+    optimizer = get_megatron_optimizer(optimizer_config, model, use_gloo_process_groups=False,
+                                       pg_collection=pg_collection)
+    if args.fp16:
+        config.grad_scale_func = optimizer.scale_loss
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=args.lr_warmup_init,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style="constant",
+    )
+    return TrainingObjects(config=config, model=model, optimizer=optimizer, scheduler=scheduler)
