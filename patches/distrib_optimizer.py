@@ -1,9 +1,15 @@
-"""Fix of ``DistributedOptimizer.load_state_dict`` sharing one Adam ``step`` tensor.
+"""Fixes of ``DistributedOptimizer`` state loading on the torch-Adam path (no TE or Apex).
 
-Checked against megatron-core 0.16.1 (distrib_optimizer.py:818-826). Without TE or Apex, the
-loader puts a single ``step`` tensor into the state of every parameter. ``torch.optim.Adam``'s
-foreach path then increments that one tensor once per parameter, so after any load the bias
-correction is wrong from the second step on. Each parameter gets its own copy here.
+Checked against megatron-core 0.16.1.
+
+* ``load_state_dict`` (distrib_optimizer.py:818-826) puts one **shared** ``step`` tensor into the
+  state of every parameter. ``torch.optim.Adam``'s foreach path then increments that one tensor
+  once per parameter, so after any load the bias correction is wrong from the second step on.
+  Each parameter gets its own copy.
+* ``_set_main_param_and_optimizer_states`` (distrib_optimizer.py:936-940) copies every key of the
+  destination state, ``step`` included, from source tensors that carry only ``param``,
+  ``exp_avg`` and ``exp_avg_sq``: loading a fully reshardable checkpoint raises ``KeyError``.
+  Only the keys the source has are copied; ``step`` comes from ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import functools
 
 from .registry import PatchRegistry
 
-TARGET = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer.load_state_dict"
+CLASS = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
 
 
 def _unshare_adam_step(load_state_dict):
@@ -27,5 +33,21 @@ def _unshare_adam_step(load_state_dict):
     return load_state_dict_with_own_steps
 
 
+def _copy_present_keys_only(set_states):
+    @functools.wraps(set_states)
+    def set_main_param_and_optimizer_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return set_states(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        destination = {"param": main_param, **self.optimizer.state[main_param]}
+        for key, value in tensors.items():
+            destination[key].copy_(value)
+
+    return set_main_param_and_optimizer_states
+
+
 def register(registry: PatchRegistry) -> None:
-    registry.register_wrapper(TARGET, _unshare_adam_step)
+    registry.register_wrapper(f"{CLASS}.load_state_dict", _unshare_adam_step)
+    registry.register_wrapper(f"{CLASS}._set_main_param_and_optimizer_states",
+                              _copy_present_keys_only)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
-
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -13,24 +11,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_elaswave.device import DeviceBackend
 
 
-@dataclass(frozen=True)
-class RankInfo:
-    """Where this process sits in the job, as the launcher (or torchrun) told it."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-
-    @classmethod
-    def from_environment(cls) -> "RankInfo":
-        return cls(
-            rank=int(os.environ.get("RANK", 0)),
-            world_size=int(os.environ.get("WORLD_SIZE", 1)),
-            local_rank=int(os.environ.get("LOCAL_RANK", 0)),
-        )
-
-
-def init_default_group(info: RankInfo, backend: DeviceBackend, timeout_minutes: float) -> None:
+def init_default_group(info, backend: DeviceBackend, timeout_minutes: float) -> None:
     """Join the job's default process group (a one-rank world without a launcher)."""
     backend.set_device(info.local_rank)
     timeout = datetime.timedelta(minutes=timeout_minutes)

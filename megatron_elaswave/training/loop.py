@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -229,8 +228,3 @@ class Trainer:
             if on_iteration is not None:
                 on_iteration(self)
 
-
-def report_error(message: str, rank: int) -> None:
-    """One line on stderr, from rank 0 only (every rank fails the same checks)."""
-    if rank == 0:
-        print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)

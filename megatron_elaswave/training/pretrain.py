@@ -6,22 +6,39 @@ any training state exists; nothing here prints a traceback for a user mistake.
 
 from __future__ import annotations
 
+import os
 import sys
+from dataclasses import dataclass
 from typing import Sequence
 
 from megatron_elaswave.device import DeviceUnavailableError, resolve_device_backend
-from megatron_elaswave.layout import Layout
-from megatron_elaswave.metrics import MetricsWriter
 
 from .arguments import ArgumentError, parse_args
-from .distributed import RankInfo, init_default_group, init_model_parallel, shutdown
-from .loop import Trainer, report_error
 
 EXIT_BAD_INPUT = 2
 
 
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this process sits in the job, as the launcher (or torchrun) told it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def report_error(message: str, rank: int) -> None:
+    """One line on stderr, from rank 0 only (every rank fails the same checks)."""
+    if rank == 0:
+        print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
+
+
 def pretrain(argv: Sequence[str] | None = None) -> int:
-    info = RankInfo.from_environment()
+    info = RankInfo(
+        rank=int(os.environ.get("RANK", 0)),
+        world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        local_rank=int(os.environ.get("LOCAL_RANK", 0)),
+    )
     try:
         args = parse_args(argv, info.world_size)
         backend = resolve_device_backend(args.elastic_device)
@@ -30,8 +47,13 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     # Imported here so that flag errors come back before megatron-core is loaded.
     from megatron_elaswave import patches
+    from megatron_elaswave.layout import Layout
+    from megatron_elaswave.metrics import MetricsWriter
 
+    from .checkpoint import CheckpointError, TrainingProgress, load_checkpoint, save_checkpoint
     from .data import MicrobatchSource, build_datasets, load_tokenizer, padded_vocab_size
+    from .distributed import init_default_group, init_model_parallel, shutdown
+    from .loop import Trainer, log
     from .model import (
         build_model_chunks,
         params_dtype,
@@ -78,8 +100,29 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
             metrics=MetricsWriter(args.elastic_metrics_file if info.rank == 0 else None),
             rank=info.rank,
         )
-        trainer.train()
+        if args.load:
+            progress = load_checkpoint(args.load, objects)
+            trainer.iteration, trainer.consumed_samples = progress.iteration, progress.consumed_samples
+            if info.rank == 0:
+                log(f" loaded checkpoint from {args.load} at iteration {progress.iteration}")
+
+        def save(trainer: Trainer) -> None:
+            progress = TrainingProgress(trainer.iteration, trainer.consumed_samples)
+            directory = save_checkpoint(args.save, objects, progress)
+            if info.rank == 0:
+                log(f" saved checkpoint at iteration {trainer.iteration} to {directory}")
+
+        def save_periodically(trainer: Trainer) -> None:
+            if args.save and args.save_interval and trainer.iteration % args.save_interval == 0:
+                save(trainer)
+
+        trainer.train(on_iteration=save_periodically)
+        if args.save and not (args.save_interval and trainer.iteration % args.save_interval == 0):
+            save(trainer)
         trainer.metrics.close()
+    except CheckpointError as error:
+        report_error(str(error), info.rank)
+        return EXIT_BAD_INPUT
     finally:
         shutdown()
     return 0

@@ -1,0 +1,126 @@
+"""The patch registry: replacement, stacked wrappers, aliases, idempotence, removal, versions."""
+
+import sys
+import types
+
+import pytest
+from packaging.version import Version
+
+from megatron_elaswave.patches import (
+    PatchRegistry,
+    PatchTargetError,
+    UnsupportedMegatronVersion,
+    check_megatron_core_version,
+)
+
+
+@pytest.fixture
+def target_modules():
+    """``fake_lib.core`` with a function and a class, and ``fake_user`` importing the function."""
+    core = types.ModuleType("fake_lib.core")
+    package = types.ModuleType("fake_lib")
+    package.core = core
+
+    def compute(x):
+        return x + 1
+
+    class Engine:
+        def run(self):
+            return "run"
+
+        @classmethod
+        def create(cls):
+            return "create"
+
+    class FastEngine(Engine):
+        pass
+
+    core.compute, core.Engine, core.FastEngine = compute, Engine, FastEngine
+    user = types.ModuleType("fake_user")
+    user.compute = compute  # as `from fake_lib.core import compute` would bind it
+    sys.modules.update({"fake_lib": package, "fake_lib.core": core, "fake_user": user})
+    yield core, user
+    for name in ("fake_lib", "fake_lib.core", "fake_user"):
+        sys.modules.pop(name)
+
+
+def add_ten(function):
+    return lambda x: function(x) + 10
+
+
+def double(function):
+    return lambda x: function(x) * 2
+
+
+def test_replacement_reaches_aliases_and_is_undone(target_modules):
+    core, user = target_modules
+    original = core.compute
+    registry = PatchRegistry()
+    registry.register("fake_lib.core.compute", lambda x: x - 1)
+    registry.apply()
+    assert core.compute(5) == 4 and user.compute(5) == 4
+    registry.remove()
+    assert core.compute is original and user.compute is original
+
+
+def test_wrappers_stack_on_the_replacement_in_order(target_modules):
+    core, _ = target_modules
+    registry = PatchRegistry()
+    registry.register_wrapper("fake_lib.core.compute", add_ten)
+    registry.register_wrapper("fake_lib.core.compute", double)
+    registry.register("fake_lib.core.compute", lambda x: x * 100)
+    registry.apply()
+    assert core.compute(1) == (1 * 100 + 10) * 2
+
+
+def test_apply_is_idempotent_and_picks_up_new_patches(target_modules):
+    core, user = target_modules
+    registry = PatchRegistry()
+    registry.register_wrapper("fake_lib.core.compute", add_ten)
+    registry.apply()
+    registry.apply()
+    assert core.compute(0) == 11 and user.compute(0) == 11
+    registry.register_wrapper("fake_lib.core.Engine.run", lambda run: lambda self: run(self) + "!")
+    registry.apply()
+    assert core.compute(0) == 11
+    assert core.Engine().run() == "run!"
+
+
+def test_methods_classmethods_and_inherited_attributes(target_modules):
+    core, _ = target_modules
+    registry = PatchRegistry()
+    registry.register_wrapper("fake_lib.core.Engine.create",
+                              lambda create: lambda cls: f"{create(cls)} {cls.__name__}")
+    registry.register_wrapper("fake_lib.core.FastEngine.run", lambda run: lambda self: "fast")
+    registry.apply()
+    assert core.Engine.create() == "create Engine"
+    assert core.FastEngine().run() == "fast" and core.Engine().run() == "run"
+    registry.remove()
+    assert core.Engine.create() == "create"
+    assert "run" not in core.FastEngine.__dict__
+
+
+def test_unknown_targets_are_reported(target_modules):
+    registry = PatchRegistry()
+    registry.register("fake_lib.core.missing", lambda: None)
+    with pytest.raises(PatchTargetError, match="fake_lib.core.missing"):
+        registry.apply()
+    unimportable = PatchRegistry()
+    unimportable.register("no_such_package_xyz.f", lambda: None)
+    with pytest.raises(PatchTargetError, match="no importable module"):
+        unimportable.apply()
+
+
+def test_conflicting_replacements_are_refused(target_modules):
+    registry = PatchRegistry()
+    registry.register("fake_lib.core.compute", lambda x: x)
+    with pytest.raises(ValueError, match="different replacement"):
+        registry.register("fake_lib.core.compute", lambda x: -x)
+
+
+def test_megatron_core_version_range():
+    assert check_megatron_core_version() >= Version("0.16.1")
+    with pytest.raises(UnsupportedMegatronVersion, match=r"found 0\.15\.0; run: pip install"):
+        check_megatron_core_version(Version("0.15.0"))
+    with pytest.raises(UnsupportedMegatronVersion, match="0.17.0"):
+        check_megatron_core_version(Version("0.17.0"))
