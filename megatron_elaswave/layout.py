@@ -64,6 +64,13 @@ class Replica:
     def num_microbatches(self) -> int:
         return len(self.microbatch_ids)
 
+    def stage_index_of_layer(self, layer: int) -> int:
+        """Index of the stage that holds ``layer``."""
+        for s, stage in enumerate(self.stages):
+            if stage.first_layer <= layer <= stage.last_layer:
+                return s
+        raise ValueError(f"replica {self.index} holds no layer {layer}")
+
     def to_json(self, with_microbatch_ids: bool = False) -> dict:
         record = {
             "replica": self.index,
@@ -121,3 +128,60 @@ class Layout:
     def to_json(self, with_microbatch_ids: bool = False) -> list[dict]:
         """The ``layout`` value of the metrics file and of the plan CLI's ``replicas``."""
         return [r.to_json(with_microbatch_ids) for r in self.replicas]
+
+    # ---- queries used by the planner -----------------------------------------------------------
+
+    def replica_by_index(self) -> dict[int, Replica]:
+        return {replica.index: replica for replica in self.replicas}
+
+    def active_ranks(self) -> frozenset[int]:
+        """Ranks that hold a stage."""
+        return frozenset(rank for r in self.replicas for stage in r.stages for rank in stage.ranks)
+
+    def known_ranks(self) -> frozenset[int]:
+        """Ranks that hold a stage or are spares."""
+        return self.active_ranks() | frozenset(self.spares)
+
+    def layer_groups(self) -> list[tuple[int, int]]:
+        """The coarsest common refinement of all replicas' stage boundaries: the layer ranges
+        whose holders form one data-parallel group."""
+        starts = sorted({stage.first_layer for r in self.replicas for stage in r.stages} | {0})
+        return [(first, end - 1) for first, end in zip(starts, starts[1:] + [self.num_layers])]
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` unless every replica holds every layer exactly once in contiguous
+        non-empty stages, no rank appears twice, and the micro-batch ids of all replicas are a
+        permutation of ``0..M-1``."""
+        seen: set[int] = set()
+        for replica in self.replicas:
+            expected_first = 0
+            for stage in replica.stages:
+                if stage.first_layer != expected_first or stage.last_layer < stage.first_layer:
+                    raise ValueError(f"replica {replica.index}: stages do not cover the layers in order")
+                expected_first = stage.last_layer + 1
+                if seen & set(stage.ranks) or len(set(stage.ranks)) != len(stage.ranks):
+                    raise ValueError(f"replica {replica.index}: a rank appears twice")
+                seen.update(stage.ranks)
+            if expected_first != self.num_layers:
+                raise ValueError(f"replica {replica.index}: stages do not cover all {self.num_layers} layers")
+        if seen & set(self.spares) or len(set(self.spares)) != len(self.spares):
+            raise ValueError("a spare also holds a stage, or appears twice")
+        ids = sorted(i for r in self.replicas for i in r.microbatch_ids)
+        if ids != list(range(len(ids))):
+            raise ValueError("micro-batch ids are not a permutation of 0..M-1")
+        if len({r.index for r in self.replicas}) != len(self.replicas):
+            raise ValueError("two replicas share an index")
+
+    @classmethod
+    def from_json(cls, replicas: list[dict], spares: list[int] = ()) -> "Layout":
+        """Inverse of :meth:`to_json` with micro-batch ids (the plan CLI's ``replicas`` list)."""
+        built = []
+        for record in replicas:
+            stages = tuple(
+                StageInstance(tuple(s["ranks"]), s["layers"][0], s["layers"][1]) for s in record["stages"]
+            )
+            built.append(Replica(record["replica"], stages, tuple(record["microbatch_ids"])))
+        num_layers = built[0].stages[-1].last_layer + 1 if built else 0
+        layout = cls(num_layers=num_layers, replicas=tuple(built), spares=tuple(spares))
+        layout.validate()
+        return layout

@@ -19,6 +19,7 @@ from typing import Iterator, Sequence
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from megatron_elaswave.tokenizer import build_tokenizer
 
@@ -29,11 +30,30 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
+class DataError(ValueError):
+    """Data that cannot serve the run; the message is one line."""
+
+
+def _require_documents(config: GPTDatasetConfig, sizes: list[int | None], split: str) -> None:
+    """Megatron's sampler loops forever on a split without documents: refuse it up front."""
+    prefix = config.blend[0][0]
+    documents = IndexedDataset(prefix).document_indices.shape[0] - 1
+    for name, bounds, size in zip(("training", "validation", "test"), config.split_matrix, sizes):
+        if bounds is None or not size:
+            continue
+        first, end = (int(round(bound * documents)) for bound in bounds)
+        if end <= first:
+            raise DataError(
+                f"--split {split} leaves the {name} set of {prefix} ({documents} documents) "
+                "empty; give it a larger share or add data"
+            )
+
+
 def build_datasets(args: argparse.Namespace, tokenizer) -> tuple[GPTDataset, GPTDataset | None]:
-    """The training and validation datasets, sized for the whole run."""
+    """The training dataset and, when the run evaluates, the validation dataset."""
     gbs = args.global_batch_size
-    evaluations = args.train_iters // args.eval_interval + 1
-    sizes = [args.train_iters * gbs, evaluations * args.eval_iters * gbs, 0]
+    evaluations = args.train_iters // args.eval_interval
+    sizes = [args.train_iters * gbs, evaluations * args.eval_iters * gbs or None, None]
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
@@ -46,11 +66,13 @@ def build_datasets(args: argparse.Namespace, tokenizer) -> tuple[GPTDataset, GPT
         eod_mask_loss=False,
         create_attention_mask=False,
     )
+    if args.data_path:
+        _require_documents(config, sizes, args.split)
     dataset_class = MockGPTDataset if args.mock_data else GPTDataset
     train, valid, _ = BlendedMegatronDatasetBuilder(
         dataset_class, sizes, lambda: True, config
     ).build()
-    return train, valid
+    return train, valid if sizes[1] else None
 
 
 def load_tokenizer(args: argparse.Namespace):

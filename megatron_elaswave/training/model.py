@@ -52,7 +52,13 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
 
 
-def transformer_config(args: argparse.Namespace) -> TransformerConfig:
+def transformer_config(args: argparse.Namespace, batch_p2p_comm: bool) -> TransformerConfig:
+    """Megatron's config for ``args``.
+
+    ``batch_p2p_comm`` must be False on gloo: with two pipeline stages the interleaved schedule
+    batches an activation and a gradient to the same peer, and gloo pairs them by posting order,
+    which differs on the two sides (activations and gradients get swapped).
+    """
     dtype = params_dtype(args)
     return TransformerConfig(
         num_layers=args.num_layers,
@@ -76,6 +82,7 @@ def transformer_config(args: argparse.Namespace) -> TransformerConfig:
         # Gradients are normalised by the global token count, so any split of the global batch
         # over replicas and micro-batches gives the same update.
         calculate_per_token_loss=True,
+        batch_p2p_comm=batch_p2p_comm,
     )
 
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
+
+import torch
 
 from megatron_elaswave.device import DeviceUnavailableError, resolve_device_backend
 
@@ -45,28 +48,29 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
     except (ArgumentError, DeviceUnavailableError) as error:
         report_error(str(error), info.rank)
         return EXIT_BAD_INPUT
+    half = {"--bf16": torch.bfloat16, "--fp16": torch.float16}
+    flag = "--bf16" if args.bf16 else "--fp16" if args.fp16 else None
+    if flag and not backend.supports_dtype(half[flag]):
+        report_error(f"{flag} needs a CUDA or NPU device; on {backend.name} train in fp32 "
+                     f"(drop {flag})", info.rank)
+        return EXIT_BAD_INPUT
     # Imported here so that flag errors come back before megatron-core is loaded.
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     from megatron_elaswave import patches
     from megatron_elaswave.layout import Layout
     from megatron_elaswave.metrics import MetricsWriter
 
     from .checkpoint import CheckpointError, TrainingProgress, load_checkpoint, save_checkpoint
-    from .data import MicrobatchSource, build_datasets, load_tokenizer, padded_vocab_size
+    from .data import DataError, MicrobatchSource, build_datasets, load_tokenizer, padded_vocab_size
     from .distributed import init_default_group, init_model_parallel, shutdown
     from .loop import Trainer, log
     from .model import (
         build_model_chunks,
-        params_dtype,
         seed_random_generators,
         transformer_config,
         wrap_and_optimize,
     )
 
-    if not backend.supports_dtype(params_dtype(args)):
-        flag = "--bf16" if args.bf16 else "--fp16"
-        report_error(f"{flag} needs a CUDA or NPU device; on {backend.name} train in fp32 "
-                     f"(drop {flag})", info.rank)
-        return EXIT_BAD_INPUT
     try:
         patches.install(backend)
         tokenizer = load_tokenizer(args)
@@ -80,7 +84,7 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
         pg_collection = init_model_parallel(tp, pp, args.virtual_pipeline_model_parallel_size,
                                             args.distributed_timeout_minutes)
         seed_random_generators(args.seed, pg_collection)
-        config = transformer_config(args)
+        config = transformer_config(args, batch_p2p_comm=backend.dist_backend == "nccl")
         vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, tp)
         chunks = build_model_chunks(args, config, vocab_size, pg_collection, backend.device())
         objects = wrap_and_optimize(args, config, chunks, pg_collection)
@@ -120,7 +124,7 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
         if args.save and not (args.save_interval and trainer.iteration % args.save_interval == 0):
             save(trainer)
         trainer.metrics.close()
-    except CheckpointError as error:
+    except (CheckpointError, DataError) as error:
         report_error(str(error), info.rank)
         return EXIT_BAD_INPUT
     finally:

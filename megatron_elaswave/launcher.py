@@ -1,0 +1,620 @@
+"""The ``elaswave-run`` agent: starts one node's workers, watches them, and reports every death.
+
+One agent runs per node (``--nnodes`` of them form a job). Unlike torchrun's agent it never stops
+the survivors when a worker dies: it records the death in the job store and lets the workers
+decide what to do. It guarantees:
+
+* **The store outlives every worker.** The agent of node rank 0 hosts the job's ``TCPStore``
+  in its own process; the other agents and all workers are clients (:mod:`megatron_elaswave.store`
+  lists the keys). Agents wait until all ``--nnodes`` of them have joined before any worker
+  starts.
+* **Deaths are reported at once.** A worker that exits with a non-zero code or is killed by a
+  signal is recorded as a :class:`~megatron_elaswave.store.WorkerDeath` within
+  :data:`POLL_INTERVAL_S`; a worker that exits with 0 is recorded as a normal exit.
+* **A node fails as a whole.** Workers are started with ``PR_SET_PDEATHSIG`` (Linux), so killing
+  an agent kills its workers. Every other agent heartbeats through the store; the agent of node 0
+  declares a node lost after ``--node-timeout`` seconds of silence and records the deaths of its
+  workers. An agent that finds its node declared lost (it was stalled, not dead) kills its
+  workers, so a node the job has given up on cannot come back into it.
+* **No orphans.** SIGINT, SIGTERM and SIGHUP are forwarded to the workers; those still running
+  ``--shutdown-grace`` seconds later, or at a second signal, are killed with SIGKILL. Whatever
+  goes wrong in the agent itself, it kills its workers before it exits.
+
+Exit status of an agent, judged on its own node's workers:
+
+* ``0`` when the job finished: at least one worker exited with 0, and every worker that failed
+  did so before the first one exited with 0 (the failures were survived);
+* otherwise the status of the first worker that failed: its exit code, or 128 + signal number;
+* ``128 + signal number`` when the agent was stopped by a signal; ``1`` when its node was
+  declared lost or the job could not start; ``2`` for a bad command line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import IO, TYPE_CHECKING, TypeVar
+
+from megatron_elaswave.store import (
+    EXITED,
+    NODE_LOST,
+    SIGNALED,
+    STORE_ADDR_ENV,
+    STORE_PORT_ENV,
+    NodeRecord,
+    WorkerDeath,
+    WorkerExit,
+    WorkerRecord,
+    done_key,
+    from_json,
+    heartbeat_key,
+    lost_key,
+    node_key,
+    publish_worker,
+    read_deaths,
+    read_exit,
+    read_worker,
+    record_death,
+    record_exit,
+    to_json,
+)
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
+POLL_INTERVAL_S = 0.05
+"""How often the agent polls its workers: the bound on the delay before a death is recorded."""
+
+LOST_NODE_EXIT_STATUS = 1
+
+_JOIN_POLL_INTERVAL_S = 0.1
+# Bounds every store call of an agent, so that a stalled store host cannot freeze its supervision.
+_STORE_TIMEOUT = timedelta(seconds=30)
+_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+_T = TypeVar("_T")
+
+
+class LaunchError(Exception):
+    """The job cannot run; the message is one line meant for the user."""
+
+    exit_status = 1
+
+
+class UsageError(LaunchError):
+    """The command line asks for something impossible, or the job store's port is taken."""
+
+    exit_status = 2
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What ``elaswave-run`` was asked to run on this node."""
+
+    script: str
+    """Path of the training script, or a module name when ``run_as_module``."""
+    script_args: tuple[str, ...] = ()
+    """Arguments passed to the script, unchanged."""
+    run_as_module: bool = False
+    """Run ``python -m script`` instead of ``python script``."""
+    nproc_per_node: int = 1
+    """Workers per node; the same on every node."""
+    nnodes: int = 1
+    """Number of node agents that form the job."""
+    node_rank: int = 0
+    """This agent's node rank; node rank 0 hosts the job store."""
+    master_addr: str = "127.0.0.1"
+    """Address of node rank 0, where the job store listens."""
+    master_port: int = 29500
+    """Port of the job store."""
+    run_id: str = "none"
+    """Job id; agents with different ids refuse to form a job together."""
+    log_dir: str | None = None
+    """Directory for ``rank<r>.log`` (stdout and stderr of each worker); ``None`` to inherit."""
+    shutdown_grace_s: float = 10.0
+    """After a forwarded signal, how long workers may take to exit before SIGKILL."""
+    join_timeout_s: float = 300.0
+    """How long to wait for the store and for all node agents to join."""
+    node_timeout_s: float = 10.0
+    """Heartbeat silence after which node rank 0 declares another node lost."""
+
+    def __post_init__(self) -> None:
+        if self.nproc_per_node < 1:
+            raise UsageError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
+        if self.nnodes < 1:
+            raise UsageError(f"--nnodes must be at least 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UsageError(
+                f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes}"
+            )
+        if not 0 < self.master_port < 2**16:
+            raise UsageError(f"--master-port must be in 1..65535, got {self.master_port}")
+        if self.shutdown_grace_s < 0 or self.join_timeout_s <= 0 or self.node_timeout_s <= 0:
+            raise UsageError("timeouts must be positive (and --shutdown-grace not negative)")
+        if not self.run_as_module and not os.path.isfile(self.script):
+            raise UsageError(f"no such script: {self.script}")
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    @property
+    def is_store_host(self) -> bool:
+        return self.node_rank == 0
+
+    def global_rank(self, local_rank: int, node_rank: int | None = None) -> int:
+        node = self.node_rank if node_rank is None else node_rank
+        return node * self.nproc_per_node + local_rank
+
+    def worker_command(self) -> list[str]:
+        """The command line of every worker (unbuffered, so logs keep up with a failure)."""
+        entry = ["-m", self.script] if self.run_as_module else [self.script]
+        return [sys.executable, "-u", *entry, *self.script_args]
+
+    def worker_env(self, local_rank: int, base: Mapping[str, str]) -> dict[str, str]:
+        """``base`` plus what torchrun sets, plus where the job store is.
+
+        ``TORCHELASTIC_USE_AGENT_STORE=True`` makes ``init_process_group(init_method="env://")``
+        connect to the agent's store as a client instead of hosting a store in rank 0.
+        """
+        env = dict(base)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        rank, world_size = self.global_rank(local_rank), str(self.world_size)
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(local_rank),
+            WORLD_SIZE=world_size,
+            LOCAL_WORLD_SIZE=str(self.nproc_per_node),
+            GROUP_RANK=str(self.node_rank),
+            GROUP_WORLD_SIZE=str(self.nnodes),
+            NODE_RANK=str(self.node_rank),
+            ROLE_NAME="default",
+            ROLE_RANK=str(rank),
+            ROLE_WORLD_SIZE=world_size,
+            MASTER_ADDR=self.master_addr,
+            MASTER_PORT=str(self.master_port),
+            TORCHELASTIC_RUN_ID=self.run_id,
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            TORCHELASTIC_RESTART_COUNT="0",
+            TORCHELASTIC_MAX_RESTARTS="0",
+        )
+        env[STORE_ADDR_ENV] = self.master_addr
+        env[STORE_PORT_ENV] = str(self.master_port)
+        return env
+
+
+def job_exit_status(returncodes: Sequence[int]) -> int:
+    """A node's exit status from its workers' return codes, in the order the workers ended.
+
+    Return codes follow :mod:`subprocess`: ``-N`` means killed by signal ``N``. See the module
+    docstring for the rule.
+    """
+    first_success = next((i for i, code in enumerate(returncodes) if code == 0), None)
+    if first_success is not None and not any(returncodes[first_success:]):
+        return 0
+    first_failure = next((code for code in returncodes if code != 0), 0)
+    return 128 - first_failure if first_failure < 0 else first_failure
+
+
+def run(config: LaunchConfig) -> int:
+    """Run this node's part of the job to its end; returns the agent's exit status."""
+    if config.log_dir is not None:
+        try:
+            os.makedirs(config.log_dir, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"cannot create --log-dir {config.log_dir}: {error.strerror}")
+    with _SignalLatch() as signals:
+        try:
+            store = _host_store(config) if config.is_store_host else _connect(config, signals)
+            _join(store, config, signals)
+        except _Interrupted as interrupt:
+            _log(f"received {_signal_name(interrupt.signum)} before the workers started")
+            return 128 + interrupt.signum
+        return _NodeAgent(config, store, signals).run()
+
+
+def _log(message: str) -> None:
+    print(f"[elaswave-run] {message}", file=sys.stderr, flush=True)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _plural(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+class _SignalLatch:
+    """Queues the forwarded signals for the agent's loop instead of raising where they land."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> _SignalLatch:
+        for signum in _FORWARDED_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.received.append(signum)
+
+    def raise_if_received(self) -> None:
+        if self.received:
+            raise _Interrupted(self.received[0])
+
+
+def _wait_until(
+    ready: Callable[[], bool],
+    timeout_s: float,
+    signals: _SignalLatch,
+    waiting_for: Callable[[], str],
+) -> None:
+    """Poll ``ready`` until it holds; a forwarded signal or the timeout ends the wait."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        signals.raise_if_received()
+        if time.monotonic() > deadline:
+            raise LaunchError(f"timed out after {timeout_s:g} s waiting for {waiting_for()}")
+        time.sleep(_JOIN_POLL_INTERVAL_S)
+
+
+# torch is imported where a store is created, not at module level: a bad command line should
+# fail in milliseconds, not after the seconds that importing torch takes.
+
+
+def _host_store(config: LaunchConfig) -> TCPStore:
+    _check_port_free(config.master_port)
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(
+            config.master_addr,
+            config.master_port,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=_STORE_TIMEOUT,
+        )
+    except RuntimeError as error:
+        raise LaunchError(f"cannot host the job store: {_first_line(error)}") from None
+
+
+def _check_port_free(port: int) -> None:
+    """Fail fast on a port in use, before importing torch (TCPStore still reports a race)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore binds
+        try:
+            probe.bind(("", port))
+        except OSError as error:
+            raise UsageError(
+                f"cannot host the job store on --master-port {port}: {error.strerror}"
+            ) from None
+
+
+def _connect(config: LaunchConfig, signals: _SignalLatch) -> TCPStore:
+    from torch.distributed import TCPStore  # meanwhile node 0's launcher imports it too
+
+    address = (config.master_addr, config.master_port)
+    # Probe with a plain socket first: TCPStore's own retries log a stack trace per attempt.
+    _wait_until(
+        lambda: _accepts_connections(address),
+        config.join_timeout_s,
+        signals,
+        lambda: f"the job store at {address[0]}:{address[1]} (hosted by node rank 0's launcher)",
+    )
+    return TCPStore(*address, is_master=False, timeout=_STORE_TIMEOUT)
+
+
+def _accepts_connections(address: tuple[str, int]) -> bool:
+    try:
+        socket.create_connection(address, timeout=1.0).close()
+    except OSError:
+        return False
+    return True
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
+def _join(store: TCPStore, config: LaunchConfig, signals: _SignalLatch) -> None:
+    """Register this node agent and wait until all ``nnodes`` have, with matching settings."""
+    mine = to_json(
+        NodeRecord(
+            node_rank=config.node_rank,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            nproc_per_node=config.nproc_per_node,
+            run_id=config.run_id,
+        )
+    )
+    holder = store.compare_set(node_key(config.node_rank), "", mine).decode()
+    if holder != mine:
+        other = from_json(NodeRecord, holder)
+        raise UsageError(
+            f"node rank {config.node_rank} has already joined this job "
+            f"(launcher pid {other.pid} on {other.host})"
+        )
+    keys = [node_key(node_rank) for node_rank in range(config.nnodes)]
+
+    def missing() -> str:
+        absent = [str(n) for n, key in enumerate(keys) if not store.check([key])]
+        return f"the launchers of node ranks {', '.join(absent)} to join"
+
+    _wait_until(lambda: store.check(keys), config.join_timeout_s, signals, missing)
+    for raw in store.multi_get(keys):
+        node = from_json(NodeRecord, raw)
+        if node.run_id != config.run_id:
+            raise UsageError(
+                f"node rank {node.node_rank} runs job {node.run_id!r}, not {config.run_id!r}"
+            )
+        if node.nproc_per_node != config.nproc_per_node:
+            raise UsageError(
+                f"node rank {node.node_rank} starts {node.nproc_per_node} workers, this node "
+                f"{config.nproc_per_node}: --nproc-per-node must be the same on every node"
+            )
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Runs in a worker between fork and exec: the kernel SIGKILLs it when its agent dies."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent_pid:  # the agent died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass
+class _Worker:
+    record: WorkerRecord
+    process: subprocess.Popen
+
+
+@dataclass
+class _PeerWatch:
+    """What node rank 0 knows of another node's heartbeat."""
+
+    heartbeat: int = -1
+    changed_at: float = field(default_factory=time.monotonic)
+
+
+class _NodeAgent:
+    """Spawns and supervises one node's workers once the job has formed."""
+
+    def __init__(self, config: LaunchConfig, store: TCPStore, signals: _SignalLatch) -> None:
+        self._config = config
+        self._store = store
+        self._signals = signals
+        self._running: dict[int, _Worker] = {}
+        self._returncodes: list[int] = []
+        self._peers: dict[int, _PeerWatch] = {}
+        self._heartbeat_interval_s = min(1.0, config.node_timeout_s / 4)
+        self._next_heartbeat = 0.0
+        self._store_lost = False
+
+    def run(self) -> int:
+        try:
+            self._spawn_workers()
+            if self._config.is_store_host:
+                self._peers = {n: _PeerWatch() for n in range(1, self._config.nnodes)}
+            status = self._supervise()
+        finally:
+            self._kill_workers()
+        self._with_store(lambda store: store.set(done_key(self._config.node_rank), str(status)))
+        failed = sum(1 for code in self._returncodes if code != 0)
+        if status or failed:
+            _log(
+                f"{self._returncodes.count(0)} of {_plural(self._config.nproc_per_node, 'worker')} "
+                f"finished, {failed} failed; exit status {status}"
+            )
+        return status
+
+    def _spawn_workers(self) -> None:
+        base_env = dict(os.environ)
+        for local_rank in range(self._config.nproc_per_node):
+            worker = self._spawn(local_rank, base_env)
+            self._running[worker.record.rank] = worker
+            self._with_store(lambda store: publish_worker(store, worker.record))
+
+    def _spawn(self, local_rank: int, base_env: Mapping[str, str]) -> _Worker:
+        config = self._config
+        rank = config.global_rank(local_rank)
+        log = self._open_log(rank)
+        try:
+            process = subprocess.Popen(
+                config.worker_command(),
+                env=config.worker_env(local_rank, base_env),
+                stdout=log,
+                stderr=None if log is None else subprocess.STDOUT,
+                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
+            )
+        finally:
+            if log is not None:
+                log.close()  # the worker has its own descriptor
+        record = WorkerRecord(
+            rank=rank,
+            local_rank=local_rank,
+            node_rank=config.node_rank,
+            pid=process.pid,
+            host=socket.gethostname(),
+        )
+        return _Worker(record, process)
+
+    def _open_log(self, rank: int) -> IO[bytes] | None:
+        if self._config.log_dir is None:
+            return None
+        return open(os.path.join(self._config.log_dir, f"rank{rank}.log"), "wb")
+
+    def _supervise(self) -> int:
+        """Run until every local worker has ended and every other node has finished or been
+        lost (node 0 must keep the store up until then); returns the exit status."""
+        while self._running or self._peers:
+            self._reap()
+            if self._signals.received:
+                return self._shut_down(self._signals.received[0])
+            if time.monotonic() >= self._next_heartbeat:
+                self._next_heartbeat = time.monotonic() + self._heartbeat_interval_s
+                if self._config.is_store_host:
+                    self._watch_peers()
+                elif self._heartbeat_finds_node_lost():
+                    _log("this node was declared lost by node rank 0; killing its workers")
+                    return LOST_NODE_EXIT_STATUS
+            time.sleep(POLL_INTERVAL_S)
+        return job_exit_status(self._returncodes)
+
+    def _reap(self) -> None:
+        for rank, worker in list(self._running.items()):
+            returncode = worker.process.poll()
+            if returncode is not None:
+                del self._running[rank]
+                self._returncodes.append(returncode)
+                self._report_end(worker.record, returncode)
+
+    def _report_end(self, worker: WorkerRecord, returncode: int) -> None:
+        now = time.time()
+        if returncode == 0:
+            ended = WorkerExit(
+                worker.rank, worker.local_rank, worker.node_rank, worker.pid, time=now
+            )
+            self._with_store(lambda store: record_exit(store, ended))
+            return
+        signal_name = _signal_name(-returncode) if returncode < 0 else None
+        death = WorkerDeath(
+            rank=worker.rank,
+            local_rank=worker.local_rank,
+            node_rank=worker.node_rank,
+            pid=worker.pid,
+            exit_code=None if signal_name else returncode,
+            signal=signal_name,
+            cause=SIGNALED if signal_name else EXITED,
+            time=now,
+        )
+        self._with_store(lambda store: record_death(store, death))
+        how = f"killed by {signal_name}" if signal_name else f"exited with code {returncode}"
+        still = _plural(len(self._running), "worker")
+        _log(f"worker rank {worker.rank} (pid {worker.pid}) {how}; {still} still running")
+
+    def _shut_down(self, signum: int) -> int:
+        """Forward ``signum``, give the workers the grace period, then SIGKILL the rest."""
+        grace_s = self._config.shutdown_grace_s
+        _log(
+            f"received {_signal_name(signum)}; forwarding it to "
+            f"{_plural(len(self._running), 'worker')}, SIGKILL after {grace_s:g} s"
+        )
+        self._signal_workers(signum)
+        deadline = time.monotonic() + grace_s
+        signals_seen = len(self._signals.received)
+        while self._running and time.monotonic() < deadline:
+            if len(self._signals.received) > signals_seen:
+                break  # a second signal: stop waiting
+            time.sleep(POLL_INTERVAL_S)
+            self._reap()
+        if self._running:
+            ranks = ", ".join(map(str, self._running))
+            _log(f"killing the workers still running: ranks {ranks}")
+            self._signal_workers(signal.SIGKILL)
+            for worker in self._running.values():
+                worker.process.wait()
+            self._reap()
+        return 128 + signum
+
+    def _signal_workers(self, signum: int) -> None:
+        for worker in self._running.values():
+            worker.process.send_signal(signum)
+
+    def _kill_workers(self) -> None:
+        """SIGKILL whatever still runs, without reporting: the agent is leaving."""
+        self._signal_workers(signal.SIGKILL)
+        for worker in self._running.values():
+            worker.process.wait()
+        self._running.clear()
+
+    def _heartbeat_finds_node_lost(self) -> bool:
+        """Bump this node's heartbeat; return whether node 0 has declared this node lost."""
+        me = self._config.node_rank
+
+        def beat(store: TCPStore) -> bool:
+            store.add(heartbeat_key(me), 1)
+            return store.check([lost_key(me)])
+
+        return self._with_store(beat, default=False)
+
+    def _watch_peers(self) -> None:
+        """On node 0: settle the nodes that finished, declare lost those that fell silent."""
+        now = time.monotonic()
+        for node_rank, peer in list(self._peers.items()):
+            if self._store.check([done_key(node_rank)]):
+                del self._peers[node_rank]
+                continue
+            heartbeat = self._store.add(heartbeat_key(node_rank), 0)
+            if heartbeat != peer.heartbeat:
+                peer.heartbeat, peer.changed_at = heartbeat, now
+            elif now - peer.changed_at > self._config.node_timeout_s:
+                del self._peers[node_rank]
+                self._declare_lost(node_rank, silence_s=now - peer.changed_at)
+
+    def _declare_lost(self, node_rank: int, silence_s: float) -> None:
+        """Fence the node first (if it comes back, its agent kills its workers), then record
+        the deaths of its workers that have not already ended."""
+        now = time.time()
+        self._store.set(lost_key(node_rank), json.dumps({"time": now, "silence_s": silence_s}))
+        already_dead = {death.rank for death in read_deaths(self._store)}
+        recorded = []
+        for local_rank in range(self._config.nproc_per_node):
+            rank = self._config.global_rank(local_rank, node_rank)
+            if rank in already_dead or read_exit(self._store, rank) is not None:
+                continue
+            worker = read_worker(self._store, rank)
+            death = WorkerDeath(
+                rank=rank,
+                local_rank=local_rank,
+                node_rank=node_rank,
+                pid=None if worker is None else worker.pid,
+                exit_code=None,
+                signal=None,
+                cause=NODE_LOST,
+                time=now,
+            )
+            record_death(self._store, death)
+            recorded.append(str(rank))
+        _log(
+            f"node {node_rank} lost: no heartbeat for {silence_s:.1f} s; "
+            f"recorded the deaths of ranks {', '.join(recorded) or '(none left)'}"
+        )
+
+    def _with_store(self, call: Callable[[TCPStore], _T], default: _T | None = None) -> _T | None:
+        """Run a store call. If the store is gone (its host died), say so once and carry on
+        supervising without it: the workers are still ours to watch."""
+        if self._store_lost:
+            return default
+        try:
+            return call(self._store)
+        except RuntimeError as error:  # torch.distributed.DistError
+            self._store_lost = True
+            _log(f"lost the job store ({_first_line(error)}); supervising without it")
+            return default

@@ -1,0 +1,74 @@
+"""The failure-free job the planner starts from: the parallel grid and the global batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_elaswave.layout import Layout
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A TP x PP x DP job in Megatron's rank order, with its global batch."""
+
+    tensor_parallel_size: int
+    """Ranks per tensor-parallel group (one stage instance)."""
+    pipeline_parallel_size: int
+    """Pipeline stages per replica in the failure-free layout."""
+    data_parallel_size: int
+    """Replicas in the failure-free layout."""
+    num_layers: int
+    """Transformer layers of the model."""
+    global_batch_size: int
+    """Samples per optimizer step; never changes after a failure."""
+    micro_batch_size: int
+    """Samples per micro-batch."""
+    zero_chunks_per_replica: int = 1
+    """Interleaved ZeRO granularity: each layer's optimizer state is cut into
+    ``zero_chunks_per_replica * data_parallel_size`` chunks."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "data_parallel_size",
+            "num_layers",
+            "global_batch_size",
+            "micro_batch_size",
+            "zero_chunks_per_replica",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_layers % self.pipeline_parallel_size:
+            raise ValueError(
+                f"num_layers ({self.num_layers}) must be divisible by pipeline_parallel_size "
+                f"({self.pipeline_parallel_size})"
+            )
+        if self.global_batch_size % (self.micro_batch_size * self.data_parallel_size):
+            raise ValueError(
+                f"global_batch_size ({self.global_batch_size}) must be divisible by "
+                f"micro_batch_size * data_parallel_size ({self.micro_batch_size * self.data_parallel_size})"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.data_parallel_size
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches in one global batch (all replicas together)."""
+        return self.global_batch_size // self.micro_batch_size
+
+    @property
+    def zero_chunks_per_layer(self) -> int:
+        return self.zero_chunks_per_replica * self.data_parallel_size
+
+    def initial_layout(self) -> Layout:
+        return Layout.megatron(
+            tp=self.tensor_parallel_size,
+            pp=self.pipeline_parallel_size,
+            dp=self.data_parallel_size,
+            num_layers=self.num_layers,
+            num_microbatches=self.num_microbatches,
+        )

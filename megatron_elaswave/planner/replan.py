@@ -1,0 +1,253 @@
+"""The ElasWave recovery plan: a pure function of (old layout, failed ranks, costs).
+
+:func:`plan_recovery` combines the four schedules:
+
+1. graph: a replica that lost stage instances re-partitions its layers over its surviving stages
+   (:mod:`~megatron_elaswave.planner.graph`); the surviving members of a failed stage instance
+   become spares;
+2. a replica with no stage left, or whose layers no longer fit its stages' memory, is dissolved:
+   its live ranks become spares. Dissolving a replica enlarges everyone's optimizer share, so the
+   memory check repeats until no replica dissolves;
+3. dataflow: the global batch's micro-batch ids are dealt over the remaining replicas in proportion
+   to their speed (:mod:`~megatron_elaswave.planner.dataflow`);
+4. ZeRO migration (:mod:`~megatron_elaswave.planner.zero`) and clocks
+   (:mod:`~megatron_elaswave.planner.frequency`).
+
+Every decision is taken on integers, so all survivors that evaluate it compute the same plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+from megatron_elaswave.layout import Layout, Replica, StageInstance
+from megatron_elaswave.planner.cost import CostModel
+from megatron_elaswave.planner.dataflow import assign_microbatch_ids, balance_microbatches, pipeline_speed
+from megatron_elaswave.planner.frequency import ClockPlan, PowerModel, ReplicaLoad, plan_clocks, stage_load
+from megatron_elaswave.planner.graph import PartitionProblem, solve_partition
+from megatron_elaswave.planner.predict import layout_prediction
+from megatron_elaswave.planner.zero import MigrationPlan, interleaved_migration
+
+
+class PlanError(RuntimeError):
+    """The failed set leaves the job unable to run (no replica can hold the model)."""
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Knobs of :func:`plan_recovery`."""
+
+    tolerance: float = 0.02
+    """Relative slack on the optimal bottleneck within which a partition moving fewer bytes wins."""
+    dvfs: bool = True
+    """Plan per-stage clocks; otherwise every stage runs at the nominal clock."""
+    power: PowerModel = field(default_factory=PowerModel)
+    """Power model and clock levels for the clock plan."""
+
+    def __post_init__(self) -> None:
+        if not self.tolerance >= 0:
+            raise ValueError("tolerance must be non-negative")
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    """The new layout and everything needed to reach and run it."""
+
+    layout: Layout
+    failed_ranks: frozenset[int]
+    dissolved_replicas: tuple[int, ...]
+    """Replicas that no longer run; their live ranks are spares."""
+    migration: MigrationPlan
+    clocks: ClockPlan
+    """Clocks in the order of ``layout.replicas`` and their stages."""
+
+    def frequencies(self) -> dict[int, float]:
+        """Relative clock (1.0 = nominal) of every rank that holds a stage."""
+        return {
+            rank: clock
+            for replica, replica_clocks in zip(self.layout.replicas, self.clocks.clocks)
+            for stage, clock in zip(replica.stages, replica_clocks)
+            for rank in stage.ranks
+        }
+
+
+def stage_times_ns(cost: CostModel, stages: tuple[StageInstance, ...]) -> list[tuple[int, int]]:
+    """``(forward, backward)`` per micro-batch of each stage of a pipeline."""
+    last = len(stages) - 1
+    return [
+        cost.stage_forward_backward_ns(s.first_layer, s.last_layer, is_first=i == 0, is_last=i == last)
+        for i, s in enumerate(stages)
+    ]
+
+
+def sync_ns(cost: CostModel, layout: Layout) -> int:
+    """Data-parallel synchronisation time of the slowest stage instance."""
+    n = len(layout.replicas)
+    slowest = 0
+    seen = set()
+    for replica in layout.replicas:
+        last = len(replica.stages) - 1
+        for i, s in enumerate(replica.stages):
+            key = (s.first_layer, s.last_layer, i == 0, i == last)
+            if key not in seen:
+                seen.add(key)
+                slowest = max(
+                    slowest, cost.stage_sync_ns(*key[:2], is_first=key[2], is_last=key[3], num_replicas=n)
+                )
+    return slowest
+
+
+def replica_loads(cost: CostModel, layout: Layout) -> list[ReplicaLoad]:
+    """The clock planner's view of every replica of a layout."""
+    cache: dict[tuple, tuple] = {}
+    loads = []
+    for replica in layout.replicas:
+        key = tuple((s.first_layer, s.last_layer, len(s.ranks)) for s in replica.stages)
+        if key not in cache:
+            cache[key] = tuple(
+                stage_load(f, b, len(s.ranks), cost.compute_bound_fraction)
+                for (f, b), s in zip(stage_times_ns(cost, replica.stages), replica.stages)
+            )
+        loads.append(ReplicaLoad(cache[key], replica.num_microbatches, cost.send_ns))
+    return loads
+
+
+def nominal_clock_plan(cost: CostModel, layout: Layout, idle_devices: int, power: PowerModel) -> ClockPlan:
+    """A clock plan with every stage at the nominal clock (no DVFS)."""
+    one_level = PowerModel(power.static_w, power.dynamic_w, power.exponent, (1.0,))
+    return plan_clocks(
+        replica_loads(cost, layout), sync_ns=sync_ns(cost, layout), idle_devices=idle_devices, power=one_level
+    )
+
+
+def _fits(cost: CostModel, stages: tuple[StageInstance, ...], num_replicas: int, cache: dict) -> bool:
+    key = (tuple((s.first_layer, s.last_layer) for s in stages), num_replicas)
+    if key not in cache:
+        cache[key] = all(
+            cost.fits(cost.stage_memory_bytes(s.first_layer, s.last_layer, i, len(stages), num_replicas))
+            for i, s in enumerate(stages)
+        )
+    return cache[key]
+
+
+def repartition(
+    cost: CostModel,
+    before: tuple[StageInstance, ...],
+    stages: tuple[StageInstance, ...],
+    num_replicas: int,
+    tolerance: float,
+) -> tuple[StageInstance, ...] | None:
+    """New layer ranges for a replica's live ``stages`` (in pipeline order), given the ranges it
+    had ``before``; ``None`` when the layers cannot fit their memory."""
+    num_layers = cost.job.num_layers
+    index_of = {s.ranks: i for i, s in enumerate(stages)}
+    current = [-1] * num_layers
+    for s in before:
+        if s.ranks in index_of:
+            for layer in range(s.first_layer, s.last_layer + 1):
+                current[layer] = index_of[s.ranks]
+    owned, chunks = cost.optimizer_share(num_replicas)
+    move_bytes = cost.param_bytes + cost.param_count * cost.memory.optimizer_bytes_per_param * owned // chunks
+    count = len(stages)
+    problem = PartitionProblem(
+        layer_time_ns=cost.layer_time_ns,
+        layer_static_bytes=cost.layer_static_bytes(num_replicas),
+        layer_activation_bytes=cost.activation_bytes,
+        stage_extra_time_ns=[
+            (cost.embedding.forward_ns + cost.embedding.backward_ns if i == 0 else 0)
+            + (cost.loss.forward_ns + cost.loss.backward_ns if i == count - 1 else 0)
+            for i in range(count)
+        ],
+        stage_extra_bytes=[cost.stage_extra_bytes(i, count, num_replicas) for i in range(count)],
+        stage_in_flight=[count - i for i in range(count)],
+        memory_cap_bytes=cost.memory_cap_bytes,
+        layer_move_bytes=move_bytes,
+        current_stage=current,
+        tolerance=tolerance,
+    )
+    partition = solve_partition(problem)
+    if partition is None:
+        return None
+    return tuple(StageInstance(s.ranks, first, last) for s, (first, last) in zip(stages, partition.ranges))
+
+
+def plan_recovery(
+    old: Layout, failed_ranks: Iterable[int], cost: CostModel, options: PlanOptions = PlanOptions()
+) -> RecoveryPlan:
+    """Plan the layout that follows the failure of ``failed_ranks`` (module docstring)."""
+    failed = frozenset(failed_ranks)
+    unknown = sorted(failed - old.known_ranks())
+    if unknown:
+        raise ValueError(f"ranks {unknown} are not part of the job")
+    spares = set(old.spares) - failed
+    survivors: dict[int, tuple[StageInstance, ...]] = {}
+    for replica in old.replicas:
+        alive = []
+        for stage in replica.stages:
+            if failed.isdisjoint(stage.ranks):
+                alive.append(stage)
+            else:
+                spares.update(set(stage.ranks) - failed)
+        survivors[replica.index] = tuple(alive)
+
+    fit_cache: dict = {}
+    live = [r for r in old.replicas if survivors[r.index]]
+    while True:
+        if not live:
+            raise PlanError(
+                f"failing ranks {sorted(failed)} leaves no replica that can hold the model "
+                f"(memory cap {cost.memory_cap_bytes} bytes per device)"
+            )
+        n = len(live)
+        placed: dict[int, tuple[StageInstance, ...]] = {}
+        for replica in live:
+            kept = survivors[replica.index]
+            if kept == replica.stages and _fits(cost, kept, n, fit_cache):
+                placed[replica.index] = kept
+            else:
+                stages = repartition(cost, replica.stages, kept, n, options.tolerance)
+                if stages is not None:
+                    placed[replica.index] = stages
+        if len(placed) == n:
+            break
+        live = [r for r in live if r.index in placed]
+
+    dissolved = tuple(sorted(r.index for r in old.replicas if r.index not in placed))
+    for replica in old.replicas:
+        held = {rank for s in placed.get(replica.index, ()) for rank in s.ranks}
+        spares.update({rank for s in survivors[replica.index] for rank in s.ranks} - held)
+
+    speeds = [
+        pipeline_speed(index, stage_times_ns(cost, stages), cost.send_ns)
+        for index, stages in sorted(placed.items())
+    ]
+    total = old.global_num_microbatches
+    counts = balance_microbatches(speeds, total)
+    ids = assign_microbatch_ids(counts, {r.index: r.microbatch_ids for r in old.replicas}, total)
+    layout = Layout(
+        num_layers=old.num_layers,
+        replicas=tuple(Replica(index, placed[index], ids[index]) for index in sorted(placed)),
+        spares=tuple(sorted(spares)),
+    )
+    migration = interleaved_migration(old, layout, failed, cost)
+    return RecoveryPlan(layout, failed, dissolved, migration, choose_clocks(cost, layout, options))
+
+
+def choose_clocks(cost: CostModel, layout: Layout, options: PlanOptions) -> ClockPlan:
+    """The DVFS clock plan when the discrete-event simulator confirms that it is faster, or as
+    fast and cheaper in energy, than nominal clocks (the clock planner's 1F1B model is an upper
+    bound that can misjudge pipelines with uneven stages); nominal clocks otherwise."""
+    idle = len(layout.spares)
+    nominal = nominal_clock_plan(cost, layout, idle, options.power)
+    if not options.dvfs:
+        return nominal
+    scaled = plan_clocks(
+        replica_loads(cost, layout), sync_ns=sync_ns(cost, layout), idle_devices=idle, power=options.power
+    )
+
+    def simulated(plan: ClockPlan) -> tuple[float, float]:
+        step = layout_prediction(cost, layout, plan.clocks, idle, options.power)
+        return step.step_time_s, step.energy_j
+
+    return scaled if simulated(scaled) < simulated(nominal) else nominal

@@ -1,0 +1,330 @@
+"""Interleaved ZeRO: who owns which optimizer state, and how state moves when the layout changes.
+
+Ownership. The model is cut into *parts*: the embedding (part 0), the transformer layers (parts
+``1..L``) and the output layer with the loss (part ``L+1``). The optimizer state of each part on one
+tensor-parallel rank is cut into ``K = zero_chunks_per_replica * D0`` equal chunks (``D0``: replicas
+of the failure-free job). Chunk ``c`` of part ``p`` has the *home* replica ``(p + c) mod D0``; when
+the home replica is gone, the orphaned chunks of the part are dealt round-robin over the live
+replicas, starting at live replica ``p mod n``. Within the owning replica, the stage instance that
+holds the part keeps the chunk, on the same tensor-parallel rank. Guarantees:
+
+* ownership is a pure function of the set of live replica indices;
+* each live replica owns at most ``ceil(K / n)`` chunks of any part (exactly ``K / D0`` without
+  failures), and the owner always holds the part's parameters;
+* a stage failure inside a replica changes no replica's chunk set, so only that replica's chunks
+  move; a dissolved replica's chunks move and nothing else does.
+
+Recovery sources. Every rank keeps a snapshot of its optimizer chunks (with their fp32 master
+weights) on its *buddy* (:func:`buddy_rank`), in another failure domain. A chunk whose owner
+failed is copied from the buddy; parameters come from a live holder of the same layer, or, when
+every holder failed, are rebuilt from the buddies' master weights. When a rank and its buddy both
+failed the state is lost and planning stops with :class:`StateLostError`.
+
+Transfers. A change becomes a list of rank-to-rank copies grouped into waves: within one wave no
+rank takes part in two copies, so every wave runs as disjoint concurrent copies.
+:func:`contiguous_migration` gives the same figures for Megatron's contiguous layout (each layer
+group's flat buffer sharded in equal contiguous slices over its holders), for comparison.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_elaswave.layout import Layout, Replica, StageInstance
+from megatron_elaswave.planner.cost import CostModel
+
+
+class StateLostError(RuntimeError):
+    """Optimizer state whose owner and buddy both failed: only a checkpoint can restore it."""
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One rank-to-rank copy."""
+
+    wave: int
+    """Wave the copy runs in; copies of one wave share no rank."""
+    src: int
+    dst: int
+    bytes: int
+    what: str
+    """What is copied, e.g. ``"params layer 5 tp 0"`` or ``"optimizer layer 5 chunk 2 tp 0"``."""
+
+    def to_json(self) -> dict:
+        return {"wave": self.wave, "src": self.src, "dst": self.dst, "bytes": self.bytes, "what": self.what}
+
+
+@dataclass(frozen=True)
+class MigrationPlan:
+    """Transfers of one layout change, with summary figures."""
+
+    transfers: tuple[Transfer, ...]
+    num_waves: int
+    total_bytes: int
+    estimated_s: float
+    """Sum over waves of the latency plus the largest copy over the migration bandwidth."""
+
+    def summary(self) -> dict:
+        return {
+            "transfers": len(self.transfers),
+            "waves": self.num_waves,
+            "bytes": self.total_bytes,
+            "estimated_s": self.estimated_s,
+        }
+
+
+def chunk_counts(param_count: int, num_chunks: int) -> np.ndarray:
+    """Elements in each of the ``num_chunks`` near-equal chunks of ``param_count`` elements."""
+    base, extra = divmod(param_count, num_chunks)
+    return base + (np.arange(num_chunks) < extra).astype(np.int64)
+
+
+def chunk_owners(
+    part: int, live_replicas: tuple[int, ...], data_parallel_size: int, num_chunks: int
+) -> np.ndarray:
+    """Owning replica of every chunk of ``part`` (see the module docstring)."""
+    homes = (part + np.arange(num_chunks)) % data_parallel_size
+    live = np.asarray(live_replicas, dtype=np.int64)
+    orphan = ~np.isin(homes, live)
+    owners = homes.copy()
+    if orphan.any():
+        start = part % len(live)
+        owners[orphan] = live[(start + np.arange(int(orphan.sum()))) % len(live)]
+    return owners
+
+
+def _part_holders(replica: Replica, num_layers: int) -> list[StageInstance]:
+    """Stage instance holding each part (embedding, layers, loss) of one replica."""
+    holders = [replica.stages[0]]
+    for stage in replica.stages:
+        holders.extend([stage] * (stage.last_layer - stage.first_layer + 1))
+    holders.append(replica.stages[-1])
+    assert len(holders) == num_layers + 2
+    return holders
+
+
+def _part_name(part: int, num_layers: int) -> str:
+    if part == 0:
+        return "embedding"
+    if part == num_layers + 1:
+        return "loss"
+    return f"layer {part - 1}"
+
+
+def buddy_rank(layout: Layout, rank: int) -> int | None:
+    """The rank that keeps ``rank``'s optimizer snapshot: the same tensor-parallel rank of the next
+    stage of the same replica (cyclically), which in Megatron's rank order sits ``tp * dp`` ranks
+    away and so on another node; for a single-stage replica, of the stage holding the same layers
+    in the next replica (by index, cyclically). ``None`` when no other stage instance exists."""
+    position = layout.position(rank)
+    if position is None:
+        raise ValueError(f"rank {rank} holds no stage")
+    replica_index, stage_index, tp_rank = position
+    replicas = layout.replica_by_index()
+    stages = replicas[replica_index].stages
+    if len(stages) > 1:
+        return stages[(stage_index + 1) % len(stages)].ranks[tp_rank]
+    order = sorted(replicas)
+    if len(order) == 1:
+        return None
+    peer = replicas[order[(order.index(replica_index) + 1) % len(order)]]
+    return peer.stages[0].ranks[tp_rank]
+
+
+class _Sources:
+    """Where the pre-change state of a rank can be read after the failure."""
+
+    def __init__(self, old: Layout, failed: frozenset[int]):
+        self.old = old
+        self.failed = failed
+        self._buddies: dict[int, int | None] = {}
+
+    def optimizer_source(self, rank: int, what: str) -> int:
+        if rank not in self.failed:
+            return rank
+        if rank not in self._buddies:
+            self._buddies[rank] = buddy_rank(self.old, rank)
+        buddy = self._buddies[rank]
+        if buddy is None or buddy in self.failed:
+            raise StateLostError(
+                f"{what}: rank {rank} and its snapshot buddy {buddy} both failed; restart from a checkpoint"
+            )
+        return buddy
+
+
+def _parameter_copies(old: Layout, new: Layout, failed: frozenset[int], cost: CostModel) -> list[tuple]:
+    """Parameters of every part that lands on a stage instance that did not hold it: from the
+    part's old holder in the same replica or, when it failed, from the next replica with a live
+    holder; when every holder failed, rebuilt chunk by chunk from the snapshots' master weights."""
+    num_layers, job = new.num_layers, cost.job
+    dtype_bytes = cost.profile.config.params_dtype_bytes
+    part_bytes = [cost.embedding.param_bytes, *cost.param_bytes.tolist(), cost.loss.param_bytes]
+    part_counts = [cost.embedding.param_count, *cost.param_count.tolist(), cost.loss.param_count]
+    old_replicas = old.replica_by_index()
+    old_order = tuple(sorted(old_replicas))
+    holders: dict[int, list[StageInstance]] = {}
+
+    def old_holder(replica: int, part: int) -> StageInstance:
+        if replica not in holders:
+            holders[replica] = _part_holders(old_replicas[replica], num_layers)
+        return holders[replica][part]
+
+    sources = _Sources(old, failed)
+    copies = []
+    for replica in new.replicas:
+        if old_replicas[replica.index].stages == replica.stages:
+            continue
+        now = _part_holders(replica, num_layers)
+        start = old_order.index(replica.index)
+        peers = old_order[start:] + old_order[:start]  # own replica first, then the next ones
+        for part in range(num_layers + 2):
+            if now[part].ranks == old_holder(replica.index, part).ranks:
+                continue
+            name = _part_name(part, num_layers)
+            for tp_rank, dst in enumerate(now[part].ranks):
+                live = (old_holder(p, part).ranks[tp_rank] for p in peers)
+                src = next((rank for rank in live if rank not in failed), None)
+                if src is not None:
+                    if src != dst:
+                        copies.append((src, dst, part_bytes[part], f"params {name} tp {tp_rank}"))
+                    continue
+                owners = chunk_owners(part, old_order, job.data_parallel_size, job.zero_chunks_per_layer)
+                sizes = chunk_counts(part_counts[part], job.zero_chunks_per_layer) * dtype_bytes
+                for c, owner in enumerate(owners.tolist()):
+                    what = f"params {name} chunk {c} tp {tp_rank} from snapshot"
+                    src = sources.optimizer_source(old_holder(owner, part).ranks[tp_rank], what)
+                    if src != dst:
+                        copies.append((src, dst, int(sizes[c]), what))
+    return copies
+
+
+def _optimizer_copies(old: Layout, new: Layout, failed: frozenset[int], cost: CostModel) -> list[tuple]:
+    num_layers, job = new.num_layers, cost.job
+    num_chunks = job.zero_chunks_per_layer
+    part_counts = [cost.embedding.param_count, *cost.param_count.tolist(), cost.loss.param_count]
+    old_replicas, new_replicas = old.replica_by_index(), new.replica_by_index()
+    old_live, new_live = tuple(sorted(old_replicas)), tuple(sorted(new_replicas))
+    changed = np.array(
+        [r.index for r in new.replicas if old_replicas[r.index].stages != r.stages], dtype=np.int64
+    )
+    holders: dict[tuple[str, int], list[StageInstance]] = {}
+
+    def holder(which: str, replica: int, part: int) -> StageInstance:
+        if (which, replica) not in holders:
+            source = old_replicas if which == "old" else new_replicas
+            holders[which, replica] = _part_holders(source[replica], num_layers)
+        return holders[which, replica][part]
+
+    sources = _Sources(old, failed)
+    copies = []
+    for part in range(num_layers + 2):
+        old_owner = chunk_owners(part, old_live, job.data_parallel_size, num_chunks)
+        new_owner = chunk_owners(part, new_live, job.data_parallel_size, num_chunks)
+        moving = np.nonzero((old_owner != new_owner) | np.isin(new_owner, changed))[0]
+        if not len(moving):
+            continue
+        sizes = chunk_counts(part_counts[part], num_chunks) * cost.memory.optimizer_bytes_per_param
+        for c in moving.tolist():
+            before = holder("old", int(old_owner[c]), part).ranks
+            after = holder("new", int(new_owner[c]), part).ranks
+            for tp_rank, (was, dst) in enumerate(zip(before, after)):
+                if was == dst:
+                    continue
+                what = f"optimizer {_part_name(part, num_layers)} chunk {c} tp {tp_rank}"
+                src = sources.optimizer_source(was, what)
+                if src != dst:  # a buddy that becomes the owner already has the snapshot
+                    copies.append((src, dst, int(sizes[c]), what))
+    return copies
+
+
+def _contiguous_owners(layout: Layout, part_counts: list[int]) -> dict[int, list[tuple[int, int, int]]]:
+    """Per part: ``(start, end, replica)`` element intervals each replica owns when every layer
+    group's flat buffer (embedding first, loss last) is sharded contiguously over its holders."""
+    num_layers = layout.num_layers
+    live = sorted(r.index for r in layout.replicas)
+    owners: dict[int, list[tuple[int, int, int]]] = {}
+    for first, last in layout.layer_groups():
+        parts = list(range(first + 1, last + 2))
+        if first == 0:
+            parts.insert(0, 0)
+        if last == num_layers - 1:
+            parts.append(num_layers + 1)
+        size = sum(part_counts[p] for p in parts)
+        shard = max(1, -(-size // len(live)))
+        offset = 0
+        for p in parts:
+            intervals = []
+            start, end = offset, offset + part_counts[p]
+            for i in range(start // shard, (end - 1) // shard + 1 if end > start else start // shard):
+                lo, hi = max(start, i * shard), min(end, (i + 1) * shard)
+                intervals.append((lo - offset, hi - offset, live[i]))
+            owners[p] = intervals
+            offset = end
+    return owners
+
+
+def contiguous_migration(old: Layout, new: Layout, failed: frozenset[int], cost: CostModel) -> MigrationPlan:
+    """The copies the same change needs with Megatron's contiguous distributed-optimizer layout:
+    parameters as in the interleaved plan, and every optimizer element whose owning rank changes,
+    merged into one copy per (source, destination) pair."""
+    num_layers = new.num_layers
+    part_counts = [cost.embedding.param_count, *cost.param_count.tolist(), cost.loss.param_count]
+    before, after = _contiguous_owners(old, part_counts), _contiguous_owners(new, part_counts)
+    old_holders = {r.index: _part_holders(r, num_layers) for r in old.replicas}
+    new_holders = {r.index: _part_holders(r, num_layers) for r in new.replicas}
+    sources = _Sources(old, failed)
+    merged: dict[tuple[int, int], int] = defaultdict(int)
+    for part in range(num_layers + 2):
+        cuts = sorted({a for a, _, _ in before[part]} | {a for a, _, _ in after[part]} | {part_counts[part]})
+        for lo, hi in zip(cuts, cuts[1:]):
+            was = next(r for a, b, r in before[part] if a <= lo < b)
+            now = next(r for a, b, r in after[part] if a <= lo < b)
+            for tp_rank, (src, dst) in enumerate(
+                zip(old_holders[was][part].ranks, new_holders[now][part].ranks)
+            ):
+                if src != dst:
+                    what = f"optimizer {_part_name(part, num_layers)} tp {tp_rank}"
+                    src = sources.optimizer_source(src, what)
+                    if src != dst:
+                        merged[src, dst] += (hi - lo) * cost.memory.optimizer_bytes_per_param
+    copies = _parameter_copies(old, new, failed, cost)
+    copies += [
+        (src, dst, size, "optimizer (contiguous shards)") for (src, dst), size in sorted(merged.items())
+    ]
+    return schedule_waves(copies, cost)
+
+
+def interleaved_migration(old: Layout, new: Layout, failed: frozenset[int], cost: CostModel) -> MigrationPlan:
+    """The copies that take ``old`` (before ``failed`` died) to ``new`` with interleaved ownership."""
+    copies = _parameter_copies(old, new, failed, cost) + _optimizer_copies(old, new, failed, cost)
+    return schedule_waves(copies, cost)
+
+
+def schedule_waves(copies: list[tuple[int, int, int, str]], cost: CostModel) -> MigrationPlan:
+    """Greedy wave assignment, largest copies first: each copy goes to the first wave in which
+    neither its source nor its destination is busy."""
+    ordered = sorted(copies, key=lambda c: (-c[2], c[0], c[1], c[3]))
+    busy: dict[int, set[int]] = defaultdict(set)
+    largest: list[int] = []
+    transfers = []
+    for src, dst, size, what in ordered:
+        wave = 0
+        while wave in busy[src] or wave in busy[dst]:
+            wave += 1
+        busy[src].add(wave)
+        busy[dst].add(wave)
+        if wave == len(largest):
+            largest.append(0)
+        largest[wave] = max(largest[wave], size)
+        transfers.append(Transfer(wave, src, dst, size, what))
+    transfers.sort(key=lambda t: (t.wave, t.src, t.dst, t.what))
+    latency = cost.p2p_latency_ns / 1e9
+    return MigrationPlan(
+        transfers=tuple(transfers),
+        num_waves=len(largest),
+        total_bytes=sum(t.bytes for t in transfers),
+        estimated_s=sum(latency + size / cost.dp_bandwidth for size in largest),
+    )

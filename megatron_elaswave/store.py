@@ -1,0 +1,221 @@
+"""The job store: what the launcher publishes about a job's processes, and how to read it.
+
+``elaswave-run`` hosts one ``torch.distributed.TCPStore`` per job, inside the launcher of node
+rank 0, at ``MASTER_ADDR:MASTER_PORT``. Because no worker hosts it, it stays reachable when any
+worker dies, including rank 0. Workers reach it with :func:`connect_store`.
+
+The launchers own every key under ``elaswave/``; workers only read them. Workers keep their own
+keys elsewhere and, since a job outlives its process groups, namespace them by generation (for
+example ``PrefixStore(f"gen{n}/", store)``) so that a rebuilt group never reads a stale key.
+
+=================================  ===========================================================
+key                                value
+=================================  ===========================================================
+``elaswave/workers/<rank>``        :class:`WorkerRecord` (JSON), set when the worker is spawned
+``elaswave/exits/<rank>``          :class:`WorkerExit` (JSON), set when the worker exits with 0
+``elaswave/deaths/count``          number of deaths recorded so far (a ``store.add`` counter)
+``elaswave/deaths/<i>``            :class:`WorkerDeath` (JSON), the i-th death of the job
+``elaswave/nodes/<n>``             :class:`NodeRecord` (JSON) of the launcher of node ``n``
+``elaswave/nodes/<n>/heartbeat``   counter the launcher of node ``n`` bumps while it is alive
+``elaswave/nodes/<n>/done``        set when node ``n``'s workers have all ended
+``elaswave/nodes/<n>/lost``        set when node ``n`` was declared lost; its launcher then kills
+                                   its workers if it is still alive
+=================================  ===========================================================
+
+Deaths are numbered in the order they were recorded, so a reader polls with a cursor::
+
+    seen = 0
+    while ...:
+        new = read_deaths(store, start=seen)
+        seen += len(new)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from torch.distributed import Store, TCPStore
+
+STORE_ADDR_ENV = "ELASWAVE_STORE_ADDR"
+STORE_PORT_ENV = "ELASWAVE_STORE_PORT"
+
+DEATH_COUNT_KEY = "elaswave/deaths/count"
+
+# Causes of a WorkerDeath.
+EXITED = "exit"
+SIGNALED = "signal"
+NODE_LOST = "node_lost"
+
+
+def worker_key(rank: int) -> str:
+    return f"elaswave/workers/{rank}"
+
+
+def exit_key(rank: int) -> str:
+    return f"elaswave/exits/{rank}"
+
+
+def death_key(index: int) -> str:
+    return f"elaswave/deaths/{index}"
+
+
+def node_key(node_rank: int) -> str:
+    return f"elaswave/nodes/{node_rank}"
+
+
+def heartbeat_key(node_rank: int) -> str:
+    return f"elaswave/nodes/{node_rank}/heartbeat"
+
+
+def done_key(node_rank: int) -> str:
+    return f"elaswave/nodes/{node_rank}/done"
+
+
+def lost_key(node_rank: int) -> str:
+    return f"elaswave/nodes/{node_rank}/lost"
+
+
+_Record = TypeVar("_Record")
+
+
+def to_json(record: Any) -> str:
+    return json.dumps(asdict(record), sort_keys=True)
+
+
+def from_json(cls: type[_Record], raw: bytes | str) -> _Record:
+    """Decode a record, ignoring fields this version does not know (written by a newer one)."""
+    known = {field.name for field in fields(cls)}
+    return cls(**{k: v for k, v in json.loads(raw).items() if k in known})
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """One node launcher, as registered when it joins the job."""
+
+    node_rank: int
+    """The launcher's ``--node-rank``."""
+    host: str
+    """Host name of the machine it runs on."""
+    pid: int
+    """Process id of the launcher."""
+    nproc_per_node: int
+    """Workers it starts; every node of a job must start the same number."""
+    run_id: str
+    """The job's ``--run-id``; launchers of different jobs refuse to join each other."""
+
+
+@dataclass(frozen=True)
+class WorkerRecord:
+    """A worker process, as spawned by its node's launcher."""
+
+    rank: int
+    """Global rank: ``node_rank * nproc_per_node + local_rank``."""
+    local_rank: int
+    """Index of the worker among its node's workers."""
+    node_rank: int
+    """Node rank of the launcher that spawned it."""
+    pid: int
+    """Process id, on ``host``."""
+    host: str
+    """Host name of the machine it runs on."""
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """A worker that finished normally (exit code 0)."""
+
+    rank: int
+    """Global rank of the worker."""
+    local_rank: int
+    """Index of the worker among its node's workers."""
+    node_rank: int
+    """Node rank of its launcher."""
+    pid: int
+    """Process id it had."""
+    time: float
+    """Unix time at which its launcher saw it exit."""
+
+
+@dataclass(frozen=True)
+class WorkerDeath:
+    """A worker that stopped without finishing: non-zero exit, a signal, or its node was lost."""
+
+    rank: int
+    """Global rank of the worker."""
+    local_rank: int
+    """Index of the worker among its node's workers."""
+    node_rank: int
+    """Node rank of its launcher."""
+    pid: int | None
+    """Process id it had; ``None`` if its node was lost before the pid was published."""
+    exit_code: int | None
+    """Its non-zero exit code, or ``None`` if it was killed by a signal or its node was lost."""
+    signal: str | None
+    """Name of the signal that killed it (``"SIGKILL"``), or ``None``."""
+    cause: str
+    """``"exit"`` (non-zero exit code), ``"signal"``, or ``"node_lost"``: its node's launcher
+    stopped heartbeating, so the worker is presumed dead (and is killed if it is not)."""
+    time: float
+    """Unix time at which the death was detected (for a lost node: when it was declared lost)."""
+
+
+def connect_store(timeout: timedelta = timedelta(seconds=300)) -> TCPStore:
+    """A client of the job store, from inside a worker started by ``elaswave-run``.
+
+    ``timeout`` bounds both connecting and every later blocking call (``get``, ``wait``).
+    """
+    from torch.distributed import TCPStore
+
+    try:
+        host, port = os.environ[STORE_ADDR_ENV], int(os.environ[STORE_PORT_ENV])
+    except KeyError as missing:
+        raise RuntimeError(f"{missing} is not set: this process was not started by elaswave-run")
+    return TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+def publish_worker(store: Store, worker: WorkerRecord) -> None:
+    store.set(worker_key(worker.rank), to_json(worker))
+
+
+def read_worker(store: Store, rank: int) -> WorkerRecord | None:
+    """The record of ``rank``'s worker, or ``None`` while it has not been spawned."""
+    key = worker_key(rank)
+    return from_json(WorkerRecord, store.get(key)) if store.check([key]) else None
+
+
+def record_exit(store: Store, worker_exit: WorkerExit) -> None:
+    store.set(exit_key(worker_exit.rank), to_json(worker_exit))
+
+
+def read_exit(store: Store, rank: int) -> WorkerExit | None:
+    """How ``rank``'s worker finished, or ``None`` if it has not finished normally."""
+    key = exit_key(rank)
+    return from_json(WorkerExit, store.get(key)) if store.check([key]) else None
+
+
+def record_death(store: Store, death: WorkerDeath) -> int:
+    """Append ``death`` to the job's death list; returns its index."""
+    index = store.add(DEATH_COUNT_KEY, 1) - 1
+    store.set(death_key(index), to_json(death))
+    return index
+
+
+def read_deaths(store: Store, start: int = 0) -> list[WorkerDeath]:
+    """Deaths recorded from index ``start`` on, in order. Never blocks.
+
+    A writer numbers a death before it writes it, so the list stops at the first death that is
+    numbered but not yet written; the next call, from ``start + len(result)``, picks it up.
+    """
+    count = store.add(DEATH_COUNT_KEY, 0)
+    deaths = []
+    for index in range(start, count):
+        key = death_key(index)
+        if not store.check([key]):
+            break
+        deaths.append(from_json(WorkerDeath, store.get(key)))
+    return deaths

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Set everything up, then run the whole test suite (extra arguments go to pytest).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+# shellcheck disable=SC1091
+. "${ELASWAVE_VENV:-.venv}/bin/activate"
+status=0
+python -m pytest -q "$@" || status=$?
+if [ "$status" -eq 5 ]; then
+  echo "error: pytest collected no tests" >&2
+fi
+exit "$status"

@@ -1,0 +1,127 @@
+"""Guards for every test: a time limit, and for multi-process tests a check for leftovers.
+
+* **Time limit.** Each test fails after ``DEFAULT_TIMEOUT_S`` seconds, or the number given by
+  ``@pytest.mark.timeout(seconds)`` (the pytest-timeout marker, honoured by pytest-timeout
+  itself when it is installed). The limit raises in the main thread through ``SIGALRM``; if the
+  test is stuck in native code that never returns to Python, the whole run is stopped a little
+  later with a traceback of every thread (``faulthandler``).
+* **No leftover processes.** Tests marked ``@pytest.mark.multiprocess`` run with a fresh
+  ``ELASWAVE_TEST_TOKEN`` in the environment, which every process they start inherits. After
+  the test, any process that carries the token or descends from pytest and was not there before
+  the test must be gone within ``LEFTOVER_GRACE_S``; survivors are killed and the test fails.
+  The token finds them even when they were orphaned or left the process tree.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+
+import psutil
+import pytest
+
+DEFAULT_TIMEOUT_S = 300.0
+# Extra time before faulthandler ends the run, for a test stuck where SIGALRM cannot reach it.
+HARD_TIMEOUT_MARGIN_S = 60.0
+LEFTOVER_GRACE_S = 3.0
+TOKEN_ENV = "ELASWAVE_TEST_TOKEN"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "multiprocess: starts processes; fails if any outlives the test"
+    )
+    if not config.pluginmanager.hasplugin("timeout"):
+        config.addinivalue_line("markers", "timeout(seconds): time limit of the test")
+
+
+@pytest.fixture(autouse=True)
+def _time_limit(request: pytest.FixtureRequest) -> Iterator[None]:
+    if request.config.pluginmanager.hasplugin("timeout"):
+        yield
+        return
+    marker = request.node.get_closest_marker("timeout")
+    seconds = float(marker.args[0]) if marker else DEFAULT_TIMEOUT_S
+
+    def on_alarm(signum: int, frame: object) -> None:
+        pytest.fail(f"test timed out after {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    faulthandler.dump_traceback_later(seconds + HARD_TIMEOUT_MARGIN_S, exit=True)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_processes(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[None]:
+    if request.node.get_closest_marker("multiprocess") is None:
+        yield
+        return
+    token = uuid.uuid4().hex
+    monkeypatch.setenv(TOKEN_ENV, token)
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    yield
+    leftovers = _alive(_started_by_test(token, before))
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while leftovers and time.monotonic() < deadline:
+        time.sleep(0.05)
+        leftovers = _alive(leftovers)
+    if leftovers:
+        described = [_describe(process) for process in leftovers]
+        for process in leftovers:
+            _kill(process)
+        pytest.fail(f"processes outlived the test: {'; '.join(described)}")
+
+
+def _started_by_test(token: str, before: set[int]) -> list[psutil.Process]:
+    found = {
+        child.pid: child
+        for child in psutil.Process().children(recursive=True)
+        if child.pid not in before
+    }
+    for process in psutil.process_iter():
+        if process.pid == os.getpid() or process.pid in found:
+            continue
+        try:
+            if process.environ().get(TOKEN_ENV) == token:
+                found[process.pid] = process
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+    return list(found.values())
+
+
+def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    """Those still running: a zombie has ended, it only waits for its parent to reap it."""
+    alive = []
+    for process in processes:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(process)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def _describe(process: psutil.Process) -> str:
+    try:
+        return f"pid {process.pid}: {' '.join(process.cmdline())}"
+    except psutil.Error:
+        return f"pid {process.pid}"
+
+
+def _kill(process: psutil.Process) -> None:
+    try:
+        process.kill()
+    except psutil.NoSuchProcess:
+        pass

@@ -1,0 +1,265 @@
+"""Run ``elaswave-run`` jobs from tests, look inside them, and clean up whatever happens.
+
+A job is started with :func:`launch` and used as a context manager::
+
+    with launch([worker_script("survivor.py"), ...], nproc_per_node=3, master_port=free_port()) as job:
+        pids = job.worker_pids()
+        job.kill_worker(1)
+        deaths = job.wait_for_deaths(1, timeout=10)
+        returncode, output = job.wait(timeout=30)
+
+The launcher runs in a session of its own (its workers share its process group), with stdout
+and stderr captured to a file. Leaving the ``with`` block kills the whole process group if it is
+still running, and prints the captured output when the block raised, so a failing test shows
+what the launcher and its workers said. Waits never hang: each has a timeout, and a launcher
+that exits while a test waits for something from it fails the test with its output.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+
+import psutil
+import pytest
+from torch.distributed import TCPStore
+
+from megatron_elaswave.store import WorkerDeath, read_deaths, read_worker
+
+WORKERS_DIR = Path(__file__).resolve().parent / "workers"
+STORE_TIMEOUT = timedelta(seconds=30)
+_POLL_INTERVAL_S = 0.05
+
+
+def free_port() -> int:
+    """A TCP port that nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def worker_script(name: str) -> str:
+    """Absolute path of a worker script in ``tests/workers``."""
+    return str(WORKERS_DIR / name)
+
+
+def is_gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie waiting to be reaped counts as ended)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_until(
+    condition: Callable[[], bool], timeout: float, what: str, interval: float = _POLL_INTERVAL_S
+) -> None:
+    """Poll ``condition`` until it holds; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+class LaunchedJob:
+    """One running ``elaswave-run`` process (one node of a job) and what tests need from it."""
+
+    def __init__(
+        self,
+        process: subprocess.Popen,
+        *,
+        node_rank: int,
+        nproc_per_node: int,
+        master_port: int,
+        output_path: Path,
+        owns_output: bool,
+    ) -> None:
+        self.process = process
+        self.node_rank = node_rank
+        self.nproc_per_node = nproc_per_node
+        self.master_port = master_port
+        self.output_path = output_path
+        self._owns_output = owns_output
+        self._store: TCPStore | None = None
+
+    @property
+    def pid(self) -> int:
+        """Process id of the launcher (also its process group id)."""
+        return self.process.pid
+
+    @property
+    def ranks(self) -> range:
+        """Global ranks of this launcher's workers."""
+        first = self.node_rank * self.nproc_per_node
+        return range(first, first + self.nproc_per_node)
+
+    def output(self) -> str:
+        """Everything the launcher (and workers without ``--log-dir``) wrote so far."""
+        return self.output_path.read_text(errors="replace")
+
+    def wait(self, timeout: float) -> tuple[int, str]:
+        """Wait for the launcher to exit; returns ``(returncode, output)``.
+
+        On timeout, kills the whole process group and fails the test with the output.
+        """
+        try:
+            returncode = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(
+                f"elaswave-run (node {self.node_rank}) still running after {timeout:g} s; "
+                f"output:\n{self.output()}"
+            )
+        return returncode, self.output()
+
+    def wait_for(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
+        """Poll ``condition`` until it holds; fail the test, with the output, after ``timeout``
+        seconds or as soon as the launcher exits."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if self.process.poll() is not None:
+                pytest.fail(
+                    f"elaswave-run (node {self.node_rank}) exited with {self.process.returncode} "
+                    f"while the test waited for {what}; output:\n{self.output()}"
+                )
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"timed out after {timeout:g} s waiting for {what}; output:\n{self.output()}"
+                )
+            time.sleep(_POLL_INTERVAL_S)
+
+    def store(self, timeout: float = 30.0) -> TCPStore:
+        """A client of the job store (connected on first use)."""
+        if self._store is None:
+            address = ("127.0.0.1", self.master_port)
+            self.wait_for(lambda: _accepts_connections(address), timeout, "the job store")
+            self._store = TCPStore(*address, is_master=False, timeout=STORE_TIMEOUT)
+        return self._store
+
+    def worker_pids(self, timeout: float = 30.0) -> dict[int, int]:
+        """``{rank: pid}`` of this launcher's workers, once all are spawned."""
+        store = self.store(timeout)
+        records = {}
+
+        def all_spawned() -> bool:
+            for rank in self.ranks:
+                if rank not in records and (record := read_worker(store, rank)) is not None:
+                    records[rank] = record
+            return len(records) == len(self.ranks)
+
+        self.wait_for(all_spawned, timeout, f"workers {list(self.ranks)} to be spawned")
+        return {rank: record.pid for rank, record in records.items()}
+
+    def kill_worker(self, rank: int, sig: int = signal.SIGKILL) -> int:
+        """Send ``sig`` to the worker of ``rank`` (one of :attr:`ranks`); returns its pid."""
+        pid = self.worker_pids()[rank]
+        os.kill(pid, sig)
+        return pid
+
+    def send_signal(self, sig: int) -> None:
+        """Send ``sig`` to the launcher only (not its workers)."""
+        self.process.send_signal(sig)
+
+    def deaths(self, start: int = 0) -> list[WorkerDeath]:
+        """The job's death records, read from its store."""
+        return read_deaths(self.store(), start)
+
+    def wait_for_deaths(self, count: int, timeout: float = 10.0) -> list[WorkerDeath]:
+        """Wait until at least ``count`` deaths are recorded; returns them all."""
+        self.wait_for(lambda: len(self.deaths()) >= count, timeout, f"{count} death records")
+        return self.deaths()
+
+    def kill(self) -> None:
+        """SIGKILL the launcher's whole process group and reap the launcher."""
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.process.wait()
+
+    def close(self) -> None:
+        self.kill()
+        self._store = None
+        if self._owns_output:
+            self.output_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> LaunchedJob:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, traceback: object) -> None:
+        if exc_type is not None:
+            print(f"--- output of elaswave-run (node {self.node_rank}) ---\n{self.output()}")
+        self.close()
+
+
+def launch(
+    args: Sequence[str],
+    nproc_per_node: int,
+    *,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    master_port: int,
+    launcher_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    log_path: str | os.PathLike | None = None,
+) -> LaunchedJob:
+    """Start ``python -m megatron_elaswave.run ... *args`` in a session of its own.
+
+    ``args`` is the script and its arguments; ``launcher_args`` are extra launcher flags.
+    Workers get ``OMP_NUM_THREADS=1`` unless ``env`` says otherwise. Output goes to
+    ``log_path``, or to a temporary file removed when the job is closed.
+    """
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_elaswave.run",
+        f"--nproc-per-node={nproc_per_node}",
+        f"--nnodes={nnodes}",
+        f"--node-rank={node_rank}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={master_port}",
+        *launcher_args,
+        *args,
+    ]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if log_path is None:
+        descriptor, name = tempfile.mkstemp(prefix="elaswave-run-", suffix=".log")
+        os.close(descriptor)
+        output_path, owns_output = Path(name), True
+    else:
+        output_path, owns_output = Path(log_path), False
+    with open(output_path, "wb") as output:
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=output,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+        )
+    return LaunchedJob(
+        process,
+        node_rank=node_rank,
+        nproc_per_node=nproc_per_node,
+        master_port=master_port,
+        output_path=output_path,
+        owns_output=owns_output,
+    )
+
+
+def _accepts_connections(address: tuple[str, int]) -> bool:
+    try:
+        socket.create_connection(address, timeout=1.0).close()
+    except OSError:
+        return False
+    return True

@@ -1,0 +1,359 @@
+"""``elaswave-run``: environment, death reports, exit status, signals, multi-node, bad input.
+
+The multi-process tests start real launchers and tiny worker scripts (``tests/workers``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import psutil
+import pytest
+from harness import free_port, is_gone, launch, wait_until, worker_script
+
+from megatron_elaswave.launcher import LaunchConfig, job_exit_status
+from megatron_elaswave.run import parse_config
+from megatron_elaswave.store import WorkerDeath, death_key, read_deaths, record_death
+
+multiprocess = pytest.mark.multiprocess
+
+
+def read_reports(directory: Path) -> dict[int, dict]:
+    """``{rank: report}`` from the ``rank<r>.json`` files the workers wrote."""
+    return {
+        int(path.stem.removeprefix("rank")): json.loads(path.read_text())
+        for path in directory.glob("rank*.json")
+    }
+
+
+def wait_for_reports(job, directory: Path, ranks: set[int], timeout: float = 30.0) -> None:
+    job.wait_for(lambda: ranks <= read_reports(directory).keys(), timeout, f"reports of {ranks}")
+
+
+# --- pure functions -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "returncodes, status",
+    [
+        ([0, 0], 0),
+        ([3, 0, 0], 0),  # a death survived
+        ([-9, 3, 0], 0),
+        ([0, 3], 3),  # a failure after the job finished
+        ([0, 0, -9], 128 + 9),
+        ([4, 5], 4),  # nobody finished: the first failure decides
+        ([-15, 2], 128 + 15),
+        ([3, 0, 5], 3),
+    ],
+)
+def test_exit_status_rule(returncodes, status):
+    assert job_exit_status(returncodes) == status
+
+
+def test_worker_env_follows_torchrun():
+    config = LaunchConfig(script=__file__, nproc_per_node=2, nnodes=3, node_rank=2, run_id="j7")
+    env = config.worker_env(1, {"PATH": "/bin"})
+    assert env["PATH"] == "/bin"
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"]) == (
+        "5",
+        "1",
+        "6",
+        "2",
+    )
+    assert env["GROUP_RANK"] == env["NODE_RANK"] == "2"
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert env["TORCHELASTIC_RUN_ID"] == "j7"
+    assert env["OMP_NUM_THREADS"] == "1"
+    assert config.worker_env(0, {"OMP_NUM_THREADS": "4"})["OMP_NUM_THREADS"] == "4"
+
+
+def test_command_line_accepts_both_spellings_and_passes_script_args_through():
+    config = parse_config(
+        ["--nproc_per_node", "2", "--nnodes=2", "--node-rank", "1", "-m", "pkg.train", "--lr", "1"]
+    )
+    assert (config.nproc_per_node, config.nnodes, config.node_rank) == (2, 2, 1)
+    assert config.run_as_module and config.script == "pkg.train"
+    assert config.script_args == ("--lr", "1")
+    assert config.worker_command()[-4:] == ["-m", "pkg.train", "--lr", "1"]
+
+
+def test_read_deaths_stops_at_a_numbered_but_unwritten_record():
+    from torch.distributed import HashStore
+
+    store = HashStore()
+    death = WorkerDeath(
+        rank=1, local_rank=1, node_rank=0, pid=9, exit_code=3, signal=None, cause="exit", time=1.0
+    )
+    store.add("elaswave/deaths/count", 1)  # a writer numbered death 0 but has not written it
+    assert record_death(store, death) == 1
+    assert read_deaths(store) == []
+    store.set(death_key(0), json.dumps({**asdict(death), "rank": 0, "future_field": 1}))
+    assert [d.rank for d in read_deaths(store)] == [0, 1]
+    assert read_deaths(store, start=1) == [death]
+
+
+# --- one node -------------------------------------------------------------------------------
+
+
+@multiprocess
+@pytest.mark.timeout(60)
+def test_workers_get_the_launch_environment(tmp_path):
+    port, logs = free_port(), tmp_path / "logs"
+    with launch(
+        [worker_script("dump_env.py"), str(tmp_path), "--extra", "x"],
+        nproc_per_node=2,
+        master_port=port,
+        launcher_args=["--run-id=job42", f"--log-dir={logs}"],
+        env={"OMP_NUM_THREADS": "3"},
+    ) as job:
+        returncode, output = job.wait(timeout=30)
+    assert returncode == 0, output
+    reports = read_reports(tmp_path)
+    assert reports.keys() == {0, 1}
+    for rank, seen in reports.items():
+        assert seen["RANK"] == seen["LOCAL_RANK"] == str(rank)
+        assert seen["WORLD_SIZE"] == seen["LOCAL_WORLD_SIZE"] == "2"
+        assert seen["GROUP_RANK"] == seen["NODE_RANK"] == "0"
+        assert seen["MASTER_ADDR"] == seen["ELASWAVE_STORE_ADDR"] == "127.0.0.1"
+        assert seen["MASTER_PORT"] == seen["ELASWAVE_STORE_PORT"] == str(port)
+        assert seen["TORCHELASTIC_RUN_ID"] == "job42"
+        assert seen["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        assert seen["OMP_NUM_THREADS"] == "3"  # the user's value wins
+        assert seen["ppid"] == job.pid
+        assert seen["argv"] == ["--extra", "x"]
+        assert f"hello from rank {rank}" in (logs / f"rank{rank}.log").read_text()
+    assert "hello" not in output
+
+
+@multiprocess
+@pytest.mark.timeout(60)
+def test_survivors_outlive_a_sigkilled_rank_0_and_keep_the_store(tmp_path):
+    port = free_port()
+    with launch(
+        [worker_script("survivor.py"), str(tmp_path), "0", "--hold"],
+        nproc_per_node=3,
+        master_port=port,
+    ) as job:
+        pids = job.worker_pids()
+        assert _listens_on(job.pid, port)
+        assert not any(_listens_on(pid, port) for pid in pids.values())
+
+        killed_at = time.time()
+        job.kill_worker(0)
+        [death] = job.wait_for_deaths(1)
+        assert (death.rank, death.pid, death.signal, death.exit_code) == (0, pids[0], "SIGKILL", None)
+        assert death.cause == "signal"
+        assert 0 <= death.time - killed_at < 1.0, "the death must be recorded promptly"
+
+        wait_for_reports(job, tmp_path, {1, 2})
+        assert not is_gone(pids[1]) and not is_gone(pids[2])
+        job.store().set("test/release", "1")
+        returncode, output = job.wait(timeout=30)
+
+    assert returncode == 0, output
+    assert f"worker rank 0 (pid {pids[0]}) killed by SIGKILL; 2 workers still running" in output
+    for rank, report in read_reports(tmp_path).items():
+        [seen] = report["deaths"]
+        assert (seen["rank"], seen["signal"], seen["time"]) == (0, "SIGKILL", death.time)
+        assert report["store_readback"] == str(rank)
+
+
+@multiprocess
+@pytest.mark.timeout(60)
+def test_a_nonzero_exit_is_recorded_with_its_code_and_survived(tmp_path):
+    with launch(
+        [worker_script("survivor.py"), str(tmp_path), "1", "--victim-exit", "3"],
+        nproc_per_node=2,
+        master_port=free_port(),
+    ) as job:
+        returncode, output = job.wait(timeout=30)
+    assert returncode == 0, output
+    [death] = read_reports(tmp_path)[0]["deaths"]
+    assert (death["rank"], death["exit_code"], death["signal"], death["cause"]) == (1, 3, None, "exit")
+    assert "exited with code 3; 1 worker still running" in output
+
+
+@multiprocess
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "plan, status",
+    [
+        (["0:0:4", "1:0.5:5"], 4),  # every worker failed: the first failure decides
+        (["0:0:0", "1:0.5:SIGKILL"], 128 + 9),  # a failure after the job finished
+    ],
+)
+def test_unsurvived_failures_fail_the_launcher(plan, status):
+    with launch([worker_script("exit_plan.py"), *plan], 2, master_port=free_port()) as job:
+        returncode, output = job.wait(timeout=30)
+    assert returncode == status, output
+
+
+@multiprocess
+@pytest.mark.timeout(60)
+def test_sigterm_is_forwarded_and_stragglers_are_killed_after_the_grace_period(tmp_path):
+    grace_s = 1.0
+    with launch(
+        [worker_script("sigterm.py"), str(tmp_path)],
+        nproc_per_node=2,
+        master_port=free_port(),
+        launcher_args=[f"--shutdown-grace={grace_s}"],
+    ) as job:
+        job.wait_for(
+            lambda: all((tmp_path / f"rank{r}.ready").exists() for r in (0, 1)),
+            timeout=30,
+            what="workers to install their SIGTERM handlers",
+        )
+        pids = job.worker_pids()
+        sent = time.monotonic()
+        job.send_signal(signal.SIGTERM)
+        returncode, output = job.wait(timeout=20)
+        elapsed = time.monotonic() - sent
+
+    assert returncode == 128 + signal.SIGTERM, output
+    assert (tmp_path / "rank0.term").exists() and (tmp_path / "rank1.term").exists()
+    assert grace_s <= elapsed < grace_s + 5, "rank 1 ignores SIGTERM and must wait for SIGKILL"
+    assert "killing the workers still running: ranks 1" in output
+    assert all(is_gone(pid) for pid in pids.values())
+
+
+# --- several nodes on loopback --------------------------------------------------------------
+
+
+@multiprocess
+@pytest.mark.timeout(90)
+def test_two_node_launchers_form_one_job(tmp_path):
+    # One worker per node keeps this test light; worker_env's rank arithmetic for several
+    # workers per node is checked by test_worker_env_follows_torchrun.
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        # Node 1 first: its launcher must wait for node 0's store to come up.
+        nodes = {
+            node: stack.enter_context(
+                launch(
+                    [worker_script("allreduce.py"), str(tmp_path)],
+                    nproc_per_node=1,
+                    nnodes=2,
+                    node_rank=node,
+                    master_port=port,
+                )
+            )
+            for node in (1, 0)
+        }
+        results = {node: job.wait(timeout=60) for node, job in nodes.items()}
+    for returncode, output in results.values():
+        assert returncode == 0, output
+    reports = read_reports(tmp_path)
+    assert reports.keys() == {0, 1}
+    for rank, report in reports.items():
+        assert report["world_size"] == 2 and report["sum"] == 0 + 1
+        assert report["launcher_pid"] == nodes[rank].pid
+
+
+@multiprocess
+@pytest.mark.timeout(90)
+def test_a_killed_node_launcher_takes_its_workers_down_and_node_0_reports_them(tmp_path):
+    port = free_port()
+    survivor = [worker_script("survivor.py"), str(tmp_path), "1"]
+    with contextlib.ExitStack() as stack:
+        node0, node1 = (
+            stack.enter_context(
+                launch(
+                    survivor,
+                    nproc_per_node=1,
+                    nnodes=2,
+                    node_rank=node,
+                    master_port=port,
+                    launcher_args=["--node-timeout=1"],
+                )
+            )
+            for node in (0, 1)
+        )
+        victim = node1.worker_pids()[1]
+        node0.worker_pids()
+
+        node1.send_signal(signal.SIGKILL)  # the launcher alone, as when its node fails
+        assert node1.wait(timeout=10)[0] == -signal.SIGKILL
+        wait_until(lambda: is_gone(victim), timeout=5, what="node 1's worker to die with it")
+        returncode, output = node0.wait(timeout=30)
+
+    assert returncode == 0, output
+    assert "node 1 lost" in output
+    [death] = read_reports(tmp_path)[0]["deaths"]
+    assert (death["rank"], death["node_rank"], death["pid"]) == (1, 1, victim)
+    assert (death["cause"], death["signal"], death["exit_code"]) == ("node_lost", None, None)
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+def run_launcher(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_elaswave.run", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, status: int, fragment: str):
+    assert result.returncode == status, result.stderr
+    assert result.stdout == ""
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("elaswave-run: error: ") and fragment in line
+
+
+@multiprocess
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        ([], "missing the script"),
+        (["/no/such/train.py"], "no such script"),
+        (["--nproc-per-node=0", "SCRIPT"], "--nproc-per-node must be at least 1"),
+        (["--nproc-per-node=two", "SCRIPT"], "invalid int value"),
+        (["--nnodes=2", "--node-rank=2", "SCRIPT"], "--node-rank 2 is out of range"),
+        (["--master-port=70000", "SCRIPT"], "--master-port must be in"),
+        (["--no-such-flag", "SCRIPT"], "unrecognized arguments"),
+    ],
+)
+def test_bad_input_is_one_line_and_status_2(args, fragment):
+    script = worker_script("exit_plan.py")
+    result = run_launcher(*(script if arg == "SCRIPT" else arg for arg in args))
+    assert_one_line_error(result, 2, fragment)
+
+
+@multiprocess
+@pytest.mark.timeout(60)
+def test_a_port_in_use_is_bad_input():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_launcher(f"--master-port={port}", worker_script("exit_plan.py"))
+    assert_one_line_error(result, 2, f"--master-port {port}: Address already in use")
+
+
+@multiprocess
+@pytest.mark.timeout(60)
+def test_a_missing_store_host_times_out_with_one_line():
+    result = run_launcher(
+        "--nnodes=2",
+        "--node-rank=1",
+        f"--master-port={free_port()}",
+        "--join-timeout=0.5",
+        worker_script("exit_plan.py"),
+    )
+    assert_one_line_error(result, 1, "timed out after 0.5 s waiting for the job store")
+
+
+def _listens_on(pid: int, port: int) -> bool:
+    connections = psutil.Process(pid).net_connections(kind="tcp")
+    return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in connections)
