@@ -215,14 +215,18 @@ def run(config: LaunchConfig) -> int:
             os.makedirs(config.log_dir, exist_ok=True)
         except OSError as error:
             raise UsageError(f"cannot create --log-dir {config.log_dir}: {error.strerror}")
+    worker_base_env = dict(os.environ)
+    # c10d logs a warning with a stack trace when a store connection drops; the agent reports
+    # that itself, in one line. Takes effect where torch is imported, below.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     with _SignalLatch() as signals:
         try:
             store = _host_store(config) if config.is_store_host else _connect(config, signals)
-            _join(store, config, signals)
+            pass
         except _Interrupted as interrupt:
             _log(f"received {_signal_name(interrupt.signum)} before the workers started")
             return 128 + interrupt.signum
-        return _NodeAgent(config, store, signals).run()
+        return _NodeAgent(config, store, signals, worker_base_env).run()
 
 
 def _log(message: str) -> None:
@@ -238,6 +242,10 @@ def _signal_name(signum: int) -> str:
 
 def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank{'' if len(ranks) == 1 else 's'} {', '.join(map(str, ranks))}"
 
 
 class _Interrupted(Exception):
@@ -406,8 +414,15 @@ class _PeerWatch:
 class _NodeAgent:
     """Spawns and supervises one node's workers once the job has formed."""
 
-    def __init__(self, config: LaunchConfig, store: TCPStore, signals: _SignalLatch) -> None:
+    def __init__(
+        self,
+        config: LaunchConfig,
+        store: TCPStore,
+        signals: _SignalLatch,
+        worker_base_env: Mapping[str, str],
+    ) -> None:
         self._config = config
+        self._worker_base_env = worker_base_env
         self._store = store
         self._signals = signals
         self._running: dict[int, _Worker] = {}
@@ -435,20 +450,19 @@ class _NodeAgent:
         return status
 
     def _spawn_workers(self) -> None:
-        base_env = dict(os.environ)
         for local_rank in range(self._config.nproc_per_node):
-            worker = self._spawn(local_rank, base_env)
+            worker = self._spawn(local_rank)
             self._running[worker.record.rank] = worker
             self._with_store(lambda store: publish_worker(store, worker.record))
 
-    def _spawn(self, local_rank: int, base_env: Mapping[str, str]) -> _Worker:
+    def _spawn(self, local_rank: int) -> _Worker:
         config = self._config
         rank = config.global_rank(local_rank)
         log = self._open_log(rank)
         try:
             process = subprocess.Popen(
                 config.worker_command(),
-                env=config.worker_env(local_rank, base_env),
+                env=config.worker_env(local_rank, self._worker_base_env),
                 stdout=log,
                 stderr=None if log is None else subprocess.STDOUT,
                 preexec_fn=functools.partial(_die_with_parent, os.getpid()),
@@ -535,8 +549,7 @@ class _NodeAgent:
             time.sleep(POLL_INTERVAL_S)
             self._reap()
         if self._running:
-            ranks = ", ".join(map(str, self._running))
-            _log(f"killing the workers still running: ranks {ranks}")
+            _log(f"killing the workers still running: {_ranks(list(self._running))}")
             self._signal_workers(signal.SIGKILL)
             for worker in self._running.values():
                 worker.process.wait()
@@ -601,11 +614,9 @@ class _NodeAgent:
                 time=now,
             )
             record_death(self._store, death)
-            recorded.append(str(rank))
-        _log(
-            f"node {node_rank} lost: no heartbeat for {silence_s:.1f} s; "
-            f"recorded the deaths of ranks {', '.join(recorded) or '(none left)'}"
-        )
+            recorded.append(rank)
+        deaths = f"recorded deaths for {_ranks(recorded)}" if recorded else "no worker left"
+        _log(f"node {node_rank} lost: no heartbeat for {silence_s:.1f} s; {deaths}")
 
     def _with_store(self, call: Callable[[TCPStore], _T], default: _T | None = None) -> _T | None:
         """Run a store call. If the store is gone (its host died), say so once and carry on

@@ -99,6 +99,9 @@ def _add_elastic_args(parser: argparse.ArgumentParser) -> None:
                        help="default: $ELASWAVE_DEVICE, else auto-detected")
     group.add_argument("--elastic-metrics-file", default=None,
                        help="JSON-lines file of per-iteration (and recovery) records")
+    group.add_argument("--elastic-profile-out", default=None,
+                       help="measure per-layer costs during the run and write the planner's "
+                            "profile JSON here (see docs/planner.md)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -64,6 +64,7 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
     from .data import DataError, MicrobatchSource, build_datasets, load_tokenizer, padded_vocab_size
     from .distributed import init_default_group, init_model_parallel, shutdown
     from .loop import Trainer, log
+    from .profiling import CostProfiler, device_description, write_profile
     from .model import (
         build_model_chunks,
         seed_random_generators,
@@ -116,11 +117,17 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
             if info.rank == 0:
                 log(f" saved checkpoint at iteration {trainer.iteration} to {directory}")
 
-        def save_periodically(trainer: Trainer) -> None:
+        profiler = CostProfiler(chunks, backend, measure=bool(args.elastic_profile_out))
+
+        def after_iteration(trainer: Trainer) -> None:
+            profiler.recording = True  # the first iteration is warm-up
             if args.save and args.save_interval and trainer.iteration % args.save_interval == 0:
                 save(trainer)
 
-        trainer.train(on_iteration=save_periodically)
+        trainer.train(on_iteration=after_iteration)
+        if args.elastic_profile_out:
+            write_profile(args.elastic_profile_out, profiler, pg_collection, args,
+                          device_description(backend))
         if args.save and not (args.save_interval and trainer.iteration % args.save_interval == 0):
             save(trainer)
         trainer.metrics.close()

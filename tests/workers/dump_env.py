@@ -21,6 +21,7 @@ NAMES = (
     "OMP_NUM_THREADS",
     "ELASWAVE_STORE_ADDR",
     "ELASWAVE_STORE_PORT",
+    "TORCH_CPP_LOG_LEVEL",
 )
 
 if __name__ == "__main__":
