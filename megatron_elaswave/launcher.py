@@ -26,7 +26,8 @@ Exit status of an agent, judged on its own node's workers:
   did so before the first one exited with 0 (the failures were survived);
 * otherwise the status of the first worker that failed: its exit code, or 128 + signal number;
 * ``128 + signal number`` when the agent was stopped by a signal; ``1`` when its node was
-  declared lost or the job could not start; ``2`` for a bad command line.
+  declared lost or the job could not form; ``2`` for a bad command line (including a port
+  already in use, and node agents that disagree on ``--nproc-per-node`` or ``--run-id``).
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ POLL_INTERVAL_S = 0.05
 """How often the agent polls its workers: the bound on the delay before a death is recorded."""
 
 LOST_NODE_EXIT_STATUS = 1
+"""Exit status of an agent that found its node declared lost."""
 
 _JOIN_POLL_INTERVAL_S = 0.1
 # Bounds every store call of an agent, so that a stalled store host cannot freeze its supervision.
@@ -222,7 +224,7 @@ def run(config: LaunchConfig) -> int:
     with _SignalLatch() as signals:
         try:
             store = _host_store(config) if config.is_store_host else _connect(config, signals)
-            pass
+            _join(store, config, signals)
         except _Interrupted as interrupt:
             _log(f"received {_signal_name(interrupt.signum)} before the workers started")
             return 128 + interrupt.signum
@@ -513,7 +515,11 @@ class _NodeAgent:
         now = time.time()
         if returncode == 0:
             ended = WorkerExit(
-                worker.rank, worker.local_rank, worker.node_rank, worker.pid, time=now
+                rank=worker.rank,
+                local_rank=worker.local_rank,
+                node_rank=worker.node_rank,
+                pid=worker.pid,
+                time=now,
             )
             self._with_store(lambda store: record_exit(store, ended))
             return
@@ -542,9 +548,8 @@ class _NodeAgent:
         )
         self._signal_workers(signum)
         deadline = time.monotonic() + grace_s
-        signals_seen = len(self._signals.received)
         while self._running and time.monotonic() < deadline:
-            if len(self._signals.received) > signals_seen:
+            if len(self._signals.received) > 1:
                 break  # a second signal: stop waiting
             time.sleep(POLL_INTERVAL_S)
             self._reap()

@@ -2,7 +2,8 @@
 
 A job is started with :func:`launch` and used as a context manager::
 
-    with launch([worker_script("survivor.py"), ...], nproc_per_node=3, master_port=free_port()) as job:
+    script = [worker_script("survivor.py"), str(tmp_path), "1"]
+    with launch(script, nproc_per_node=3, master_port=free_port()) as job:
         pids = job.worker_pids()
         job.kill_worker(1)
         deaths = job.wait_for_deaths(1, timeout=10)

@@ -22,7 +22,7 @@ from harness import free_port, is_gone, launch, wait_until, worker_script
 
 from megatron_elaswave.launcher import LaunchConfig, job_exit_status
 from megatron_elaswave.run import parse_config
-from megatron_elaswave.store import WorkerDeath, death_key, read_deaths, record_death
+from megatron_elaswave.store import WorkerDeath, death_key, read_deaths, read_exit, record_death
 
 multiprocess = pytest.mark.multiprocess
 
@@ -153,7 +153,12 @@ def test_survivors_outlive_a_sigkilled_rank_0_and_keep_the_store(tmp_path):
 
         wait_for_reports(job, tmp_path, {1, 2})
         assert not is_gone(pids[1]) and not is_gone(pids[2])
-        job.store().set("test/release", "1")
+        # Release the survivors one at a time: rank 1's normal exit is recorded, not a death.
+        store = job.store()
+        store.set("test/release/1", "")
+        job.wait_for(lambda: read_exit(store, 1) is not None, 30, "rank 1's exit record")
+        assert read_exit(store, 1).pid == pids[1] and len(job.deaths()) == 1
+        store.set("test/release/2", "")
         returncode, output = job.wait(timeout=30)
 
     assert returncode == 0, output

@@ -5,7 +5,8 @@ Usage: survivor.py OUT_DIR VICTIMS [--victim-exit CODE] [--hold]
 VICTIMS is a comma-separated list of ranks. A victim exits with CODE at once or, without
 ``--victim-exit``, sleeps until it is killed. Every other rank waits until the job store holds a
 death for each victim, checks that it can still write and read the store, and writes what it saw
-to ``OUT_DIR/rank<r>.json``; with ``--hold`` it then waits for the test to set ``test/release``.
+to ``OUT_DIR/rank<r>.json``; with ``--hold`` it then waits for the test to set
+``test/release/<r>`` before exiting 0.
 """
 
 import argparse
@@ -56,7 +57,7 @@ def survive(out_dir, victims, hold):
         json.dump(report, out)
     os.replace(path + ".tmp", path)
     if hold:
-        store.wait(["test/release"])  # the store's timeout bounds the wait
+        store.wait([f"test/release/{rank}"])  # the store's timeout bounds the wait
 
 
 if __name__ == "__main__":
