@@ -333,7 +333,7 @@ def _connect(config: LaunchConfig, signals: _SignalLatch) -> TCPStore:
     address = (config.master_addr, config.master_port)
     # Probe with a plain socket first: TCPStore's own retries log a stack trace per attempt.
     _wait_until(
-        lambda: _accepts_connections(address),
+        lambda: accepts_connections(address),
         config.join_timeout_s,
         signals,
         lambda: f"the job store at {address[0]}:{address[1]} (hosted by node rank 0's launcher)",
@@ -341,7 +341,8 @@ def _connect(config: LaunchConfig, signals: _SignalLatch) -> TCPStore:
     return TCPStore(*address, is_master=False, timeout=_STORE_TIMEOUT)
 
 
-def _accepts_connections(address: tuple[str, int]) -> bool:
+def accepts_connections(address: tuple[str, int]) -> bool:
+    """Whether a TCP server (the job store) listens at ``address``."""
     try:
         socket.create_connection(address, timeout=1.0).close()
     except OSError:

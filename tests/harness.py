@@ -33,6 +33,7 @@ import psutil
 import pytest
 from torch.distributed import TCPStore
 
+from megatron_elaswave.launcher import accepts_connections
 from megatron_elaswave.store import WorkerDeath, read_deaths, read_worker
 
 WORKERS_DIR = Path(__file__).resolve().parent / "workers"
@@ -142,7 +143,7 @@ class LaunchedJob:
         """A client of the job store (connected on first use)."""
         if self._store is None:
             address = ("127.0.0.1", self.master_port)
-            self.wait_for(lambda: _accepts_connections(address), timeout, "the job store")
+            self.wait_for(lambda: accepts_connections(address), timeout, "the job store")
             self._store = TCPStore(*address, is_master=False, timeout=STORE_TIMEOUT)
         return self._store
 
@@ -256,11 +257,3 @@ def launch(
         output_path=output_path,
         owns_output=owns_output,
     )
-
-
-def _accepts_connections(address: tuple[str, int]) -> bool:
-    try:
-        socket.create_connection(address, timeout=1.0).close()
-    except OSError:
-        return False
-    return True

@@ -7,6 +7,7 @@ any training state exists; nothing here prints a traceback for a user mistake.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import warnings
 from dataclasses import dataclass
@@ -19,6 +20,17 @@ from megatron_elaswave.device import DeviceUnavailableError, resolve_device_back
 from .arguments import ArgumentError, parse_args
 
 EXIT_BAD_INPUT = 2
+
+# Warnings megatron-core and torch print on every rank that a user cannot act on.
+_KNOWN_WARNINGS = (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+    "full scope is deprecated",
+    "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed",
+    "`torch.distributed.reduce_scatter_tensor` is deprecated",
+    "`torch.distributed.all_gather_into_tensor` is deprecated",
+    "Warning: tp_group is None",
+)
 
 
 @dataclass(frozen=True)
@@ -55,7 +67,9 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
                      f"(drop {flag})", info.rank)
         return EXIT_BAD_INPUT
     # Imported here so that flag errors come back before megatron-core is loaded.
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    cuda_hints = () if backend.name == "cuda" else ("CUDA_DEVICE_MAX_CONNECTIONS",)
+    for message in _KNOWN_WARNINGS + cuda_hints:
+        warnings.filterwarnings("ignore", message=f".*{re.escape(message)}")
     from megatron_elaswave import patches
     from megatron_elaswave.layout import Layout
     from megatron_elaswave.metrics import MetricsWriter
