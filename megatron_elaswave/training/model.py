@@ -55,9 +55,8 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
 def transformer_config(args: argparse.Namespace, batch_p2p_comm: bool) -> TransformerConfig:
     """Megatron's config for ``args``.
 
-    ``batch_p2p_comm`` must be False on gloo: with two pipeline stages the interleaved schedule
-    batches an activation and a gradient to the same peer, and gloo pairs them by posting order,
-    which differs on the two sides (activations and gradients get swapped).
+    ``batch_p2p_comm`` must be False where two messages between the same pair of ranks can share
+    one batch: see :func:`batched_p2p_is_safe`.
     """
     dtype = params_dtype(args)
     return TransformerConfig(
@@ -96,6 +95,14 @@ def seed_random_generators(seed: int, pg_collection: ProcessGroupCollection) -> 
     tensor_parallel.model_parallel_cuda_manual_seed(
         stage_seed, tp_rank=pg_collection.tp.rank(), ep_rank=0, etp_rank=0, force_reset_rng=True
     )
+
+
+def batched_p2p_is_safe(args: argparse.Namespace, dist_backend: str) -> bool:
+    """With two pipeline stages the interleaved schedule batches an activation and a gradient to
+    the same peer; gloo pairs such messages by posting order, which differs on the two sides, so
+    they would be swapped silently. NCCL matches them correctly; 1F1B never sends two."""
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
+    return dist_backend == "nccl" or not (interleaved and args.pipeline_model_parallel_size == 2)
 
 
 def _parameter_seed(seed: int, name: str) -> int:

@@ -80,6 +80,7 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
     from .loop import Trainer, log
     from .profiling import CostProfiler, device_description, write_profile
     from .model import (
+        batched_p2p_is_safe,
         build_model_chunks,
         seed_random_generators,
         transformer_config,
@@ -99,7 +100,7 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
         pg_collection = init_model_parallel(tp, pp, args.virtual_pipeline_model_parallel_size,
                                             args.distributed_timeout_minutes)
         seed_random_generators(args.seed, pg_collection)
-        config = transformer_config(args, batch_p2p_comm=backend.dist_backend == "nccl")
+        config = transformer_config(args, batched_p2p_is_safe(args, backend.dist_backend))
         vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, tp)
         chunks = build_model_chunks(args, config, vocab_size, pg_collection, backend.device())
         objects = wrap_and_optimize(args, config, chunks, pg_collection)
