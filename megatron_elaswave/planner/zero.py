@@ -114,11 +114,12 @@ def _part_name(part: int, num_layers: int) -> str:
     return f"layer {part - 1}"
 
 
-def buddy_rank(layout: Layout, rank: int) -> int | None:
-    """The rank that keeps ``rank``'s optimizer snapshot: the same tensor-parallel rank of the next
-    stage of the same replica (cyclically), which in Megatron's rank order sits ``tp * dp`` ranks
-    away and so on another node; for a single-stage replica, of the stage holding the same layers
-    in the next replica (by index, cyclically). ``None`` when no other stage instance exists."""
+def buddy_ranks(layout: Layout, rank: int, count: int = 1) -> list[int]:
+    """The ``count`` ranks that keep ``rank``'s optimizer snapshot: the same tensor-parallel rank
+    of the next stages of the same replica (cyclically), which in Megatron's rank order sit
+    ``tp * dp`` ranks apart and so on other nodes; for a single-stage replica, of the stages
+    holding the same layers in the next replicas (by index, cyclically). Fewer when fewer other
+    stage instances exist."""
     position = layout.position(rank)
     if position is None:
         raise ValueError(f"rank {rank} holds no stage")
@@ -126,12 +127,18 @@ def buddy_rank(layout: Layout, rank: int) -> int | None:
     replicas = layout.replica_by_index()
     stages = replicas[replica_index].stages
     if len(stages) > 1:
-        return stages[(stage_index + 1) % len(stages)].ranks[tp_rank]
+        return [stages[(stage_index + k) % len(stages)].ranks[tp_rank]
+                for k in range(1, min(count, len(stages) - 1) + 1)]
     order = sorted(replicas)
-    if len(order) == 1:
-        return None
-    peer = replicas[order[(order.index(replica_index) + 1) % len(order)]]
-    return peer.stages[0].ranks[tp_rank]
+    position_in_order = order.index(replica_index)
+    return [replicas[order[(position_in_order + k) % len(order)]].stages[0].ranks[tp_rank]
+            for k in range(1, min(count, len(order) - 1) + 1)]
+
+
+def buddy_rank(layout: Layout, rank: int) -> int | None:
+    """The first of :func:`buddy_ranks`, or ``None`` when no other stage instance exists."""
+    buddies = buddy_ranks(layout, rank, 1)
+    return buddies[0] if buddies else None
 
 
 class _Sources:

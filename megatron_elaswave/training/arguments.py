@@ -99,6 +99,10 @@ def _add_elastic_args(parser: argparse.ArgumentParser) -> None:
                        help="default: $ELASWAVE_DEVICE, else auto-detected")
     group.add_argument("--elastic-metrics-file", default=None,
                        help="JSON-lines file of per-iteration (and recovery) records")
+    group.add_argument("--elastic-snapshots", action="store_true",
+                       help="keep per-step in-memory snapshots (on by default with --elastic)")
+    group.add_argument("--elastic-snapshot-replicas", type=int, default=1,
+                       help="buddy ranks that hold a copy of each rank's snapshot (default 1)")
     group.add_argument("--elastic-profile-out", default=None,
                        help="measure per-layer costs during the run and write the planner's "
                             "profile JSON here (see docs/planner.md)")
@@ -158,6 +162,9 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     _fail_unless(args.save_interval is None or args.save_interval > 0,
                  "--save-interval must be positive")
+    _fail_unless(args.elastic_snapshot_replicas >= 0,
+                 "--elastic-snapshot-replicas must not be negative")
+    args.elastic_snapshots = args.elastic_snapshots or args.elastic
     _fail_unless(args.log_interval > 0 and args.eval_interval > 0,
                  "--log-interval and --eval-interval must be positive")
     return args

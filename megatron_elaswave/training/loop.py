@@ -26,6 +26,7 @@ from megatron_elaswave.metrics import MetricsWriter, samples_digest
 
 from .data import MicrobatchSource, StepData
 from .model import TrainingObjects
+from .snapshots import StepSnapshots
 
 
 def log(message: str) -> None:
@@ -77,6 +78,7 @@ class Trainer:
     valid_source: MicrobatchSource | None
     metrics: MetricsWriter
     rank: int
+    snapshots: StepSnapshots | None = None
     iteration: int = 0
     consumed_samples: int = 0
     _interval_times: list[float] = field(default_factory=list)
@@ -147,6 +149,9 @@ class Trainer:
         succeeded, grad_norm, _ = self.objects.optimizer.step()
         self.objects.scheduler.step(increment=gbs)
         loss_sum, num_tokens, sample_ids = self._reduce(data, losses, gbs)
+        if self.snapshots is not None:
+            self.snapshots.after_step(self.iteration + 1, self.objects.optimizer,
+                                      self.objects.scheduler, self.consumed_samples + gbs)
         self.backend.synchronize()
         return StepResult(
             lm_loss=loss_sum / max(num_tokens, 1),
@@ -171,6 +176,7 @@ class Trainer:
             layout=self.layout.to_json(),
             step_time_s=result.step_time_s,
             grad_norm=result.grad_norm,
+            **({"snapshot_bytes": self.snapshots.bytes_held} if self.snapshots else {}),
         )
         self._interval_times.append(result.step_time_s)
         if self.iteration % self.args.log_interval == 0 and self.rank == 0:

@@ -78,6 +78,9 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
     from .data import DataError, MicrobatchSource, build_datasets, load_tokenizer, padded_vocab_size
     from .distributed import init_default_group, init_model_parallel, shutdown
     from .loop import Trainer, log
+    from megatron_elaswave.snapshot import SnapshotConfig
+
+    from .snapshots import StepSnapshots
     from .profiling import CostProfiler, device_description, write_profile
     from .model import (
         batched_p2p_is_safe,
@@ -119,6 +122,9 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
             if valid_set is not None and len(valid_set) else None,
             metrics=MetricsWriter(args.elastic_metrics_file if info.rank == 0 else None),
             rank=info.rank,
+            snapshots=StepSnapshots(layout, info.rank,
+                                    SnapshotConfig(replicas=args.elastic_snapshot_replicas))
+            if args.elastic_snapshots else None,
         )
         if args.load:
             progress = load_checkpoint(args.load, objects)

@@ -1,0 +1,68 @@
+"""What a rank snapshots after each optimizer step, and with whom it exchanges copies.
+
+The tensors are the rank's optimizer shard as Megatron's optimizers hold it: for every parameter
+the inner torch optimizer updates (with the distributed optimizer, this rank's fp32 shard), the
+main parameter and its Adam state. The small state is the data cursor, the LR schedule and the
+RNG states, so a rollback resumes the same trajectory.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.optimizer import MegatronOptimizer
+
+from megatron_elaswave.layout import Layout
+from megatron_elaswave.planner.zero import buddy_ranks
+from megatron_elaswave.snapshot import SnapshotConfig, SnapshotStore
+
+
+def optimizer_shard(optimizer: MegatronOptimizer) -> dict[str, torch.Tensor]:
+    """This rank's main parameters and optimizer state, by stable names."""
+    tensors = {}
+    for o, chained in enumerate(optimizer.chained_optimizers):
+        inner = chained.optimizer
+        for g, group in enumerate(inner.param_groups):
+            for p, param in enumerate(group["params"]):
+                prefix = f"optimizer{o}.group{g}.param{p}"
+                tensors[f"{prefix}.main"] = param.detach()
+                for key, value in inner.state.get(param, {}).items():
+                    if torch.is_tensor(value):
+                        tensors[f"{prefix}.{key}"] = value
+    return tensors
+
+
+def rng_states() -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": numpy.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+class StepSnapshots:
+    """Snapshots of one rank after every step, replicated to its buddies in the layout."""
+
+    def __init__(self, layout: Layout, rank: int, config: SnapshotConfig) -> None:
+        self.store = SnapshotStore(rank, config)
+        members = [r for replica in layout.replicas for stage in replica.stages for r in stage.ranks]
+        self.send_to = buddy_ranks(layout, rank, config.replicas) if config.replicas else []
+        self.receive_from = [r for r in members
+                             if config.replicas and rank in buddy_ranks(layout, r, config.replicas)]
+
+    def after_step(self, iteration: int, optimizer: MegatronOptimizer, scheduler,
+                   consumed_samples: int) -> None:
+        state = {"iteration": iteration, "consumed_samples": consumed_samples,
+                 "scheduler": scheduler.state_dict(), "rng": rng_states()}
+        snapshot = self.store.capture(iteration, optimizer_shard(optimizer), state)
+        if self.send_to or self.receive_from:
+            self.store.replicate(snapshot, self.send_to, self.receive_from)
+
+    @property
+    def bytes_held(self) -> int:
+        return self.store.bytes_held
+

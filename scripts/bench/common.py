@@ -1,0 +1,49 @@
+"""Shared pieces of the benchmarks: launching training runs and alternating arms."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Sequence
+
+SCRIPTS = Path(__file__).resolve().parents[1]
+
+
+def launch(script: Path, script_args: Sequence[str], nproc: int, port: int) -> subprocess.CompletedProcess:
+    """Run ``script`` on ``nproc`` ranks through elaswave-run; exit with its stderr on failure."""
+    command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={nproc}",
+               f"--master-port={port}", str(script), *script_args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        sys.exit(f"{script.name} failed:\n{result.stderr[-3000:]}")
+    return result
+
+
+def pretrain_records(flags: Sequence[str], nproc: int, port: int) -> list[dict]:
+    """The iteration records of one ``pretrain_gpt.py`` run."""
+    with tempfile.TemporaryDirectory() as workdir:
+        metrics = Path(workdir) / "metrics.jsonl"
+        launch(SCRIPTS / "pretrain_gpt.py", [*flags, "--elastic-metrics-file", str(metrics)],
+               nproc, port)
+        records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return [r for r in records if r["event"] == "iteration"]
+
+
+def alternate(arms: dict[str, Callable[[], list[float]]], rounds: int, warmup: int,
+              report: Callable[[str], None] = print) -> dict[str, list[float]]:
+    """Run every arm ``rounds`` times in rotating order; per-iteration times after warm-up."""
+    names = list(arms)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_index in range(rounds):
+        order = names[round_index % len(names):] + names[:round_index % len(names)]
+        for name in order:
+            run = arms[name]()[warmup:]
+            times[name].extend(run)
+            report(f"  {name:12s} run: median {sorted(run)[len(run) // 2] * 1e3:.1f} ms "
+                   f"over {len(run)} iterations")
+    return times

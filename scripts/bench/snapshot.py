@@ -1,0 +1,75 @@
+"""Step time with and without per-step in-memory snapshots, and the memory they take.
+
+Three arms of ``pretrain_gpt.py`` on the same job, alternating: no snapshots; snapshots kept
+locally (``--elastic-snapshot-replicas 0``); snapshots replicated to one buddy (K=1, the
+default). Prints the median iteration time of each arm, their ratios to the arm without
+snapshots (target: at most 1.05) and the snapshot bytes held per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+from common import alternate, pretrain_records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--num-layers", type=int, default=4)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--train-iters", type=int, default=25)
+    parser.add_argument("--warmup-iters", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3, help="runs per arm")
+    parser.add_argument("--port", type=int, default=29581)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    base = [
+        "--pipeline-model-parallel-size", str(args.pp), "--num-layers", str(args.num_layers),
+        "--hidden-size", str(args.hidden_size), "--num-attention-heads", "4",
+        "--seq-length", str(args.seq_length), "--micro-batch-size", "2",
+        "--global-batch-size", "16", "--train-iters", str(args.train_iters), "--lr", "1e-3",
+        "--mock-data", "--vocab-size", "511", "--use-distributed-optimizer",
+        "--log-interval", "1000", "--eval-interval", "100000",
+    ]
+    arms_flags = {
+        "none": [],
+        "local": ["--elastic-snapshots", "--elastic-snapshot-replicas", "0"],
+        "replicated": ["--elastic-snapshots", "--elastic-snapshot-replicas", "1"],
+    }
+    snapshot_bytes: dict[str, int] = {}
+
+    def arm(name: str):
+        def run() -> list[float]:
+            records = pretrain_records(base + arms_flags[name], args.nproc, args.port)
+            snapshot_bytes[name] = records[-1].get("snapshot_bytes", 0)
+            return [r["step_time_s"] for r in records]
+        return run
+
+    times = alternate({name: arm(name) for name in arms_flags}, args.rounds, args.warmup_iters,
+                      report=(lambda line: None) if args.json else print)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    summary = {
+        "median_s": medians,
+        "ratio_local": medians["local"] / medians["none"],
+        "ratio_replicated": medians["replicated"] / medians["none"],
+        "snapshot_bytes_rank0": {k: v for k, v in snapshot_bytes.items() if k != "none"},
+        "iterations_per_arm": len(times["none"]),
+    }
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"hidden {args.hidden_size}, TP1xPP{args.pp}xDP{args.nproc // args.pp}, "
+              f"{summary['iterations_per_arm']} iterations per arm: "
+              f"no snapshots {medians['none'] * 1e3:.1f} ms, local {medians['local'] * 1e3:.1f} ms "
+              f"(x{summary['ratio_local']:.3f}), replicated K=1 {medians['replicated'] * 1e3:.1f} ms "
+              f"(x{summary['ratio_replicated']:.3f}); target <= 1.05; bytes held by rank 0: "
+              f"local {snapshot_bytes['local']}, K=1 {snapshot_bytes['replicated']}")
+
+
+if __name__ == "__main__":
+    main()
