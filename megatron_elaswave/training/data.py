@@ -76,7 +76,10 @@ def build_datasets(args: argparse.Namespace, tokenizer) -> tuple[GPTDataset, GPT
 
 
 def load_tokenizer(args: argparse.Namespace):
-    return build_tokenizer(args.tokenizer_type, vocab_size=args.vocab_size)
+    try:
+        return build_tokenizer(args.tokenizer_type, vocab_size=args.vocab_size)
+    except ValueError as error:
+        raise DataError(str(error)) from None
 
 
 @dataclass

@@ -11,15 +11,16 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_elaswave.device import DeviceBackend
 
 
-def init_default_group(info, backend: DeviceBackend, timeout_minutes: float) -> None:
+def init_default_group(rank: int, world_size: int, local_rank: int, backend: DeviceBackend,
+                       timeout_minutes: float) -> None:
     """Join the job's default process group (a one-rank world without a launcher)."""
-    backend.set_device(info.local_rank)
+    backend.set_device(local_rank)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend.dist_backend, init_method="env://", rank=info.rank,
-                                world_size=info.world_size, timeout=timeout)
+        dist.init_process_group(backend.dist_backend, init_method="env://", rank=rank,
+                                world_size=world_size, timeout=timeout)
     else:
-        if info.world_size != 1:
+        if world_size != 1:
             raise RuntimeError("WORLD_SIZE > 1 but no MASTER_ADDR: start the job with elaswave-run")
         dist.init_process_group(backend.dist_backend, store=dist.HashStore(), rank=0,
                                 world_size=1, timeout=timeout)

@@ -31,6 +31,7 @@ _KNOWN_WARNINGS = (
     "`torch.distributed.all_gather_into_tensor` is deprecated",
     "Warning: tp_group is None",
 )
+_CUDA_HINTS = ("CUDA_DEVICE_MAX_CONNECTIONS",)
 
 
 @dataclass(frozen=True)
@@ -66,97 +67,20 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
         report_error(f"{flag} needs a CUDA or NPU device; on {backend.name} train in fp32 "
                      f"(drop {flag})", info.rank)
         return EXIT_BAD_INPUT
-    # Imported here so that flag errors come back before megatron-core is loaded.
-    cuda_hints = () if backend.name == "cuda" else ("CUDA_DEVICE_MAX_CONNECTIONS",)
-    for message in _KNOWN_WARNINGS + cuda_hints:
+    for message in _KNOWN_WARNINGS + (() if backend.name == "cuda" else _CUDA_HINTS):
         warnings.filterwarnings("ignore", message=f".*{re.escape(message)}")
-    from megatron_elaswave import patches
-    from megatron_elaswave.layout import Layout
-    from megatron_elaswave.metrics import MetricsWriter
+    # Imported here so that flag errors come back before megatron-core is loaded.
+    from megatron_elaswave.patches import UnsupportedMegatronVersion
 
-    from .checkpoint import CheckpointError, TrainingProgress, load_checkpoint, save_checkpoint
-    from .data import DataError, MicrobatchSource, build_datasets, load_tokenizer, padded_vocab_size
-    from .distributed import init_default_group, init_model_parallel, shutdown
-    from .loop import Trainer, log
-    from megatron_elaswave.snapshot import SnapshotConfig
-
-    from .snapshots import StepSnapshots
-    from .profiling import CostProfiler, device_description, write_profile
-    from .model import (
-        batched_p2p_is_safe,
-        build_model_chunks,
-        seed_random_generators,
-        transformer_config,
-        wrap_and_optimize,
-    )
+    from .checkpoint import CheckpointError
+    from .data import DataError
+    from .job import train_job
 
     try:
-        patches.install(backend)
-        tokenizer = load_tokenizer(args)
-    except (patches.UnsupportedMegatronVersion, ValueError) as error:
+        train_job(args, backend, info.rank, info.local_rank, info.world_size)
+    except (UnsupportedMegatronVersion, CheckpointError, DataError) as error:
         report_error(str(error), info.rank)
         return EXIT_BAD_INPUT
-
-    init_default_group(info, backend, args.distributed_timeout_minutes)
-    try:
-        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-        pg_collection = init_model_parallel(tp, pp, args.virtual_pipeline_model_parallel_size,
-                                            args.distributed_timeout_minutes)
-        seed_random_generators(args.seed, pg_collection)
-        config = transformer_config(args, batched_p2p_is_safe(args, backend.dist_backend))
-        vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, tp)
-        chunks = build_model_chunks(args, config, vocab_size, pg_collection, backend.device())
-        objects = wrap_and_optimize(args, config, chunks, pg_collection)
-        train_set, valid_set = build_datasets(args, tokenizer)
-        num_microbatches = args.global_batch_size // args.micro_batch_size
-        layout = Layout.megatron(tp=tp, pp=pp, dp=args.data_parallel_size,
-                                 num_layers=args.num_layers, num_microbatches=num_microbatches)
-        trainer = Trainer(
-            args=args,
-            objects=objects,
-            pg_collection=pg_collection,
-            backend=backend,
-            layout=layout,
-            train_source=MicrobatchSource(train_set, args.micro_batch_size),
-            valid_source=MicrobatchSource(valid_set, args.micro_batch_size)
-            if valid_set is not None and len(valid_set) else None,
-            metrics=MetricsWriter(args.elastic_metrics_file if info.rank == 0 else None),
-            rank=info.rank,
-            snapshots=StepSnapshots(layout, info.rank,
-                                    SnapshotConfig(replicas=args.elastic_snapshot_replicas))
-            if args.elastic_snapshots else None,
-        )
-        if args.load:
-            progress = load_checkpoint(args.load, objects)
-            trainer.iteration, trainer.consumed_samples = progress.iteration, progress.consumed_samples
-            if info.rank == 0:
-                log(f" loaded checkpoint from {args.load} at iteration {progress.iteration}")
-
-        def save(trainer: Trainer) -> None:
-            progress = TrainingProgress(trainer.iteration, trainer.consumed_samples)
-            directory = save_checkpoint(args.save, objects, progress)
-            if info.rank == 0:
-                log(f" saved checkpoint at iteration {trainer.iteration} to {directory}")
-
-        profiler = CostProfiler(chunks, backend, measure=bool(args.elastic_profile_out))
-
-        def after_iteration(trainer: Trainer) -> None:
-            profiler.recording = True  # the first iteration is warm-up
-            if args.save and args.save_interval and trainer.iteration % args.save_interval == 0:
-                save(trainer)
-
-        trainer.train(on_iteration=after_iteration)
-        if args.elastic_profile_out:
-            write_profile(args.elastic_profile_out, profiler, pg_collection, args,
-                          device_description(backend))
-        if args.save and not (args.save_interval and trainer.iteration % args.save_interval == 0):
-            save(trainer)
-        trainer.metrics.close()
-    except (CheckpointError, DataError) as error:
-        report_error(str(error), info.rank)
-        return EXIT_BAD_INPUT
-    finally:
-        shutdown()
     return 0
 
 

@@ -1,0 +1,94 @@
+"""One rank's part of a training job: build everything on megatron-core, then train."""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_elaswave import patches
+from megatron_elaswave.device import DeviceBackend
+from megatron_elaswave.layout import Layout
+from megatron_elaswave.metrics import MetricsWriter
+from megatron_elaswave.snapshot import SnapshotConfig
+
+from .checkpoint import TrainingProgress, load_checkpoint, save_checkpoint
+from .data import MicrobatchSource, build_datasets, load_tokenizer, padded_vocab_size
+from .distributed import init_default_group, init_model_parallel, shutdown
+from .loop import Trainer, log
+from .model import (
+    batched_p2p_is_safe,
+    build_model_chunks,
+    seed_random_generators,
+    transformer_config,
+    wrap_and_optimize,
+)
+from .profiling import CostProfiler, device_description, write_profile
+from .snapshots import StepSnapshots
+
+
+def build_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int, tokenizer) -> Trainer:
+    """Process groups, model chunks, DDP, optimizer, data and the failure-free layout."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    pg_collection = init_model_parallel(tp, pp, args.virtual_pipeline_model_parallel_size,
+                                        args.distributed_timeout_minutes)
+    seed_random_generators(args.seed, pg_collection)
+    config = transformer_config(args, batched_p2p_is_safe(args, backend.dist_backend))
+    vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, tp)
+    chunks = build_model_chunks(args, config, vocab_size, pg_collection, backend.device())
+    objects = wrap_and_optimize(args, config, chunks, pg_collection)
+    train_set, valid_set = build_datasets(args, tokenizer)
+    layout = Layout.megatron(tp=tp, pp=pp, dp=args.data_parallel_size, num_layers=args.num_layers,
+                             num_microbatches=args.global_batch_size // args.micro_batch_size)
+    snapshots = (StepSnapshots(layout, rank, SnapshotConfig(replicas=args.elastic_snapshot_replicas))
+                 if args.elastic_snapshots else None)
+    return Trainer(
+        args=args,
+        objects=objects,
+        pg_collection=pg_collection,
+        backend=backend,
+        layout=layout,
+        train_source=MicrobatchSource(train_set, args.micro_batch_size),
+        valid_source=MicrobatchSource(valid_set, args.micro_batch_size) if valid_set else None,
+        metrics=MetricsWriter(args.elastic_metrics_file if rank == 0 else None),
+        rank=rank,
+        snapshots=snapshots,
+    )
+
+
+def train_job(args: argparse.Namespace, backend: DeviceBackend, rank: int, local_rank: int,
+              world_size: int) -> None:
+    """Join the job, train to ``--train-iters`` with the checkpoints and profile asked for."""
+    patches.install(backend)
+    tokenizer = load_tokenizer(args)
+    init_default_group(rank, world_size, local_rank, backend, args.distributed_timeout_minutes)
+    try:
+        trainer = build_trainer(args, backend, rank, tokenizer)
+        objects = trainer.objects
+        if args.load:
+            progress = load_checkpoint(args.load, objects)
+            trainer.iteration, trainer.consumed_samples = progress.iteration, progress.consumed_samples
+            if rank == 0:
+                log(f" loaded checkpoint from {args.load} at iteration {progress.iteration}")
+
+        def save() -> None:
+            progress = TrainingProgress(trainer.iteration, trainer.consumed_samples)
+            directory = save_checkpoint(args.save, objects, progress)
+            if rank == 0:
+                log(f" saved checkpoint at iteration {trainer.iteration} to {directory}")
+
+        chunks = [ddp.module for ddp in objects.model]
+        profiler = CostProfiler(chunks, backend, measure=bool(args.elastic_profile_out))
+
+        def after_iteration(trainer: Trainer) -> None:
+            profiler.recording = True  # the first iteration is warm-up
+            if args.save and args.save_interval and trainer.iteration % args.save_interval == 0:
+                save()
+
+        trainer.train(on_iteration=after_iteration)
+        if args.elastic_profile_out:
+            write_profile(args.elastic_profile_out, profiler, trainer.pg_collection, args,
+                          device_description(backend))
+        if args.save and not (args.save_interval and trainer.iteration % args.save_interval == 0):
+            save()
+        trainer.metrics.close()
+    finally:
+        shutdown()
