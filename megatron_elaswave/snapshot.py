@@ -65,61 +65,84 @@ def chunk_checksums(data: memoryview, chunk_bytes: int) -> tuple[int, ...]:
                  for start in range(0, len(data), chunk_bytes)) or (zlib.crc32(b""),)
 
 
+TensorLayout = tuple[tuple[str, tuple[int, ...], torch.dtype, int], ...]
+"""``(name, shape, dtype, byte offset)`` of each tensor in a snapshot's flat payload."""
+
+
+def tensor_layout(tensors: Mapping[str, torch.Tensor]) -> TensorLayout:
+    layout, offset = [], 0
+    for name, tensor in tensors.items():
+        layout.append((name, tuple(tensor.shape), tensor.dtype, offset))
+        offset += tensor.numel() * tensor.element_size()
+    return tuple(layout)
+
+
+def _payload_bytes(layout: TensorLayout) -> int:
+    if not layout:
+        return 0
+    name, shape, dtype, offset = layout[-1]
+    return offset + torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+
+
 @dataclass
 class Snapshot:
-    """One rank's state at the end of one iteration, in host memory."""
+    """One rank's state at the end of one iteration, in host memory.
+
+    All tensors live in one flat byte ``payload`` (they are views of it), so a snapshot is sent,
+    received and reused as a single buffer.
+    """
 
     rank: int
     iteration: int
-    tensors: dict[str, torch.Tensor]
+    layout: TensorLayout
+    payload: torch.Tensor
     state: bytes
     """Pickled small state (RNG states, data cursor)."""
     checksums: dict[str, tuple[int, ...]] = field(default_factory=dict)
     chunk_bytes: int = 4 << 20
 
     @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        views = {}
+        for name, shape, dtype, offset in self.layout:
+            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            views[name] = self.payload[offset:offset + size].view(dtype).reshape(shape)
+        return views
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values()) + len(self.state)
+        return self.payload.numel() + len(self.state)
+
+    def _compute_checksums(self) -> dict[str, tuple[int, ...]]:
+        checksums = {name: chunk_checksums(_byte_view(t), self.chunk_bytes)
+                     for name, t in self.tensors.items()}
+        checksums["__state__"] = chunk_checksums(memoryview(self.state), self.chunk_bytes)
+        return checksums
 
     def seal(self) -> None:
         """Record the checksums of the current contents."""
-        self.checksums = {name: chunk_checksums(_byte_view(t), self.chunk_bytes)
-                          for name, t in self.tensors.items()}
-        self.checksums["__state__"] = chunk_checksums(memoryview(self.state), self.chunk_bytes)
+        self.checksums = self._compute_checksums()
 
     def verify(self) -> None:
-        """Raise :class:`SnapshotCorrupted` naming the first tensor that changed."""
-        for name, tensor in self.tensors.items():
-            if chunk_checksums(_byte_view(tensor), self.chunk_bytes) != self.checksums.get(name):
-                raise SnapshotCorrupted(
-                    f"snapshot of rank {self.rank} at iteration {self.iteration}: "
-                    f"{name!r} does not match its checksum")
-        if chunk_checksums(memoryview(self.state), self.chunk_bytes) != self.checksums["__state__"]:
-            raise SnapshotCorrupted(
-                f"snapshot of rank {self.rank} at iteration {self.iteration}: "
-                "the small state does not match its checksum")
+        """Raise :class:`SnapshotCorrupted` naming the first part that changed."""
+        for name, checksum in self._compute_checksums().items():
+            if checksum != self.checksums.get(name):
+                what = "the small state" if name == "__state__" else repr(name)
+                raise SnapshotCorrupted(f"snapshot of rank {self.rank} at iteration "
+                                        f"{self.iteration}: {what} does not match its checksum")
 
-    def to_bytes(self) -> tuple[bytes, torch.Tensor]:
-        """A header (names, shapes, dtypes, checksums, small state) and one flat payload."""
-        header = pickle.dumps({
-            "rank": self.rank, "iteration": self.iteration, "state": self.state,
-            "checksums": self.checksums, "chunk_bytes": self.chunk_bytes,
-            "tensors": [(name, tuple(t.shape), t.dtype) for name, t in self.tensors.items()],
+    def header(self) -> bytes:
+        """Everything but the payload: identity, layout, checksums and the small state."""
+        return pickle.dumps({
+            "rank": self.rank, "iteration": self.iteration, "layout": self.layout,
+            "state": self.state, "checksums": self.checksums, "chunk_bytes": self.chunk_bytes,
         })
-        parts = [t.detach().reshape(-1).view(torch.uint8) for t in self.tensors.values()]
-        payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
-        return header, payload
 
     @classmethod
-    def from_bytes(cls, header: bytes, payload: torch.Tensor) -> "Snapshot":
+    def from_header(cls, header: bytes, payload: torch.Tensor) -> "Snapshot":
         meta = pickle.loads(header)
-        tensors, offset = {}, 0
-        for name, shape, dtype in meta["tensors"]:
-            size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            tensors[name] = payload[offset:offset + size].view(dtype).reshape(shape)
-            offset += size
-        return cls(meta["rank"], meta["iteration"], tensors, meta["state"], meta["checksums"],
-                   meta["chunk_bytes"])
+        return cls(meta["rank"], meta["iteration"], meta["layout"], payload, meta["state"],
+                   meta["checksums"], meta["chunk_bytes"])
 
 
 class SnapshotStore:
@@ -131,30 +154,32 @@ class SnapshotStore:
         self._held: dict[tuple[int, int], Snapshot] = {}
         self._copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
 
+    def _payload_buffer(self, rank: int, iteration: int, nbytes: int) -> torch.Tensor:
+        """The payload of ``rank``'s snapshot two iterations back (about to be dropped) when it
+        has the right size, else a new buffer: steady-state steps allocate nothing."""
+        previous = self._held.get((rank, iteration - 2))
+        if previous is not None and previous.payload.numel() == nbytes:
+            return previous.payload
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._copy_stream is not None)
+
     # -- capture and restore -------------------------------------------------------------------
 
     def capture(self, iteration: int, tensors: Mapping[str, torch.Tensor],
                 state: Mapping[str, Any]) -> Snapshot:
         """Copy ``tensors`` and ``state`` into host memory as the snapshot of ``iteration``."""
-        previous = self._held.get((self.rank, iteration - 2))
-        reusable = previous is not None and set(previous.tensors) == set(tensors) and all(
-            previous.tensors[n].shape == t.shape and previous.tensors[n].dtype == t.dtype
-            for n, t in tensors.items())
+        layout = tensor_layout(tensors)
+        payload = self._payload_buffer(self.rank, iteration, _payload_bytes(layout))
+        snapshot = Snapshot(self.rank, iteration, layout, payload, pickle.dumps(dict(state)),
+                            chunk_bytes=self.config.chunk_bytes)
         stream = self._copy_stream
-        host = {}
-        for name, tensor in tensors.items():
-            target = previous.tensors[name] if reusable else torch.empty(
-                tensor.shape, dtype=tensor.dtype, pin_memory=stream is not None)
+        for (name, tensor), target in zip(tensors.items(), snapshot.tensors.values()):
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(stream):
                     target.copy_(tensor.detach(), non_blocking=True)
             else:
                 target.copy_(tensor.detach())
-            host[name] = target
         self.wait()
-        snapshot = Snapshot(self.rank, iteration, host, pickle.dumps(dict(state)),
-                            chunk_bytes=self.config.chunk_bytes)
         snapshot.seal()
         self._keep(snapshot)
         return snapshot
@@ -195,26 +220,25 @@ class SnapshotStore:
         """Send ``snapshot`` to ``send_to`` and keep verified copies from ``receive_from``.
 
         Collective among the ranks named: every rank passes the ranks it sends to and those that
-        send to it (global ranks). Messages go size first, then header, then payload.
+        send to it (global ranks). Messages go sizes first, then header, then payload.
         """
-        header, payload = snapshot.to_bytes()
-        requests = []
+        header = snapshot.header()
         header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        sizes = torch.tensor([len(header), payload.numel()], dtype=torch.int64)
+        sizes = torch.tensor([len(header), snapshot.payload.numel()], dtype=torch.int64)
+        requests = []
         for peer in send_to:
             requests.append(dist.isend(sizes, peer, group=group))
             requests.append(dist.isend(header_tensor, peer, group=group))
-            requests.append(dist.isend(payload, peer, group=group))
+            requests.append(dist.isend(snapshot.payload, peer, group=group))
         for peer in receive_from:
             peer_sizes = torch.empty(2, dtype=torch.int64)
             dist.recv(peer_sizes, peer, group=group)
             peer_header = torch.empty(int(peer_sizes[0]), dtype=torch.uint8)
             dist.recv(peer_header, peer, group=group)
-            peer_payload = torch.empty(int(peer_sizes[1]), dtype=torch.uint8)
+            peer_payload = self._payload_buffer(peer, snapshot.iteration, int(peer_sizes[1]))
             dist.recv(peer_payload, peer, group=group)
-            received = Snapshot.from_bytes(peer_header.numpy().tobytes(), peer_payload)
+            received = Snapshot.from_header(peer_header.numpy().tobytes(), peer_payload)
             received.verify()
             self._keep(received)
         for request in requests:
             request.wait()
-
