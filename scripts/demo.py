@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -40,7 +41,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workdir", default="runs/demo")
     parser.add_argument("--train-iters", type=int, default=40)
-    parser.add_argument("--master-port", type=int, default=29561)
+    parser.add_argument("--master-port", type=int, default=0, help="default: a free port")
     args = parser.parse_args()
     workdir = Path(args.workdir)
     data = prepare_data(workdir)
@@ -57,6 +58,10 @@ def main() -> int:
         "--eval-interval", str(args.train_iters), "--eval-iters", "2",
         "--elastic-metrics-file", str(metrics),
     ]
+    if not args.master_port:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            args.master_port = probe.getsockname()[1]
     start = time.monotonic()
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(

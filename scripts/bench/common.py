@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -13,10 +14,16 @@ from typing import Callable, Sequence
 SCRIPTS = Path(__file__).resolve().parents[1]
 
 
-def launch(script: Path, script_args: Sequence[str], nproc: int, port: int) -> subprocess.CompletedProcess:
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch(script: Path, script_args: Sequence[str], nproc: int) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nproc`` ranks through elaswave-run; exit with its stderr on failure."""
     command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={nproc}",
-               f"--master-port={port}", str(script), *script_args]
+               f"--master-port={free_port()}", str(script), *script_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
@@ -24,12 +31,12 @@ def launch(script: Path, script_args: Sequence[str], nproc: int, port: int) -> s
     return result
 
 
-def pretrain_records(flags: Sequence[str], nproc: int, port: int) -> list[dict]:
+def pretrain_records(flags: Sequence[str], nproc: int) -> list[dict]:
     """The iteration records of one ``pretrain_gpt.py`` run."""
     with tempfile.TemporaryDirectory() as workdir:
         metrics = Path(workdir) / "metrics.jsonl"
         launch(SCRIPTS / "pretrain_gpt.py", [*flags, "--elastic-metrics-file", str(metrics)],
-               nproc, port)
+               nproc)
         records = [json.loads(line) for line in metrics.read_text().splitlines()]
     return [r for r in records if r["event"] == "iteration"]
 

@@ -29,7 +29,6 @@ def main() -> None:
     parser.add_argument("--train-iters", type=int, default=25)
     parser.add_argument("--warmup-iters", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4, help="runs per arm")
-    parser.add_argument("--port", type=int, default=29571)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -42,7 +41,7 @@ def main() -> None:
             "--train-iters", str(args.train_iters), "--lr", "1e-3", "--mock-data",
             "--vocab-size", "511", "--use-distributed-optimizer", "--log-interval", "1000",
             "--eval-interval", "100000",
-        ], args.nproc, args.port)
+        ], args.nproc)
         return [r["step_time_s"] for r in records]
 
     def plain() -> list[float]:
@@ -51,7 +50,7 @@ def main() -> None:
             "--hidden-size", str(args.hidden_size), "--seq-length", str(args.seq_length),
             "--global-batch-size", str(args.global_batch_size), "--vocab-size", "512",
             "--train-iters", str(args.train_iters),
-        ], args.nproc, args.port)
+        ], args.nproc)
         return [json.loads(line)["step_time_s"] for line in result.stdout.splitlines()
                 if line.startswith("{")]
 

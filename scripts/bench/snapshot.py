@@ -25,7 +25,6 @@ def main() -> None:
     parser.add_argument("--train-iters", type=int, default=25)
     parser.add_argument("--warmup-iters", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3, help="runs per arm")
-    parser.add_argument("--port", type=int, default=29581)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     base = [
@@ -45,7 +44,7 @@ def main() -> None:
 
     def arm(name: str):
         def run() -> list[float]:
-            records = pretrain_records(base + arms_flags[name], args.nproc, args.port)
+            records = pretrain_records(base + arms_flags[name], args.nproc)
             snapshot_bytes[name] = records[-1].get("snapshot_bytes", 0)
             return [r["step_time_s"] for r in records]
         return run
