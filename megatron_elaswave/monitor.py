@@ -1,0 +1,352 @@
+"""Failure detection: one :class:`FailureMonitor` per rank, watching the members of its generation.
+
+The monitor is a background thread with its own connection to the job store. It notices a
+failure in any of three ways:
+
+* **Death records.** The launcher records a worker that exits with a non-zero code or is killed
+  by a signal within 50 ms (:mod:`megatron_elaswave.store`); the monitor reads them every
+  ``poll_interval_s``, so every survivor knows the dead rank well within a second.
+* **Heartbeats.** Every rank bumps a counter in the store every ``heartbeat_interval_s``; a
+  member whose counter has not moved for ``heartbeat_timeout_s`` (a stopped or hung process)
+  is declared failed. Counters are compared on the watcher's own clock, so clocks need not agree.
+* **Collective errors.** The training code passes the errors of its collectives (including
+  their timeouts) to :meth:`FailureMonitor.report_error`.
+
+The first sign of a failure in a generation sets :attr:`FailureMonitor.failure_detected`, aborts
+the collectives of this rank (by default :func:`megatron_elaswave.world.abort_collectives`, which
+also fails the pending collectives of every peer waiting on this rank), and announces the failure
+in the store. Every other member's monitor reads the announcement within ``poll_interval_s`` and
+does the same, so no survivor stays blocked in a collective: they all reach
+:func:`megatron_elaswave.agreement.agree`, which decides who failed.
+
+Runtime keys live under ``rt/`` (the launcher owns ``elaswave/``):
+
+===========================  ==============================================================
+``rt/heartbeat/<rank>``      heartbeat counter of launch rank ``rank`` (``store.add``)
+``rt/gen<g>/round``          :class:`FailureNotice` (JSON) of the first rank that announced a
+                             failure in generation ``g``; its presence starts the agreement
+===========================  ==============================================================
+
+Ranks are launch ranks (``RANK`` as set by the launcher) throughout: they identify a process for
+the whole job, whatever its rank in the process group of the current generation.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING
+
+from megatron_elaswave.store import NODE_LOST, WorkerDeath, read_deaths
+from megatron_elaswave.world import abort_collectives
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+    from megatron_elaswave.agreement import Decision
+
+# Causes of a Suspicion or a FailureNotice.
+DEATH = "death"
+"""The launcher recorded the rank's death."""
+HEARTBEAT = "heartbeat"
+"""The rank's heartbeat stopped for ``heartbeat_timeout_s``."""
+COLLECTIVE_ERROR = "collective_error"
+"""A collective of this rank failed or timed out (:meth:`FailureMonitor.report_error`)."""
+ANNOUNCED = "announced"
+"""Another member announced a failure in the store."""
+STORE_ERROR = "store_error"
+"""The monitor lost the job store; it stops watching."""
+
+
+def heartbeat_key(rank: int) -> str:
+    return f"rt/heartbeat/{rank}"
+
+
+def round_key(generation: int) -> str:
+    return f"rt/gen{generation}/round"
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """Timing of failure detection and agreement. Every value is in seconds."""
+
+    heartbeat_interval_s: float = 0.5
+    """How often each rank bumps its heartbeat, and how often it checks the others'."""
+    heartbeat_timeout_s: float = 5.0
+    """Heartbeat silence after which a member is declared failed. This bounds how fast a
+    stopped or hung process is detected; too small, and a rank starved of CPU is excluded."""
+    poll_interval_s: float = 0.05
+    """How often the monitor reads death records and failure announcements: the bound on the
+    delay between a recorded death (or another rank's announcement) and its detection."""
+    agreement_timeout_s: float = 30.0
+    """How long the agreement waits for a member to take part (or for the rank that proposes
+    to commit) before treating it as failed."""
+    collective_timeout_s: float = 30.0
+    """Op timeout of the process groups: the backstop for a blocked collective that nothing
+    else unblocks (see :mod:`megatron_elaswave.world`)."""
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(
+                    f"{field.name} must be a positive number of seconds, not {value!r}"
+                )
+        if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be at least twice "
+                f"heartbeat_interval_s ({self.heartbeat_interval_s:g}), or one late beat "
+                "declares a healthy rank failed"
+            )
+
+
+@dataclass(frozen=True)
+class Suspicion:
+    """Why this process believes a member failed."""
+
+    rank: int
+    """Launch rank of the member."""
+    cause: str
+    """:data:`DEATH` or :data:`HEARTBEAT`."""
+    time: float
+    """Unix time at which this process concluded it."""
+    detail: str
+    """What was seen, for the log."""
+
+
+@dataclass(frozen=True)
+class FailureNotice:
+    """The first sign of a failure in a generation, as seen by one rank."""
+
+    generation: int
+    """Generation in which the failure happened."""
+    rank: int
+    """Launch rank that noticed it."""
+    cause: str
+    """:data:`DEATH`, :data:`HEARTBEAT`, :data:`COLLECTIVE_ERROR`, :data:`ANNOUNCED` or
+    :data:`STORE_ERROR`."""
+    detail: str
+    """What was seen, for the log."""
+    time: float
+    """Unix time at which it was noticed."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+class FailureDetected(RuntimeError):
+    """Raised by :meth:`FailureMonitor.raise_if_failed` once a failure has been noticed."""
+
+    def __init__(self, notice: FailureNotice) -> None:
+        super().__init__(
+            f"failure in generation {notice.generation}: {notice.cause}: {notice.detail}"
+        )
+        self.notice = notice
+
+
+class FailureMonitor:
+    """Watches the members of the current generation from a background thread.
+
+    Watch generation 0 with ``FailureMonitor(store, rank, Decision.initial(world_size))``;
+    after each failure, :func:`~megatron_elaswave.agreement.agree` on a decision and
+    :meth:`advance` to it. ``docs/runtime.md`` shows the whole training loop.
+
+    ``on_failure`` runs once per generation, on whichever thread notices the failure first; it
+    must be quick and thread-safe.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        rank: int,
+        decision: Decision,
+        config: MonitorConfig = MonitorConfig(),
+        *,
+        on_failure: Callable[[], None] = abort_collectives,
+    ) -> None:
+        """Watch the survivors of ``decision`` (the members of its generation) from
+        :meth:`start` on; ``rank`` is this process's launch rank."""
+        self.rank = rank
+        self.config = config
+        self.failure_detected = threading.Event()
+        """Set from the first sign of a failure until :meth:`advance`."""
+        # A connection of its own, so that a blocking store call elsewhere never delays detection.
+        self._store = store.clone()
+        self._on_failure = on_failure
+        self._lock = threading.Lock()
+        self._generation = decision.generation
+        self._members = decision.survivors
+        self._failure: FailureNotice | None = None
+        self._suspects: dict[int, Suspicion] = {}
+        self._dead: dict[int, Suspicion] = {}
+        self._death_cursor = 0
+        self._beats = self._fresh_beats()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"elaswave-monitor-{rank}", daemon=True
+        )
+
+    # --- what the training loop calls ---------------------------------------------------------
+
+    @property
+    def generation(self) -> int:
+        with self._lock:
+            return self._generation
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Launch ranks of the current generation, in their group-rank order."""
+        with self._lock:
+            return self._members
+
+    @property
+    def failure(self) -> FailureNotice | None:
+        """The first sign of a failure in the current generation, if any."""
+        with self._lock:
+            return self._failure
+
+    def suspects(self) -> dict[int, Suspicion]:
+        """Members of the current generation this process believes failed."""
+        with self._lock:
+            return dict(self._suspects)
+
+    def raise_if_failed(self) -> None:
+        """Raise :class:`FailureDetected` once a failure has been noticed in this generation."""
+        notice = self.failure
+        if notice is not None:
+            raise FailureDetected(notice)
+
+    def report_error(self, error: BaseException) -> None:
+        """Report a failed or timed-out collective: aborts and announces like any failure."""
+        self._trigger(COLLECTIVE_ERROR, f"{type(error).__name__}: {error}")
+
+    def advance(self, decision: Decision) -> None:
+        """Watch the survivors of ``decision`` from now on, as its generation."""
+        if self.rank not in decision.survivors:
+            raise ValueError(f"rank {self.rank} is not a survivor of {decision}")
+        with self._lock:
+            if decision.generation <= self._generation:
+                raise ValueError(
+                    f"generation {decision.generation} does not follow {self._generation}"
+                )
+            self._generation = decision.generation
+            self._members = decision.survivors
+            self._failure = None
+            self._suspects = {}
+            self._beats = self._fresh_beats()
+        self.failure_detected.clear()
+
+    def start(self) -> None:
+        self._beat()  # visible before the first check of any peer
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def __enter__(self) -> FailureMonitor:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    # --- the watching thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_beat = 0.0
+        try:
+            while not self._stopping.is_set():
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._beat()
+                    self._check_heartbeats()
+                    next_beat = now + self.config.heartbeat_interval_s
+                self._read_deaths()
+                self._check_announcement()
+                self._stopping.wait(self.config.poll_interval_s)
+        except RuntimeError as error:  # torch's store errors
+            self._trigger(STORE_ERROR, str(error), announce=False)
+
+    def _beat(self) -> None:
+        self._store.add(heartbeat_key(self.rank), 1)
+
+    def _fresh_beats(self) -> dict[int, tuple[int | None, float]]:
+        """``{rank: (last counter seen, monotonic time it was first seen)}`` for the peers."""
+        now = time.monotonic()
+        return {rank: (None, now) for rank in self._members if rank != self.rank}
+
+    def _check_heartbeats(self) -> None:
+        with self._lock:
+            generation, peers = self._generation, list(self._beats)
+        counters = {rank: self._store.add(heartbeat_key(rank), 0) for rank in peers}
+        now, silent = time.monotonic(), []
+        with self._lock:
+            for rank, counter in counters.items():
+                if rank not in self._beats:
+                    continue  # the generation changed meanwhile
+                last, since = self._beats[rank]
+                if counter != last:
+                    self._beats[rank] = (counter, now)
+                elif now - since > self.config.heartbeat_timeout_s:
+                    silent.append((rank, now - since))
+        for rank, silence in silent:
+            detail = f"no heartbeat for {silence:.1f} s"
+            self._suspect(Suspicion(rank, HEARTBEAT, time.time(), detail), generation=generation)
+
+    def _read_deaths(self) -> None:
+        for death in read_deaths(self._store, start=self._death_cursor):
+            self._death_cursor += 1
+            self._dead.setdefault(
+                death.rank, Suspicion(death.rank, DEATH, time.time(), _how(death))
+            )
+        for rank in self.members:
+            if rank in self._dead:
+                self._suspect(self._dead[rank])
+
+    def _check_announcement(self) -> None:
+        generation = self.generation
+        key = round_key(generation)
+        if self.failure is None and self._store.check([key]):
+            self._trigger(ANNOUNCED, self._store.get(key).decode(), generation=generation)
+
+    # --- reacting ------------------------------------------------------------------------------
+
+    def _suspect(self, suspicion: Suspicion, *, generation: int | None = None) -> None:
+        """Record ``suspicion`` if its rank is a member; ``generation``, when given, is the one
+        the evidence belongs to: evidence about a generation that has since ended is dropped."""
+        with self._lock:
+            if (
+                generation not in (None, self._generation)
+                or suspicion.rank not in self._members
+                or suspicion.rank in self._suspects
+                or suspicion.rank == self.rank  # a launcher that lost our node kills us anyway
+            ):
+                return
+            self._suspects[suspicion.rank] = suspicion
+        self._trigger(suspicion.cause, f"rank {suspicion.rank}: {suspicion.detail}")
+
+    def _trigger(
+        self, cause: str, detail: str, *, announce: bool = True, generation: int | None = None
+    ) -> None:
+        """Abort and announce, once per generation (``generation`` as in :meth:`_suspect`)."""
+        with self._lock:
+            if self._failure is not None or generation not in (None, self._generation):
+                return
+            notice = FailureNotice(self._generation, self.rank, cause, detail, time.time())
+            self._failure = notice
+        self.failure_detected.set()
+        self._on_failure()
+        if announce:
+            self._store.compare_set(round_key(notice.generation), "", notice.to_json())
+
+
+def _how(death: WorkerDeath) -> str:
+    if death.cause == NODE_LOST:
+        return "its node was lost"
+    return f"killed by {death.signal}" if death.signal else f"exited with {death.exit_code}"

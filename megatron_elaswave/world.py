@@ -1,0 +1,214 @@
+"""Process groups that can be aborted from any thread, one world per generation.
+
+A generation is one membership of the job: generation 0 is every launched rank, and each
+:class:`~megatron_elaswave.agreement.Decision` starts the next one with the survivors. Each
+generation gets a fresh default process group on ``PrefixStore(f"gen{g}/", store)``, so a rebuilt
+group never reads a key written by an older one. Before the rendezvous of that group, which can
+only time out, the survivors meet in the store (``rt/gen<g>/ready/<rank>``), a wait that a
+detected failure interrupts: a survivor that dies just after a decision costs one more agreement,
+not a rendezvous timeout.
+
+Aborting gloo collectives
+-------------------------
+In torch 2.13, ``ProcessGroup.abort()``, ``ProcessGroup.shutdown()``, the gloo backend's
+``abort()`` and ``distributed_c10d._abort_process_group()`` all return at once on gloo but leave a
+thread that is blocked in a collective blocked: a survivor waiting in a ring all-reduce for a
+peer that is alive (but has itself left the collective) waits for the full op timeout. What does
+unblock it is closing the connections: once a rank shuts down its gloo TCP sockets, its own
+pending operations and those of every peer that waits on it fail at once with "Connection closed
+by peer". So this module records the sockets that gloo opens while a group is created (by
+comparing ``/proc/self/fd`` before and after, Linux only) and :func:`abort_collectives` shuts
+them down. The listening socket is left alone: gloo aborts the process if its ``accept`` fails.
+A socket that another thread opens while a group is being created would be recorded too, which is
+why the failure monitor opens its store connection when it is constructed, not from its thread.
+
+The op timeout given to :func:`init_generation` remains the backstop for what cannot be
+aborted: a group whose creation is still in progress, and groups created with
+``TORCH_GLOO_LAZY_INIT=1`` (their connections open after creation and are not recorded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup, Store
+
+    from megatron_elaswave.agreement import Decision
+
+_FD_DIR = "/proc/self/fd"
+_MEET_POLL_INTERVAL_S = 0.02
+
+
+@dataclass(frozen=True)
+class _Connection:
+    """A socket opened by gloo, identified by descriptor and inode so that a descriptor number
+    reused for something else after gloo closed it is never touched."""
+
+    fd: int
+    inode: str
+
+    def shutdown(self) -> None:
+        try:
+            pinned = os.dup(self.fd)  # holds the socket open while we check it is still gloo's
+        except OSError:
+            return  # gloo already closed it
+        if _inode(pinned) != self.inode:
+            os.close(pinned)
+            return
+        with socket.socket(fileno=pinned) as sock, contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
+_lock = threading.Lock()
+_connections: list[_Connection] = []
+
+
+def _inode(fd: int) -> str | None:
+    try:
+        return os.readlink(f"{_FD_DIR}/{fd}")
+    except OSError:
+        return None
+
+
+def _open_sockets() -> dict[int, str]:
+    """``{fd: "socket:[inode]"}`` of this process; empty where ``/proc`` is unavailable."""
+    try:
+        names = os.listdir(_FD_DIR)
+    except OSError:
+        return {}
+    found = {}
+    for name in names:
+        target = _inode(int(name))
+        if target is not None and target.startswith("socket:"):
+            found[int(name)] = target
+    return found
+
+
+def _is_tcp_connection(fd: int) -> bool:
+    try:
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            return (
+                sock.family in (socket.AF_INET, socket.AF_INET6)
+                and sock.type == socket.SOCK_STREAM
+                and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+            )
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _recording_connections() -> Iterator[None]:
+    """Record the TCP connections opened inside the block, for :func:`abort_collectives`.
+
+    Only the calling thread should open sockets meanwhile: a socket another thread opens inside
+    the block would be recorded too.
+    """
+    before = _open_sockets()
+    yield
+    opened = [
+        _Connection(fd, inode)
+        for fd, inode in _open_sockets().items()
+        if before.get(fd) != inode and _is_tcp_connection(fd)
+    ]
+    with _lock:
+        _connections.extend(opened)
+
+
+def abort_collectives() -> None:
+    """Make every pending and future collective of the groups created here fail at once.
+
+    Safe to call from any thread, any number of times. The groups stay registered with
+    ``torch.distributed``; destroy them (:func:`init_generation` does) before forming new ones.
+    """
+    with _lock:
+        aborted = list(_connections)
+        _connections.clear()
+    for connection in aborted:
+        connection.shutdown()
+
+
+class GenerationAbandoned(RuntimeError):
+    """The group of a generation could not form: a survivor failed first, or never came."""
+
+
+def init_generation(
+    decision: Decision,
+    store: Store,
+    rank: int,
+    *,
+    backend: str = "gloo",
+    timeout: timedelta = timedelta(seconds=30),
+    abort: threading.Event | None = None,
+) -> ProcessGroup:
+    """Replace the default process group with the one of ``decision``'s generation.
+
+    ``rank`` is this process's launch rank (``RANK`` as set by the launcher), which must be one
+    of ``decision.survivors``; its rank in the new group is ``decision.new_rank(rank)``. The old
+    default group and all its subgroups are aborted and destroyed first. ``timeout`` bounds
+    every collective of the new group, including the rendezvous that creates it. Returns the
+    new default group.
+
+    The survivors first meet in the store; that wait raises :class:`GenerationAbandoned` as
+    soon as ``abort`` is set (pass the monitor's ``failure_detected``, after
+    ``monitor.advance(decision)``), or after ``timeout``.
+    """
+    abort_collectives()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _meet_survivors(decision, store, rank, timeout, abort)
+    with _recording_connections():
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore(f"gen{decision.generation}/", store),
+            rank=decision.new_rank(rank),
+            world_size=len(decision.survivors),
+            timeout=timeout,
+        )
+    return dist.group.WORLD
+
+
+def _meet_survivors(
+    decision: Decision,
+    store: Store,
+    rank: int,
+    timeout: timedelta,
+    abort: threading.Event | None,
+) -> None:
+    def ready_key(survivor: int) -> str:
+        return f"rt/gen{decision.generation}/ready/{survivor}"
+
+    store.set(ready_key(rank), "")
+    everyone = [ready_key(survivor) for survivor in decision.survivors]
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(everyone):
+        if abort is not None and abort.is_set():
+            raise GenerationAbandoned(
+                f"generation {decision.generation} abandoned: a failure was detected before "
+                "its process group formed"
+            )
+        if time.monotonic() > deadline:
+            raise GenerationAbandoned(
+                f"generation {decision.generation} abandoned: not every survivor of "
+                f"{list(decision.survivors)} arrived within {timeout.total_seconds():g} s"
+            )
+        time.sleep(_MEET_POLL_INTERVAL_S)
+
+
+def new_group(ranks: Sequence[int], **kwargs) -> ProcessGroup:
+    """``torch.distributed.new_group(ranks, **kwargs)``, abortable by :func:`abort_collectives`.
+
+    ``ranks`` are ranks of the current generation, not launch ranks.
+    """
+    with _recording_connections():
+        return dist.new_group(ranks, **kwargs)

@@ -1,0 +1,266 @@
+"""The failure monitor and the agreement: detection, abort, one decision, the next generation.
+
+The multi-process tests run four workers of ``tests/workers/monitor_train.py`` (a loop of
+compute and a gloo all-reduce) under ``elaswave-run``, fail some of them from the test, and
+compare what the survivors wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from harness import free_port, launch, worker_script
+from hypothesis import given
+from hypothesis import strategies as st
+
+from megatron_elaswave.agreement import AGREEMENT_DELAY_ENV, Decision, decision_key, joined_key
+from megatron_elaswave.monitor import HEARTBEAT, MonitorConfig
+from megatron_elaswave.store import WorkerDeath
+
+multiprocess = pytest.mark.multiprocess
+
+WORLD_SIZE = 4
+DETECTION_BOUND_S = 1.0
+"""A recorded death must be noticed, and the loop unblocked, within this many seconds."""
+
+
+# --- pure parts -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"heartbeat_interval_s": 0}, "heartbeat_interval_s must be a positive"),
+        ({"poll_interval_s": -1.0}, "poll_interval_s must be a positive"),
+        ({"agreement_timeout_s": float("inf")}, "agreement_timeout_s must be a positive"),
+        ({"collective_timeout_s": "30"}, "collective_timeout_s must be a positive"),
+        ({"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 1.5}, "at least twice"),
+    ],
+)
+def test_monitor_config_rejects_bad_timing(fields, message):
+    with pytest.raises(ValueError, match=message):
+        MonitorConfig(**fields)
+
+
+@given(
+    st.lists(st.integers(0, 1000), min_size=1, max_size=20, unique=True),
+    st.integers(0, 5),
+)
+def test_decision_numbers_survivors_in_order_and_round_trips(survivors, generation):
+    decision = Decision(generation, tuple(survivors), failed=(1001,))
+    assert [decision.new_rank(rank) for rank in survivors] == list(range(len(survivors)))
+    assert decision.new_ranks == {rank: i for i, rank in enumerate(survivors)}
+    assert Decision.from_json(decision.to_json()) == decision
+
+
+# --- helpers for the multi-process tests ----------------------------------------------------
+
+
+def start_job(out_dir: Path, victims: set[int], *extra: str, env: dict | None = None):
+    script = [worker_script("monitor_train.py"), str(out_dir), ",".join(map(str, victims))]
+    return launch([*script, *extra], nproc_per_node=WORLD_SIZE, master_port=free_port(), env=env)
+
+
+def wait_until_training(job) -> None:
+    store = job.store()
+    keys = [f"test/training/{rank}" for rank in range(WORLD_SIZE)]
+    job.wait_for(lambda: store.check(keys), 40, "all workers to train")
+
+
+def fail(job, rank: int, sig: int = signal.SIGKILL) -> float:
+    """Send ``sig`` to ``rank``'s worker; returns the time it was sent."""
+    sent_at = time.time()
+    job.kill_worker(rank, sig)
+    return sent_at
+
+
+def survivor_reports(job, out_dir: Path, victims: set[int]) -> dict[int, dict]:
+    survivors = set(range(WORLD_SIZE)) - victims
+    paths = {rank: out_dir / f"rank{rank}.json" for rank in survivors}
+    job.wait_for(lambda: all(p.exists() for p in paths.values()), 40, "the survivors' reports")
+    return {rank: json.loads(path.read_text()) for rank, path in paths.items()}
+
+
+def death_of(job, rank: int) -> WorkerDeath:
+    job.wait_for(lambda: rank in {d.rank for d in job.deaths()}, 10, f"the death of rank {rank}")
+    return next(death for death in job.deaths() if death.rank == rank)
+
+
+def check_outcome(reports: dict[int, dict], victims: set[int]) -> list[dict]:
+    """Every survivor went through the same decisions, the last one excludes exactly the
+    victims, and its group all-reduced over exactly the survivors. Returns the decisions."""
+    decisions = {
+        rank: [r["decision"] for r in report["rounds"]] for rank, report in reports.items()
+    }
+    first = next(iter(decisions.values()))
+    assert all(d == first for d in decisions.values()), decisions
+    survivors = sorted(set(range(WORLD_SIZE)) - victims)
+    assert {rank for d in first for rank in d["failed"]} == victims
+    assert first[-1]["survivors"] == survivors
+    for rank, report in reports.items():
+        check = report["rounds"][-1]["check"]
+        assert check == {
+            "world_size": len(survivors),
+            "rank": survivors.index(rank),
+            "sum": sum(survivors),
+        }
+    return first
+
+
+def identified_at(report: dict, rank: int) -> float:
+    """When this survivor's monitor first held ``rank`` failed."""
+    return min(
+        r["suspects"][str(rank)]["time"] for r in report["rounds"] if str(rank) in r["suspects"]
+    )
+
+
+def log_latencies(what: str, latencies: list[float]) -> None:
+    print(f"{what}: " + ", ".join(f"{latency * 1000:.0f} ms" for latency in sorted(latencies)))
+
+
+# --- multi-process tests --------------------------------------------------------------------
+
+
+@multiprocess
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("victim", [2, 0], ids=["rank2", "world_rank0"])
+def test_sigkill_during_training_is_survived(tmp_path, victim):
+    """A worker killed during compute or inside the all-reduce (the loop does both): every
+    survivor notices within a second of the death record, none stays blocked, all reach the
+    same decision and all-reduce on the new group. Rank 0 of the world is no special case."""
+    with start_job(tmp_path, {victim}) as job:
+        wait_until_training(job)
+        killed_at = fail(job, victim)
+        reports = survivor_reports(job, tmp_path, {victim})
+        death = death_of(job, victim)
+        returncode, output = job.wait(timeout=30)
+    assert returncode == 0, output
+    assert check_outcome(reports, {victim}) == [
+        {
+            "generation": 1,
+            "survivors": sorted(set(range(WORLD_SIZE)) - {victim}),
+            "failed": [victim],
+        }
+    ]
+    for rank, report in reports.items():
+        (round_,) = report["rounds"]
+        assert round_["notice"]["time"] - death.time < DETECTION_BOUND_S, (rank, round_)
+        assert round_["unblocked_at"] - death.time < DETECTION_BOUND_S, (rank, round_)
+        assert identified_at(report, victim) - death.time < DETECTION_BOUND_S, (rank, round_)
+    log_latencies(
+        "kill -> noticed", [r["rounds"][0]["notice"]["time"] - killed_at for r in reports.values()]
+    )
+    log_latencies(
+        "death record -> identified",
+        [identified_at(r, victim) - death.time for r in reports.values()],
+    )
+
+
+@multiprocess
+@pytest.mark.timeout(60)
+def test_two_simultaneous_sigkills_are_survived(tmp_path):
+    victims = {1, 2}
+    with start_job(tmp_path, victims) as job:
+        wait_until_training(job)
+        for victim in sorted(victims):
+            fail(job, victim)
+        reports = survivor_reports(job, tmp_path, victims)
+        deaths = {victim: death_of(job, victim) for victim in victims}
+        returncode, output = job.wait(timeout=30)
+    assert returncode == 0, output
+    decisions = check_outcome(reports, victims)
+    assert len(decisions) <= 2  # at most one extra round if the second death was recorded late
+    for report in reports.values():
+        for victim, death in deaths.items():
+            assert identified_at(report, victim) - death.time < DETECTION_BOUND_S, report
+
+
+@multiprocess
+@pytest.mark.timeout(60)
+def test_stopped_rank_is_detected_by_heartbeat_and_leaves_when_resumed(tmp_path):
+    """SIGSTOP leaves the victim's connections open, so only the heartbeat timeout detects it
+    and only the abort unblocks the survivors that wait on it in the all-reduce."""
+    victim, heartbeat_timeout_s = 2, 2.0
+    with start_job(
+        tmp_path, {victim}, f"--heartbeat-timeout={heartbeat_timeout_s}", "--hold"
+    ) as job:
+        wait_until_training(job)
+        stopped_at = fail(job, victim, signal.SIGSTOP)
+        reports = survivor_reports(job, tmp_path, {victim})
+        job.kill_worker(victim, signal.SIGCONT)
+        death = death_of(job, victim)
+        job.store().set("test/release", "")
+        returncode, output = job.wait(timeout=30)
+    assert returncode == 0, output
+    assert check_outcome(reports, {victim})[0]["generation"] == 1
+    latencies = []
+    for rank, report in reports.items():
+        (round_,) = report["rounds"]
+        notice = round_["notice"]
+        latencies.append(notice["time"] - stopped_at)
+        # Detected by the heartbeat path: not before its timeout, and long before the op timeout
+        # (the slack absorbs a loaded 2-core machine).
+        assert heartbeat_timeout_s - 0.5 < latencies[-1] < heartbeat_timeout_s + 5.0, (rank, notice)
+        assert round_["unblocked_at"] - notice["time"] < DETECTION_BOUND_S, (rank, round_)
+        assert round_["suspects"][str(victim)]["cause"] == HEARTBEAT
+    log_latencies("stop -> noticed", latencies)
+    assert (death.exit_code, death.signal) == (1, None)
+    assert f"rank {victim} was excluded from the job" in output
+
+
+@multiprocess
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("second", [1, 0], ids=["follower", "proposer"])
+def test_failure_during_agreement_enlarges_the_decision(tmp_path, second):
+    """The proposer pauses before committing (``ELASWAVE_AGREEMENT_DELAY_S``) and the test
+    kills a second rank meanwhile: a follower, or the proposer itself (the world's rank 0).
+    The survivors still commit a single decision, excluding both."""
+    first, pause_s = 3, 3.0
+    victims = {first, second}
+    with start_job(tmp_path, victims, env={AGREEMENT_DELAY_ENV: str(pause_s)}) as job:
+        wait_until_training(job)
+        fail(job, first)
+        store, members = job.store(), [rank for rank in range(WORLD_SIZE) if rank != first]
+        job.wait_for(lambda: store.check([joined_key(0, r) for r in members]), 10, "the agreement")
+        fail(job, second)
+        reports = survivor_reports(job, tmp_path, victims)
+        returncode, output = job.wait(timeout=30)
+    assert returncode == 0, output
+    survivors = sorted(set(range(WORLD_SIZE)) - victims)
+    expected = {"generation": 1, "survivors": survivors, "failed": sorted(victims)}
+    assert check_outcome(reports, victims) == [expected]
+
+
+@multiprocess
+@pytest.mark.timeout(60)
+def test_failure_after_the_decision_starts_the_next_agreement(tmp_path):
+    """A survivor dies after the decision, before the next group forms (every rank pauses
+    there): the others leave the formation as soon as they notice and agree again."""
+    first, second, pause_s = 3, 1, 2.0
+    victims = {first, second}
+    with start_job(tmp_path, victims, f"--pause-after-decision={pause_s}") as job:
+        wait_until_training(job)
+        fail(job, first)
+        store = job.store()
+        job.wait_for(lambda: store.check([decision_key(0)]), 10, "the first decision")
+        fail(job, second)
+        reports = survivor_reports(job, tmp_path, victims)
+        death = death_of(job, second)
+        returncode, output = job.wait(timeout=30)
+    assert returncode == 0, output
+    assert check_outcome(reports, victims) == [
+        {"generation": 1, "survivors": [0, 1, 2], "failed": [first]},
+        {"generation": 2, "survivors": [0, 2], "failed": [second]},
+    ]
+    for rank, report in reports.items():
+        second_round = report["rounds"][1]
+        assert second_round["notice"]["time"] - death.time < DETECTION_BOUND_S, (rank, second_round)
+        # it left the formation when its pause ended, not at the rendezvous timeout
+        assert second_round["unblocked_at"] - death.time < pause_s + DETECTION_BOUND_S, (
+            rank,
+            second_round,
+        )
