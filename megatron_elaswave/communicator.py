@@ -1,0 +1,488 @@
+"""The dynamic communicator: one registry owns every process group of the job.
+
+A :class:`GroupRegistry` creates the process groups a :class:`~megatron_elaswave.layout.Layout`
+needs and, after a failure, edits them into the groups of the next layout. It guarantees:
+
+* **Groups are data first.** :func:`group_specs` is a pure function of the layout: every group as
+  a :class:`GroupSpec` (role, key, member ranks). It needs no process and is what the tests check
+  against Megatron's own ``RankGenerator``.
+* **One communicator per member list.** Roles with the same ordered member list share one
+  ``ProcessGroup``: with context parallelism 1 the DP-CP group *is* the DP group, a two-stage
+  pipeline's embedding group *is* its pipeline group, a one-stage pipeline *is* its rank's
+  context-parallel singleton. Sharing is safe because every member issues the operations of a
+  group in the same program order, whichever role it calls it by.
+* **An edit touches only what changed.** ``edit(failed_ranks, new_layout)`` keeps every group whose
+  member list the new layout still uses, creates the member lists it lacks and destroys the ones
+  it no longer uses (every list with a failed rank among them). In the default ``inplace`` mode
+  only the members of a created group take part in creating it: dead ranks never participate
+  and bystanders do nothing. ``partial`` and ``full`` exist for comparison (:class:`EditMode`).
+* **Ranks are launch ranks.** Specs, keys and lookups use the ranks the launcher gave; the
+  registry translates to the default group's numbering, which differs only after a ``full``
+  rebuild (:meth:`GroupRegistry.world_rank`).
+
+The default group after a death
+-------------------------------
+``inplace`` and ``partial`` keep the default group (``torch.distributed.group.WORLD``) that the job
+started with, dead ranks included, because replacing it destroys every other group (torch's
+``destroy_process_group()``; NCCL's ``shrink_group`` of the default group does the same). What
+the stale default group still provides, measured on gloo after a SIGKILL
+(``tests/test_communicator.py``): its store and rank numbering, from which the registry creates
+the new groups; and point-to-point send/recv between two survivors, which megatron-core's P2P
+code uses when a pipeline group has two ranks and ``batch_p2p_comm=False``. What it cannot
+provide: any *collective* on the default group (``barrier()``, ``all_gather_object()`` without a
+group, ...), which would wait on the dead rank. The runtime therefore passes the registry's
+groups to every collective; the survivors' group is :attr:`Role.WORLD`. Code that must use the
+default group for collectives needs ``full`` mode, which re-creates it over the survivors on
+``PrefixStore(f"gen{generation}/", store)``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from megatron_elaswave.layout import Layout, Replica
+
+if TYPE_CHECKING:
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from torch.distributed import ProcessGroup, Store
+
+
+class Role(str, enum.Enum):
+    """What a group is for, in Megatron's vocabulary (its ``ProcessGroupCollection`` names)."""
+
+    WORLD = "world"
+    """Every rank that holds a stage, in rank order: the grad-norm and token-count group."""
+    TP = "tp"
+    """One stage instance, in TP-rank order. Key ``(replica, stage)``."""
+    PP = "pp"
+    """One replica's stages at one TP rank, in pipeline order. Key ``(replica, tp_rank)``."""
+    MP = "mp"
+    """All ranks of one replica, TP rank fastest (Megatron's ``tp-pp``). Key ``(replica,)``."""
+    EMBEDDING = "embd"
+    """First and last stage of a pipeline (one rank if it has one stage). Key as :attr:`PP`."""
+    POSITION_EMBEDDING = "pos_embd"
+    """First stage of a pipeline. Key as :attr:`PP`."""
+    DP = "dp"
+    """The holders of one layer group at one TP rank, one per replica, in replica order.
+    Key ``(layer_group, tp_rank)``. With equal stages everywhere, Megatron's DP group."""
+    DP_CP = "dp_cp"
+    """:attr:`DP` with context parallelism, which is 1: the same members."""
+    TP_DP = "tp_dp"
+    """The holders of one layer group at every TP rank (Megatron's ``tp-dp``). Key
+    ``(layer_group,)``."""
+    CP = "cp"
+    """A rank alone: context parallelism is 1. Key ``(rank,)``."""
+
+
+_ONE_PER_RANK = frozenset(
+    {Role.WORLD, Role.TP, Role.PP, Role.MP, Role.EMBEDDING, Role.POSITION_EMBEDDING, Role.CP}
+)
+"""Roles of which a rank holds at most one group (DP and TP-DP are one per layer group)."""
+
+
+class EditMode(str, enum.Enum):
+    """How :meth:`GroupRegistry.edit` re-creates groups."""
+
+    INPLACE = "inplace"
+    """Only the groups that change, each created by its members alone (NCCL: shrunk where the
+    new group is the old one minus the failed ranks)."""
+    PARTIAL = "partial"
+    """Only the groups that change, but every survivor takes part in creating each of them
+    (``new_group`` without local synchronisation) and waits for all survivors after each one,
+    as ``initialize_model_parallel`` with ``TORCH_DIST_INIT_BARRIER=1`` would."""
+    FULL = "full"
+    """Destroy every group, form a new default group over the survivors, then create every
+    group the ``partial`` way."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One process group of a layout, as data."""
+
+    role: Role
+    key: tuple[int, ...]
+    """Which group of its role (see :class:`Role`)."""
+    ranks: tuple[int, ...]
+    """Member launch ranks; a member's rank in the group is its index here."""
+
+    def __post_init__(self) -> None:
+        if not self.ranks:
+            raise ValueError(f"{self.role.value} group {self.key} has no member")
+        if len(set(self.ranks)) != len(self.ranks) or min(self.ranks) < 0:
+            raise ValueError(f"{self.role.value} group {self.key}: bad ranks {self.ranks}")
+
+
+def _tp_size(layout: Layout) -> int:
+    sizes = {len(stage.ranks) for replica in layout.replicas for stage in replica.stages}
+    if len(sizes) != 1:
+        raise ValueError(f"stages differ in tensor-parallel size: {sorted(sizes)}")
+    return sizes.pop()
+
+
+def _holders(replica: Replica, first_layer: int) -> tuple[int, ...]:
+    """Ranks (in TP order) of the stage of ``replica`` that holds ``first_layer``."""
+    return replica.stages[replica.stage_index_of_layer(first_layer)].ranks
+
+
+def group_specs(layout: Layout) -> tuple[GroupSpec, ...]:
+    """Every group ``layout`` needs, in a canonical order that all ranks agree on."""
+    layout.validate()
+    tp = _tp_size(layout)
+    specs = [GroupSpec(Role.WORLD, (), tuple(sorted(layout.active_ranks())))]
+    for replica in layout.replicas:
+        for s, stage in enumerate(replica.stages):
+            specs.append(GroupSpec(Role.TP, (replica.index, s), stage.ranks))
+        for t in range(tp):
+            pipeline = tuple(stage.ranks[t] for stage in replica.stages)
+            key = (replica.index, t)
+            specs.append(GroupSpec(Role.PP, key, pipeline))
+            ends = tuple(dict.fromkeys((pipeline[0], pipeline[-1])))
+            specs.append(GroupSpec(Role.EMBEDDING, key, ends))
+            specs.append(GroupSpec(Role.POSITION_EMBEDDING, key, pipeline[:1]))
+        replica_ranks = tuple(r for stage in replica.stages for r in stage.ranks)
+        specs.append(GroupSpec(Role.MP, (replica.index,), replica_ranks))
+    for g, (first_layer, _) in enumerate(layout.layer_groups()):
+        holders = [_holders(replica, first_layer) for replica in layout.replicas]
+        for t in range(tp):
+            members = tuple(ranks[t] for ranks in holders)
+            specs.append(GroupSpec(Role.DP, (g, t), members))
+            specs.append(GroupSpec(Role.DP_CP, (g, t), members))
+        specs.append(GroupSpec(Role.TP_DP, (g,), tuple(r for ranks in holders for r in ranks)))
+    specs.extend(GroupSpec(Role.CP, (rank,), (rank,)) for rank in sorted(layout.active_ranks()))
+    return tuple(specs)
+
+
+def member_lists(specs: Iterable[GroupSpec]) -> tuple[tuple[int, ...], ...]:
+    """The distinct member lists of ``specs``, in first-seen order: one communicator each."""
+    return tuple(dict.fromkeys(spec.ranks for spec in specs))
+
+
+@dataclass(frozen=True)
+class EditPlan:
+    """What an in-place edit does to the communicators (member lists), job-wide."""
+
+    keep: tuple[tuple[int, ...], ...]
+    """Used by both layouts: left as they are."""
+    create: tuple[tuple[int, ...], ...]
+    """Used by the new layout and new, or broken: created, in canonical order."""
+    drop: tuple[tuple[int, ...], ...]
+    """Used by the old layout and not kept: destroyed by their surviving members."""
+
+    def shrink_source(
+        self, members: tuple[int, ...], failed: frozenset[int]
+    ) -> tuple[int, ...] | None:
+        """The dropped list that ``members`` is, minus ``failed`` and in the same order, if any."""
+        for old in self.drop:
+            if tuple(r for r in old if r not in failed) == members and not failed.isdisjoint(old):
+                return old
+        return None
+
+
+def plan_edit(old: Layout, new: Layout, failed_ranks: Iterable[int],
+              broken: Iterable[Sequence[int]] = ()) -> EditPlan:
+    """The communicators that change between ``old`` and ``new`` after ``failed_ranks`` died.
+
+    ``broken`` lists member lists of groups that must be re-created although no member failed:
+    groups whose in-flight operation was aborted (an abort leaves a gloo group unusable).
+    """
+    failed = frozenset(failed_ranks)
+    if not failed <= old.known_ranks():
+        unknown = sorted(failed - old.known_ranks())
+        raise ValueError(f"failed ranks {unknown} are not part of the job")
+    if not new.known_ranks() <= old.known_ranks() - failed:
+        raise ValueError("the new layout uses ranks that failed or were never part of the job")
+    before, after = member_lists(group_specs(old)), member_lists(group_specs(new))
+    reusable = set(before) - {tuple(members) for members in broken}
+    keep = tuple(m for m in after if m in reusable)
+    return EditPlan(
+        keep=keep,
+        create=tuple(m for m in after if m not in reusable),
+        drop=tuple(m for m in before if m not in set(keep)),
+    )
+
+
+@dataclass(frozen=True)
+class EditReport:
+    """What :meth:`GroupRegistry.edit` did on this rank."""
+
+    mode: EditMode
+    generation: int
+    """Generation of the groups after the edit."""
+    created: int
+    """Communicators this rank created (or shrank)."""
+    kept: int
+    """Communicators this rank kept."""
+    destroyed: int
+    """Communicators this rank destroyed."""
+    seconds: float
+    """Wall time of the edit on this rank."""
+
+
+def _group_name(generation: int, world_ranks: Sequence[int]) -> str:
+    digest = hashlib.sha1("_".join(map(str, world_ranks)).encode(), usedforsecurity=False)
+    return f"elaswave-gen{generation}-{digest.hexdigest()[:20]}"
+
+
+def _new_named_group(world_ranks: Sequence[int], name: str, backend: str,
+                     timeout: timedelta) -> ProcessGroup:
+    """A group created by its members only, under a name they all derive the same way.
+
+    ``new_group(ranks, use_local_synchronization=True)`` cannot be used as is: torch 2.13 names
+    such a group by hashing its ranks *together with the number of groups the calling process
+    holds*, so members that hold different numbers of groups (the normal case after an edit, and
+    between ranks of a heterogeneous layout) rendezvous under different store prefixes and time
+    out (observed). This is that function's body with the name given. Checked against torch 2.13.
+    """
+    default_group = distributed_c10d._get_default_group()
+    _, default_store = distributed_c10d._world.pg_map[default_group]
+    group, _ = distributed_c10d._new_process_group_helper(
+        len(world_ranks),
+        list(world_ranks).index(default_group.rank()),
+        list(world_ranks),
+        backend,
+        default_store,
+        distributed_c10d.GroupName(name),
+        timeout=timeout,
+        group_desc=name,
+    )
+    distributed_c10d._world.pg_group_ranks[group] = {r: i for i, r in enumerate(world_ranks)}
+    return group
+
+
+def _store_barrier(store: Store, key: str, count: int, timeout: timedelta) -> None:
+    """Return once ``count`` processes have reached ``key``: the last one releases the others."""
+    if store.add(key, 1) == count:
+        store.set(f"{key}/released", "")
+    store.wait([f"{key}/released"], timeout)
+
+
+class GroupRegistry:
+    """Every process group of one rank, created from a layout and edited on failures.
+
+    ``rank`` is this process's launch rank and, when the registry is created, its rank in the
+    default group (which must already exist). ``store`` is the job store, not a prefixed view:
+    ``partial`` and ``full`` edits synchronise through it and a ``full`` edit forms generation
+    ``g``'s default group on ``PrefixStore(f"gen{g}/", store)``. ``timeout`` bounds the creation
+    of every group and every operation on it.
+    """
+
+    def __init__(self, layout: Layout, rank: int, *, store: Store, backend: str = "gloo",
+                 timeout: timedelta = timedelta(seconds=30), generation: int = 0) -> None:
+        if dist.get_rank() != rank:
+            raise ValueError(f"rank {rank} is rank {dist.get_rank()} of the default group")
+        if rank not in layout.known_ranks():
+            raise ValueError(f"rank {rank} is not part of the layout")
+        self._rank = rank
+        self._store = store
+        self._backend = backend
+        self._timeout = timeout
+        self._generation = generation
+        self._layout = layout
+        self._specs = group_specs(layout)
+        self._world_ranks = {r: r for r in layout.known_ranks()}
+        self._groups: dict[tuple[int, ...], ProcessGroup] = {}
+        for members in self._own(member_lists(self._specs)):
+            self._groups[members] = self._create_local(members)
+
+    # ---- lookups ----------------------------------------------------------------------------
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def world_rank(self, rank: int) -> int:
+        """``rank``'s rank in the current default group."""
+        return self._world_ranks[rank]
+
+    def specs(self) -> tuple[GroupSpec, ...]:
+        """The specs of the groups this rank belongs to, in canonical order."""
+        return tuple(spec for spec in self._specs if self._rank in spec.ranks)
+
+    def spec(self, role: Role, key: tuple[int, ...] | None = None) -> GroupSpec:
+        """This rank's group of ``role``; ``key`` picks one where it has several (DP groups of a
+        rank that holds several layer groups)."""
+        found = [s for s in self.specs() if s.role == role and (key is None or s.key == key)]
+        if len(found) != 1:
+            raise LookupError(
+                f"rank {self._rank} has {len(found)} {role.value} groups"
+                + ("" if key is None else f" with key {key}")
+                + ("" if len(found) < 2 else f": pass one of the keys {[s.key for s in found]}")
+            )
+        return found[0]
+
+    def group(self, role: Role, key: tuple[int, ...] | None = None) -> ProcessGroup:
+        """This rank's process group of ``role`` (see :meth:`spec`)."""
+        return self._groups[self.spec(role, key).ranks]
+
+    def group_of(self, spec: GroupSpec) -> ProcessGroup:
+        return self._groups[spec.ranks]
+
+    def layer_groups(self) -> tuple[int, ...]:
+        """Indices (into ``layout.layer_groups()``) of the layer groups this rank holds."""
+        return tuple(s.key[0] for s in self.specs() if s.role == Role.DP)
+
+    def dp_groups(self) -> dict[int, ProcessGroup]:
+        """This rank's data-parallel group of each layer group it holds."""
+        return {s.key[0]: self._groups[s.ranks] for s in self.specs() if s.role == Role.DP}
+
+    def process_group_collection(self, layer_group: int | None = None) -> ProcessGroupCollection:
+        """Megatron's groups for one of this rank's layer groups (its only one by default).
+
+        The model-parallel groups are those of Megatron with the same sizes; data-parallel groups
+        are the layer group's; the distributed-optimizer instance group (the grad-norm group) is
+        :attr:`Role.WORLD`. Embedding groups are ``None`` on ranks outside them, as in Megatron.
+        Expert groups are those of expert parallelism 1 (dense models).
+        """
+        # Imported here: megatron.core takes seconds to import and the registry needs none of it.
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        if layer_group is None:
+            held = self.layer_groups()
+            if len(held) != 1:
+                raise LookupError(f"rank {self._rank} holds layer groups {list(held)}: pick one")
+            layer_group = held[0]
+        tp_rank = self.spec(Role.TP).ranks.index(self._rank)
+        member = {s.role: self._groups[s.ranks] for s in self.specs() if s.role in _ONE_PER_RANK}
+        tp, cp, mp = member[Role.TP], member[Role.CP], member[Role.MP]
+        dp = self.group(Role.DP, (layer_group, tp_rank))
+        tp_dp = self.group(Role.TP_DP, (layer_group,))
+        return ProcessGroupCollection(
+            tp=tp, pp=member[Role.PP], mp=mp, cp=cp, tp_cp=tp,
+            embd=member.get(Role.EMBEDDING), pos_embd=member.get(Role.POSITION_EMBEDDING),
+            dp=dp, dp_cp=dp, intra_dp_cp=dp, tp_dp_cp=tp_dp,
+            ep=cp, expt_tp=tp, tp_ep=tp, tp_ep_pp=mp, expt_dp=dp, intra_expt_dp=dp,
+            intra_dist_opt=member[Role.WORLD],
+        )
+
+    # ---- edits ------------------------------------------------------------------------------
+
+    def edit(
+        self,
+        failed_ranks: Iterable[int],
+        new_layout: Layout,
+        mode: EditMode | str = EditMode.INPLACE,
+        *,
+        broken: Iterable[Sequence[int]] = (),
+        generation: int | None = None,
+    ) -> EditReport:
+        """Turn the groups of the current layout into those of ``new_layout``.
+
+        Every survivor (every rank of ``new_layout``, spares included) calls this with the same
+        arguments; failed ranks must not. Operations in flight must have been aborted first,
+        and the groups they were on listed in ``broken`` (member lists, see :func:`plan_edit`).
+        ``generation`` (default: the current one plus one) names the new groups.
+        """
+        mode = EditMode(mode)
+        started = time.perf_counter()
+        failed = frozenset(failed_ranks)
+        plan = plan_edit(self._layout, new_layout, failed, broken)
+        if self._rank not in new_layout.known_ranks():
+            raise ValueError(f"rank {self._rank} is not part of the new layout")
+        self._generation = self._generation + 1 if generation is None else generation
+        survivors = tuple(sorted(new_layout.known_ranks()))
+        if mode == EditMode.FULL:
+            counts = self._rebuild(survivors, member_lists(group_specs(new_layout)))
+        else:
+            counts = self._edit(plan, failed, survivors, mode)
+        self._layout, self._specs = new_layout, group_specs(new_layout)
+        return EditReport(mode, self._generation, *counts, time.perf_counter() - started)
+
+    def _edit(self, plan: EditPlan, failed: frozenset[int], survivors: tuple[int, ...],
+              mode: EditMode) -> tuple[int, int, int]:
+        destroyed = 0
+        created: dict[tuple[int, ...], ProcessGroup] = {}
+        for number, members in enumerate(plan.create):
+            if mode == EditMode.PARTIAL:
+                group = self._create_global(members)
+                self._wait_for_survivors(number, len(survivors))
+            elif self._rank not in members:
+                continue
+            elif (source := plan.shrink_source(members, failed)) is not None and self._can_shrink():
+                group = self._shrink(source, failed)
+                destroyed += 1
+            else:
+                group = self._create_local(members)
+            if group is not None:
+                created[members] = group
+        # Destroyed only now: a dropped group may be the source of a shrink above.
+        for members in plan.drop:
+            group = self._groups.pop(members, None)
+            if group is not None:
+                dist.destroy_process_group(group)
+                destroyed += 1
+        self._groups.update(created)
+        return len(created), len(self._own(plan.keep)), destroyed
+
+    def _rebuild(self, survivors: tuple[int, ...],
+                 lists: tuple[tuple[int, ...], ...]) -> tuple[int, int, int]:
+        destroyed = len(self._groups)
+        self._groups.clear()
+        dist.destroy_process_group()
+        dist.init_process_group(
+            self._backend,
+            store=dist.PrefixStore(f"gen{self._generation}/", self._store),
+            rank=survivors.index(self._rank),
+            world_size=len(survivors),
+            timeout=self._timeout,
+        )
+        self._world_ranks = {r: i for i, r in enumerate(survivors)}
+        for number, members in enumerate(lists):
+            group = self._create_global(members)
+            if group is not None:
+                self._groups[members] = group
+            self._wait_for_survivors(number, len(survivors))
+        return len(self._groups), 0, destroyed
+
+    def destroy(self) -> None:
+        """Destroy every group of this registry (not the default group)."""
+        for group in self._groups.values():
+            dist.destroy_process_group(group)
+        self._groups.clear()
+
+    # ---- creation ---------------------------------------------------------------------------
+
+    def _own(self, lists: Iterable[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
+        return tuple(members for members in lists if self._rank in members)
+
+    def _create_local(self, members: tuple[int, ...]) -> ProcessGroup:
+        world = [self._world_ranks[r] for r in members]
+        name = _group_name(self._generation, world)
+        return _new_named_group(world, name, self._backend, self._timeout)
+
+    def _create_global(self, members: tuple[int, ...]) -> ProcessGroup | None:
+        """``new_group`` without local synchronisation: every rank of the default group that is
+        alive calls it for every group, in the same order; ``None`` on non-members."""
+        group = dist.new_group(
+            [self._world_ranks[r] for r in members], timeout=self._timeout, sort_ranks=False
+        )
+        return None if group is distributed_c10d.GroupMember.NON_GROUP_MEMBER else group
+
+    def _can_shrink(self) -> bool:
+        return self._backend == "nccl" and hasattr(dist, "shrink_group")
+
+    def _shrink(self, source: tuple[int, ...], failed: frozenset[int]) -> ProcessGroup:
+        """NCCL: the group ``source`` without its failed members; consumes ``source``'s group."""
+        excluded = [source.index(r) for r in source if r in failed]
+        return dist.shrink_group(excluded, group=self._groups.pop(source))
+
+    def _wait_for_survivors(self, number: int, count: int) -> None:
+        """The global synchronisation of partial and full modes, after creating group ``number``."""
+        key = f"rt/gen{self._generation}/communicator/created/{number}"
+        _store_barrier(self._store, key, count, self._timeout)

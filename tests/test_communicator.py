@@ -1,0 +1,229 @@
+"""The dynamic communicator: group specs against Megatron's, edits after a real death, and
+``parallel_state`` rebuilt from the registry.
+
+The multi-process tests run gloo workers under ``elaswave-run`` (``tests/workers``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from harness import free_port, launch, worker_script
+
+from megatron_elaswave.communicator import EditMode, GroupSpec, Role, group_specs, member_lists, plan_edit
+from megatron_elaswave.layout import Layout, Replica, StageInstance
+
+multiprocess = pytest.mark.multiprocess
+
+MEGATRON_ORDER = "tp-cp-ep-dp-pp"
+
+
+def lists_of(specs, role: Role) -> list[tuple[int, ...]]:
+    return sorted(spec.ranks for spec in specs if spec.role == role)
+
+
+def read_reports(directory: Path) -> dict[int, dict]:
+    return {
+        int(path.stem.removeprefix("rank")): json.loads(path.read_text())
+        for path in directory.glob("rank*.json")
+    }
+
+
+# --- pure: specs and edit plans ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tp, pp, dp", [(2, 2, 2), (2, 2, 4), (1, 4, 2), (4, 1, 2), (2, 4, 1)])
+def test_specs_of_the_grid_are_megatrons_groups(tp, pp, dp):
+    from megatron.core.parallel_state import (
+        RankGenerator,
+        default_embedding_ranks,
+        default_position_embedding_ranks,
+    )
+
+    generator = RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=1, order=MEGATRON_ORDER)
+    pipelines = generator.get_ranks("pp")
+    expected = {
+        Role.TP: generator.get_ranks("tp"),
+        Role.PP: pipelines,
+        Role.MP: generator.get_ranks("tp-pp"),
+        Role.DP: generator.get_ranks("dp"),
+        Role.DP_CP: generator.get_ranks("dp-cp"),
+        Role.TP_DP: generator.get_ranks("tp-dp"),
+        Role.CP: generator.get_ranks("cp"),
+        Role.EMBEDDING: [default_embedding_ranks(ranks) for ranks in pipelines],
+        Role.POSITION_EMBEDDING: [default_position_embedding_ranks(ranks) for ranks in pipelines],
+        # Megatron's distributed-optimizer instance group with one instance: every rank.
+        Role.WORLD: [list(range(tp * pp * dp))],
+    }
+    specs = group_specs(Layout.megatron(tp=tp, pp=pp, dp=dp, num_layers=4 * pp, num_microbatches=dp))
+    for role, groups in expected.items():
+        assert lists_of(specs, role) == sorted(tuple(ranks) for ranks in groups), role
+
+
+def heterogeneous_layout() -> Layout:
+    """TP2 x PP2 x DP2 after rank 5 died: replica 0 runs on ranks 0-1 alone, rank 4 is a spare."""
+    return Layout(
+        num_layers=4,
+        replicas=(
+            Replica(0, (StageInstance((0, 1), 0, 3),), (0, 2, 4, 6, 7)),
+            Replica(1, (StageInstance((2, 3), 0, 1), StageInstance((6, 7), 2, 3)), (1, 3, 5)),
+        ),
+        spares=(4,),
+    )
+
+
+def test_specs_of_heterogeneous_replicas_follow_layer_groups():
+    specs = group_specs(heterogeneous_layout())
+    assert lists_of(specs, Role.WORLD) == [(0, 1, 2, 3, 6, 7)]
+    assert lists_of(specs, Role.TP) == [(0, 1), (2, 3), (6, 7)]
+    assert lists_of(specs, Role.PP) == [(0,), (1,), (2, 6), (3, 7)]
+    assert lists_of(specs, Role.EMBEDDING) == [(0,), (1,), (2, 6), (3, 7)]
+    assert lists_of(specs, Role.POSITION_EMBEDDING) == [(0,), (1,), (2,), (3,)]
+    assert lists_of(specs, Role.MP) == [(0, 1), (2, 3, 6, 7)]
+    # Layer groups [0-1] and [2-3]: one DP group per layer group and TP rank, one rank per replica.
+    dp = {spec.key: spec.ranks for spec in specs if spec.role == Role.DP}
+    assert dp == {(0, 0): (0, 2), (0, 1): (1, 3), (1, 0): (0, 6), (1, 1): (1, 7)}
+    assert lists_of(specs, Role.DP_CP) == sorted(dp.values())
+    assert lists_of(specs, Role.TP_DP) == [(0, 1, 2, 3), (0, 1, 6, 7)]
+    assert lists_of(specs, Role.CP) == [(0,), (1,), (2,), (3,), (6,), (7,)]
+
+
+def test_an_edit_changes_only_the_groups_with_a_failed_rank_or_new_members():
+    old = Layout.megatron(tp=2, pp=2, dp=2, num_layers=4, num_microbatches=8)
+    plan = plan_edit(old, heterogeneous_layout(), {5})
+    assert set(plan.create) == {(0, 1, 2, 3, 6, 7), (0, 6), (1, 7), (0, 1, 6, 7)}
+    assert set(plan.drop) == {
+        (0, 1, 2, 3, 4, 5, 6, 7), (4, 5), (0, 4), (1, 5), (0, 1, 4, 5), (4, 6), (5, 7),
+        (4, 5, 6, 7), (4,), (5,),
+    }
+    # Replica 1's groups, and rank 0's and 1's stage-0 DP groups, survive untouched.
+    assert {(2, 3), (6, 7), (2, 6), (3, 7), (2, 3, 6, 7), (0, 2), (1, 3), (0, 1, 2, 3)} <= set(plan.keep)
+    assert set(plan.keep) | set(plan.create) == set(member_lists(group_specs(heterogeneous_layout())))
+    assert all(5 not in members for members in plan.keep + plan.create)
+
+
+def test_a_broken_group_is_recreated_even_if_its_members_live():
+    old = Layout.megatron(tp=2, pp=2, dp=2, num_layers=4, num_microbatches=8)
+    plan = plan_edit(old, heterogeneous_layout(), {5}, broken=[(2, 6)])
+    assert (2, 6) in plan.create and (2, 6) in plan.drop and (2, 6) not in plan.keep
+
+
+def test_a_group_that_only_loses_its_failed_ranks_can_be_shrunk():
+    old = Layout.megatron(tp=1, pp=1, dp=3, num_layers=2, num_microbatches=3)
+    new = Layout(num_layers=2, replicas=(
+        Replica(0, (StageInstance((0,), 0, 1),), (0, 1)),
+        Replica(2, (StageInstance((2,), 0, 1),), (2,)),
+    ))
+    plan = plan_edit(old, new, {1})
+    assert plan.create == ((0, 2),)
+    assert plan.shrink_source((0, 2), frozenset({1})) == (0, 1, 2)
+
+
+def test_an_edit_refuses_a_layout_that_uses_a_failed_rank():
+    old = Layout.megatron(tp=2, pp=2, dp=2, num_layers=4, num_microbatches=8)
+    with pytest.raises(ValueError, match="failed"):
+        plan_edit(old, heterogeneous_layout(), {4})
+    with pytest.raises(ValueError, match="not part of the job"):
+        plan_edit(old, heterogeneous_layout(), {9})
+
+
+def test_specs_validate_their_members():
+    with pytest.raises(ValueError, match="no member"):
+        GroupSpec(Role.TP, (0, 0), ())
+    with pytest.raises(ValueError, match="bad ranks"):
+        GroupSpec(Role.TP, (0, 0), (1, 1))
+
+
+# --- processes: edits after a death -----------------------------------------------------------
+
+WORLD_8 = 8
+
+
+def run_edit_job(
+    tmp_path: Path, mode: EditMode, victim: int, sigkill: bool, broken: list[tuple[int, ...]]
+) -> dict[int, dict]:
+    args = [worker_script("communicator_edit.py"), str(tmp_path), mode.value, str(victim)]
+    args.append("--broken=" + ";".join(",".join(map(str, members)) for members in broken))
+    if not sigkill:
+        args.append("--victim-exits")
+    with launch(args, nproc_per_node=WORLD_8, master_port=free_port()) as job:
+        if sigkill:
+            store = job.store()
+            job.wait_for(lambda: store.check([f"test/ready/{r}" for r in range(WORLD_8)]), 45,
+                         "every rank to build its groups")
+            job.kill_worker(victim)
+        returncode, output = job.wait(timeout=50)
+    assert returncode == 0, output
+    return read_reports(tmp_path)
+
+
+def assert_groups_work(reports: dict[int, dict], victim: int) -> None:
+    survivors = set(range(WORLD_8)) - {victim}
+    assert reports.keys() == survivors
+    first = reports[min(survivors)]
+    for rank, report in reports.items():
+        assert report["failed"] == [victim]
+        assert (report["layout"], report["spares"]) == (first["layout"], first["spares"])
+        for phase in ("before", "after"):
+            for check in report[phase]:
+                assert check["sum"] == sum(check["ranks"]), (rank, phase, check)
+        assert all(victim not in check["ranks"] for check in report["after"])
+        for p2p in report["default_group_p2p"]:
+            assert p2p["received"] == p2p["peer"], (rank, p2p)
+    # Every group of the new layout was checked by each of its members.
+    for spec in group_specs(Layout.from_json(first["layout"], first["spares"])):
+        for member in spec.ranks:
+            checked = {(c["role"], tuple(c["key"])) for c in reports[member]["after"]}
+            assert (spec.role.value, spec.key) in checked
+
+
+@multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "mode, victim, sigkill, broken",
+    [
+        (EditMode.INPLACE, 5, True, [(2, 6)]),
+        (EditMode.INPLACE, 0, True, []),
+        (EditMode.PARTIAL, 3, False, []),
+        (EditMode.FULL, 0, False, []),
+    ],
+    ids=["inplace-sigkill-5-broken", "inplace-sigkill-0", "partial-exit-3", "full-exit-0"],
+)
+def test_survivors_edit_their_groups_and_every_group_works(tmp_path, mode, victim, sigkill, broken):
+    reports = run_edit_job(tmp_path, mode, victim, sigkill, broken)
+    assert_groups_work(reports, victim)
+    new_layout = Layout.from_json(reports[min(reports)]["layout"], reports[min(reports)]["spares"])
+    old_layout = Layout.megatron(tp=2, pp=2, dp=2, num_layers=4, num_microbatches=4)
+    plan = plan_edit(old_layout, new_layout, {victim}, broken)
+    for rank, report in reports.items():
+        edit = report["edit"]
+        assert (edit["mode"], edit["generation"]) == (mode.value, 1)
+        if mode == EditMode.FULL:
+            created = [m for m in member_lists(group_specs(new_layout)) if rank in m]
+            assert (edit["created"], edit["kept"]) == (len(created), 0), rank
+            assert report["world_size_after"] == WORLD_8 - 1
+        else:
+            # Exactly the planned groups changed; the default group is the stale one.
+            created = [m for m in plan.create if rank in m]
+            kept = [m for m in plan.keep if rank in m]
+            assert (edit["created"], edit["kept"]) == (len(created), len(kept)), rank
+            assert report["world_size_after"] == WORLD_8
+
+
+# --- processes: parallel_state ------------------------------------------------------------------
+
+
+@multiprocess
+@pytest.mark.timeout(120)
+def test_parallel_state_from_the_registry_matches_initialize_model_parallel(tmp_path):
+    with launch([worker_script("communicator_parallel_state.py"), str(tmp_path)], nproc_per_node=4,
+                master_port=free_port()) as job:
+        returncode, output = job.wait(timeout=90)
+    assert returncode == 0, output
+    reports = read_reports(tmp_path)
+    assert reports.keys() == {0, 1, 2, 3}
+    for rank, report in reports.items():
+        assert report["from_registry"] == report["from_megatron"], rank
+        assert all(report["same_groups"].values()), (rank, report["same_groups"])
