@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from megatron_elaswave.layout import Layout, Replica
+from megatron_elaswave.world import recording_connections
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -61,6 +62,8 @@ class Role(str, enum.Enum):
 
     WORLD = "world"
     """Every rank that holds a stage, in rank order: the grad-norm and token-count group."""
+    MEMBERS = "members"
+    """Every rank of the layout, spares included: the group that moves state after a change."""
     TP = "tp"
     """One stage instance, in TP-rank order. Key ``(replica, stage)``."""
     PP = "pp"
@@ -84,7 +87,7 @@ class Role(str, enum.Enum):
 
 
 _ONE_PER_RANK = frozenset(
-    {Role.WORLD, Role.TP, Role.PP, Role.MP, Role.EMBEDDING, Role.POSITION_EMBEDDING, Role.CP}
+    {Role.WORLD, Role.MEMBERS, Role.TP, Role.PP, Role.MP, Role.EMBEDDING, Role.POSITION_EMBEDDING, Role.CP}
 )
 """Roles of which a rank holds at most one group (DP and TP-DP are one per layer group)."""
 
@@ -138,6 +141,7 @@ def group_specs(layout: Layout) -> tuple[GroupSpec, ...]:
     layout.validate()
     tp = _tp_size(layout)
     specs = [GroupSpec(Role.WORLD, (), tuple(sorted(layout.active_ranks())))]
+    specs.append(GroupSpec(Role.MEMBERS, (), tuple(sorted(layout.known_ranks()))))
     for replica in layout.replicas:
         for s, stage in enumerate(replica.stages):
             specs.append(GroupSpec(Role.TP, (replica.index, s), stage.ranks))
@@ -244,16 +248,17 @@ def _new_named_group(world_ranks: Sequence[int], name: str, backend: str,
     """
     default_group = distributed_c10d._get_default_group()
     _, default_store = distributed_c10d._world.pg_map[default_group]
-    group, _ = distributed_c10d._new_process_group_helper(
-        len(world_ranks),
-        list(world_ranks).index(default_group.rank()),
-        list(world_ranks),
-        backend,
-        default_store,
-        distributed_c10d.GroupName(name),
-        timeout=timeout,
-        group_desc=name,
-    )
+    with recording_connections():  # so that a failure can abort what runs on it
+        group, _ = distributed_c10d._new_process_group_helper(
+            len(world_ranks),
+            list(world_ranks).index(default_group.rank()),
+            list(world_ranks),
+            backend,
+            default_store,
+            distributed_c10d.GroupName(name),
+            timeout=timeout,
+            group_desc=name,
+        )
     distributed_c10d._world.pg_group_ranks[group] = {r: i for i, r in enumerate(world_ranks)}
     return group
 
@@ -469,9 +474,10 @@ class GroupRegistry:
     def _create_global(self, members: tuple[int, ...]) -> ProcessGroup | None:
         """``new_group`` without local synchronisation: every rank of the default group that is
         alive calls it for every group, in the same order; ``None`` on non-members."""
-        group = dist.new_group(
-            [self._world_ranks[r] for r in members], timeout=self._timeout, sort_ranks=False
-        )
+        with recording_connections():
+            group = dist.new_group(
+                [self._world_ranks[r] for r in members], timeout=self._timeout, sort_ranks=False
+            )
         return None if group is distributed_c10d.GroupMember.NON_GROUP_MEMBER else group
 
     def _can_shrink(self) -> bool:

@@ -31,6 +31,7 @@ class MetricsWriter:
 
     def __init__(self, path: str | None) -> None:
         self._file: TextIO | None = None
+        self.path = path
         if path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self._file = open(path, "a", encoding="utf-8")

@@ -108,7 +108,7 @@ def _is_tcp_connection(fd: int) -> bool:
 
 
 @contextlib.contextmanager
-def _recording_connections() -> Iterator[None]:
+def recording_connections() -> Iterator[None]:
     """Record the TCP connections opened inside the block, for :func:`abort_collectives`.
 
     Only the calling thread should open sockets meanwhile: a socket another thread opens inside
@@ -167,7 +167,7 @@ def init_generation(
     if dist.is_initialized():
         dist.destroy_process_group()
     _meet_survivors(decision, store, rank, timeout, abort)
-    with _recording_connections():
+    with recording_connections():
         dist.init_process_group(
             backend,
             store=dist.PrefixStore(f"gen{decision.generation}/", store),
@@ -210,5 +210,5 @@ def new_group(ranks: Sequence[int], **kwargs) -> ProcessGroup:
 
     ``ranks`` are ranks of the current generation, not launch ranks.
     """
-    with _recording_connections():
+    with recording_connections():
         return dist.new_group(ranks, **kwargs)

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from megatron_elaswave.device import DeviceBackend
 
-from . import device_compat, distrib_optimizer, tensor_parallel_random
+from . import (
+    device_compat,
+    distrib_optimizer,
+    language_model_embedding,
+    optimizer,
+    tensor_parallel_random,
+    transformer_block,
+    transformer_layer,
+)
 from .registry import PatchRegistry, PatchTargetError
 from .version import SUPPORTED_MEGATRON_CORE, UnsupportedMegatronVersion, check_megatron_core_version
 
@@ -24,19 +32,30 @@ __all__ = [
 ]
 
 
-def compatibility_registry(backend: DeviceBackend) -> PatchRegistry:
-    """The patches any run on ``backend`` needs: device compatibility (off CUDA) and fixes."""
+def compatibility_registry(backend: DeviceBackend, *,
+                           layout_invariant_rng: bool = False) -> PatchRegistry:
+    """The patches any run on ``backend`` needs: device compatibility (off CUDA) and fixes.
+
+    ``layout_invariant_rng`` adds the layout-invariant dropout RNG (:mod:`.transformer_layer`,
+    :mod:`.language_model_embedding`; see ``megatron_elaswave.dropout_rng``). Off by default.
+    """
     check_megatron_core_version()
     registry = PatchRegistry()
     if backend.name != "cuda":
         device_compat.register(registry, backend)
         tensor_parallel_random.register(registry, backend)
     distrib_optimizer.register(registry)
+    # Inert unless a heterogeneous layout asks for them (see each module).
+    optimizer.register(registry)
+    transformer_block.register(registry)
+    if layout_invariant_rng:
+        transformer_layer.register(registry, backend)
+        language_model_embedding.register(registry, backend)
     return registry
 
 
-def install(backend: DeviceBackend) -> PatchRegistry:
+def install(backend: DeviceBackend, *, layout_invariant_rng: bool = False) -> PatchRegistry:
     """Apply :func:`compatibility_registry` and return it (``remove()`` undoes it)."""
-    registry = compatibility_registry(backend)
+    registry = compatibility_registry(backend, layout_invariant_rng=layout_invariant_rng)
     registry.apply()
     return registry

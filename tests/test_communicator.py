@@ -77,6 +77,7 @@ def heterogeneous_layout() -> Layout:
 def test_specs_of_heterogeneous_replicas_follow_layer_groups():
     specs = group_specs(heterogeneous_layout())
     assert lists_of(specs, Role.WORLD) == [(0, 1, 2, 3, 6, 7)]
+    assert lists_of(specs, Role.MEMBERS) == [(0, 1, 2, 3, 4, 6, 7)]
     assert lists_of(specs, Role.TP) == [(0, 1), (2, 3), (6, 7)]
     assert lists_of(specs, Role.PP) == [(0,), (1,), (2, 6), (3, 7)]
     assert lists_of(specs, Role.EMBEDDING) == [(0,), (1,), (2, 6), (3, 7)]
@@ -93,7 +94,7 @@ def test_specs_of_heterogeneous_replicas_follow_layer_groups():
 def test_an_edit_changes_only_the_groups_with_a_failed_rank_or_new_members():
     old = Layout.megatron(tp=2, pp=2, dp=2, num_layers=4, num_microbatches=8)
     plan = plan_edit(old, heterogeneous_layout(), {5})
-    assert set(plan.create) == {(0, 1, 2, 3, 6, 7), (0, 6), (1, 7), (0, 1, 6, 7)}
+    assert set(plan.create) == {(0, 1, 2, 3, 6, 7), (0, 1, 2, 3, 4, 6, 7), (0, 6), (1, 7), (0, 1, 6, 7)}
     assert set(plan.drop) == {
         (0, 1, 2, 3, 4, 5, 6, 7), (4, 5), (0, 4), (1, 5), (0, 1, 4, 5), (4, 6), (5, 7),
         (4, 5, 6, 7), (4,), (5,),

@@ -10,8 +10,11 @@ import argparse
 import os
 from typing import Sequence
 
+from megatron_elaswave.faults import FailureSpecError, InjectedFailure
+
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("ByteLevelTokenizer", "NullTokenizer")
+RNG_MODES = ("invariant", "megatron")
 
 
 class ArgumentError(ValueError):
@@ -103,6 +106,20 @@ def _add_elastic_args(parser: argparse.ArgumentParser) -> None:
                        help="keep per-step in-memory snapshots (on by default with --elastic)")
     group.add_argument("--elastic-snapshot-replicas", type=int, default=1,
                        help="buddy ranks that hold a copy of each rank's snapshot (default 1)")
+    group.add_argument("--elastic-heartbeat-timeout", type=float, default=5.0,
+                       help="seconds without a heartbeat after which a rank counts as hung")
+    group.add_argument("--elastic-profile", default=None,
+                       help="profile JSON the planner uses after a failure (default: costs "
+                            "computed from the model's FLOP counts)")
+    group.add_argument("--elastic-inject-failure", action="append", default=[],
+                       metavar="rank=R,iteration=I[,phase=P][,kind=kill|hang]",
+                       help="fail rank R during iteration I (repeatable); phases: forward, "
+                            "backward, optimizer, snapshot, recovery")
+    group.add_argument("--elastic-rng", choices=RNG_MODES, default=None,
+                       help="dropout randomness: 'invariant' keys each mask by (seed, iteration, "
+                            "micro-batch, layer, TP rank) so it does not depend on the pipeline "
+                            "or data-parallel layout (docs/rng.md); 'megatron' is Megatron's "
+                            "per-rank streams (default: invariant with --elastic, else megatron)")
     group.add_argument("--elastic-profile-out", default=None,
                        help="measure per-layer costs during the run and write the planner's "
                             "profile JSON here (see docs/planner.md)")
@@ -130,8 +147,8 @@ def _fail_unless(condition: bool, message: str) -> None:
 def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check ``args`` against the world size and fill in the derived values.
 
-    Adds ``data_parallel_size``, ``virtual_pipeline_model_parallel_size`` (or None) and
-    ``padded_vocab_size`` is left to the tokenizer; raises :class:`ArgumentError`.
+    Adds ``data_parallel_size``, ``virtual_pipeline_model_parallel_size`` (or None) and resolves
+    ``elastic_rng``; ``padded_vocab_size`` is left to the tokenizer; raises :class:`ArgumentError`.
     """
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -165,9 +182,39 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     _fail_unless(args.elastic_snapshot_replicas >= 0,
                  "--elastic-snapshot-replicas must not be negative")
     args.elastic_snapshots = args.elastic_snapshots or args.elastic
+    args.elastic_rng = args.elastic_rng or ("invariant" if args.elastic else "megatron")
+    _validate_elastic(args, world_size)
     _fail_unless(args.log_interval > 0 and args.eval_interval > 0,
                  "--log-interval and --eval-interval must be positive")
     return args
+
+
+def _validate_elastic(args: argparse.Namespace, world_size: int) -> None:
+    try:
+        args.elastic_inject_failure = [InjectedFailure.parse(text)
+                                       for text in args.elastic_inject_failure]
+    except FailureSpecError as error:
+        raise ArgumentError(f"--elastic-inject-failure: {error}") from None
+    _fail_unless(args.elastic or not args.elastic_inject_failure,
+                 "--elastic-inject-failure needs --elastic")
+    _fail_unless(args.elastic_heartbeat_timeout > 0, "--elastic-heartbeat-timeout must be positive")
+    if not args.elastic:
+        return
+    _fail_unless(args.use_distributed_optimizer,
+                 "--elastic reshards the distributed optimizer's state: add --use-distributed-optimizer")
+    _fail_unless(args.untie_embeddings_and_output_weights,
+                 "--elastic needs --untie-embeddings-and-output-weights (a replica that holds both "
+                 "ends of the model cannot keep a tied copy in sync)")
+    _fail_unless(args.virtual_pipeline_model_parallel_size is None,
+                 "--elastic runs each replica's stages with 1F1B: drop the virtual pipeline flags")
+    _fail_unless(not args.fp16, "--elastic does not support --fp16 (loss scaling); use --bf16")
+    for failure in args.elastic_inject_failure:
+        _fail_unless(failure.rank < world_size,
+                     f"--elastic-inject-failure rank {failure.rank} is not a rank of this "
+                     f"{world_size}-rank job")
+        _fail_unless(failure.iteration <= args.train_iters,
+                     f"--elastic-inject-failure iteration {failure.iteration} is beyond "
+                     f"--train-iters {args.train_iters}")
 
 
 def _validate_pipeline(args: argparse.Namespace) -> None:

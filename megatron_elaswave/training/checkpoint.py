@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 
-from .model import TrainingObjects
+from .model import TrainingObjects, allocate_optimizer_state
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -43,19 +43,6 @@ def _model_keys(objects: TrainingObjects) -> list[str]:
 def _model_state(objects: TrainingObjects) -> dict:
     return {key: ddp.module.sharded_state_dict()
             for key, ddp in zip(_model_keys(objects), objects.model)}
-
-
-def _allocate_optimizer_state(objects: TrainingObjects) -> None:
-    """Give a fresh torch Adam its state: megatron-core's loader reads ``step`` before loading."""
-    for optimizer in objects.optimizer.chained_optimizers:
-        inner = optimizer.optimizer
-        for group in inner.param_groups:
-            for param in group["params"]:
-                state = inner.state[param]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(param)
-                    state["exp_avg_sq"] = torch.zeros_like(param)
 
 
 def save_checkpoint(root: str, objects: TrainingObjects, progress: TrainingProgress) -> str:
@@ -93,7 +80,7 @@ def load_checkpoint(root: str, objects: TrainingObjects) -> TrainingProgress:
     """Load the latest checkpoint under ``root`` into ``objects`` (collective)."""
     iteration = latest_iteration(root)
     directory = checkpoint_dir(root, iteration)
-    _allocate_optimizer_state(objects)
+    allocate_optimizer_state(objects.optimizer.chained_optimizers)
     template = _model_state(objects)
     template["optimizer"] = objects.optimizer.sharded_state_dict(
         template, is_loading=True, metadata=_OPTIMIZER_METADATA)

@@ -104,7 +104,8 @@ class MicrobatchSource:
 
 @dataclass
 class StepData:
-    """The micro-batches one replica runs in one step; remembers which samples it handed out."""
+    """The micro-batches one replica runs in one step; remembers which samples it handed out.
+    Each batch also carries its global ``microbatch_id``."""
 
     source: MicrobatchSource
     consumed_samples: int
@@ -115,4 +116,18 @@ class StepData:
         for microbatch_id in self.microbatch_ids:
             batch = self.source.batch(self.consumed_samples, microbatch_id)
             self.served_sample_ids[microbatch_id] = batch["sample_ids"].tolist()
+            batch["microbatch_id"] = microbatch_id
             yield batch
+
+
+@dataclass
+class MicrobatchIds:
+    """What a stage without the first or last layer gets instead of :class:`StepData`: only the
+    global id of each micro-batch, in the order it runs them (no data is loaded). Every stage
+    needs it to key its dropout masks (``megatron_elaswave.dropout_rng``)."""
+
+    microbatch_ids: Sequence[int]
+
+    def __iter__(self) -> Iterator[dict[str, int]]:
+        for microbatch_id in self.microbatch_ids:
+            yield {"microbatch_id": microbatch_id}

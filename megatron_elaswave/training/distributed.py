@@ -39,8 +39,10 @@ def init_model_parallel(tp: int, pp: int, vpp: int | None,
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
-def shutdown() -> None:
+def shutdown(destroy_default_group: bool = True) -> None:
+    """Leave the job. After a failure the default group still counts the dead ranks, and
+    destroying it could wait on them: an elastic job leaves it to process exit."""
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    if dist.is_initialized():
+    if destroy_default_group and dist.is_initialized():
         dist.destroy_process_group()

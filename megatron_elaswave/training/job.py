@@ -13,6 +13,7 @@ from megatron_elaswave.snapshot import SnapshotConfig
 from .checkpoint import TrainingProgress, load_checkpoint, save_checkpoint
 from .data import MicrobatchSource, build_datasets, load_tokenizer, padded_vocab_size
 from .distributed import init_default_group, init_model_parallel, shutdown
+from .elastic import build_elastic_trainer, run_elastic
 from .loop import Trainer, log
 from .model import (
     batched_p2p_is_safe,
@@ -54,12 +55,34 @@ def build_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int, t
     )
 
 
+def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: int,
+                      world_size: int, tokenizer) -> None:
+    """``--elastic``: train to ``--train-iters`` through failures of other ranks."""
+    vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
+                                   args.tensor_model_parallel_size)
+    train_set, valid_set = build_datasets(args, tokenizer)
+    trainer = build_elastic_trainer(
+        args, backend, rank, world_size, vocab_size,
+        MicrobatchSource(train_set, args.micro_batch_size),
+        MicrobatchSource(valid_set, args.micro_batch_size) if valid_set else None,
+        args.elastic_inject_failure)
+    with trainer.monitor:
+        run_elastic(trainer)
+    trainer.metrics.close()
+
+
 def train_job(args: argparse.Namespace, backend: DeviceBackend, rank: int, local_rank: int,
               world_size: int) -> None:
     """Join the job, train to ``--train-iters`` with the checkpoints and profile asked for."""
     patches.install(backend)
     tokenizer = load_tokenizer(args)
     init_default_group(rank, world_size, local_rank, backend, args.distributed_timeout_minutes)
+    if args.elastic:
+        try:
+            elastic_train_job(args, backend, rank, world_size, tokenizer)
+        finally:
+            shutdown(destroy_default_group=False)
+        return
     try:
         trainer = build_trainer(args, backend, rank, tokenizer)
         objects = trainer.objects

@@ -42,8 +42,14 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": report}
 
 
+def stage_of(model) -> torch.nn.Module:
+    """The module that knows whether it is a first or last stage: a chunk inside its DDP, or a
+    stage of several chunks itself."""
+    return model if hasattr(model, "pre_process") else model.module
+
+
 def forward_step(data_iterator, model):
-    stage = model.module
+    stage = stage_of(model)
     batch = next(data_iterator) if data_iterator is not None else None
     tokens = batch["tokens"] if stage.pre_process else None
     position_ids = batch["position_ids"] if stage.pre_process else None
@@ -79,6 +85,8 @@ class Trainer:
     metrics: MetricsWriter
     rank: int
     snapshots: StepSnapshots | None = None
+    reduce_group: dist.ProcessGroup | None = None
+    """The group over which step results are reduced (every rank that holds a stage)."""
     iteration: int = 0
     consumed_samples: int = 0
     _interval_times: list[float] = field(default_factory=list)
@@ -88,19 +96,26 @@ class Trainer:
         assert position is not None, f"rank {self.rank} holds no stage"
         self.replica = self.layout.replicas[position[0]]
         self.is_data_reporter = position[2] == 0  # one rank of each TP group reports
+        self.stages = list(self.objects.model)
+        """What the schedule runs: one module per virtual pipeline stage."""
         self.p2p = P2PCommunicator(pp_group=self.pg_collection.pp, config=self.objects.config)
         self.forward_backward = get_forward_backward_func(
             pp_size=self.pg_collection.pp.size(),
             vp_size=self.args.virtual_pipeline_model_parallel_size,
         )
 
+    @property
+    def is_logger(self) -> bool:
+        """One rank logs: the lowest that holds a stage."""
+        return self.rank == min(self.layout.active_ranks())
+
     # -- one step ------------------------------------------------------------------------------
 
     def _step_data(self, source: MicrobatchSource, consumed: int) -> list[StepData | None]:
         return [
             StepData(source, consumed, self.replica.microbatch_ids)
-            if chunk.module.pre_process or chunk.module.post_process else None
-            for chunk in self.objects.model
+            if stage_of(stage).pre_process or stage_of(stage).post_process else None
+            for stage in self.stages
         ]
 
     def _run_schedule(self, data: list[StepData | None], forward_only: bool):
@@ -108,7 +123,7 @@ class Trainer:
         return self.forward_backward(
             forward_step_func=forward_step,
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
-            model=self.objects.model,
+            model=self.stages,
             num_microbatches=self.replica.num_microbatches,
             seq_length=self.args.seq_length,
             micro_batch_size=self.args.micro_batch_size,
@@ -124,7 +139,7 @@ class Trainer:
         if self.is_data_reporter and losses:
             totals = torch.stack([entry["lm loss"] for entry in losses]).double().sum(dim=0)
             vector[0:2] += totals.cpu()
-        first = next((d for d, c in zip(data, self.objects.model) if c.module.pre_process), None)
+        first = next((d for d, s in zip(data, self.stages) if stage_of(s).pre_process), None)
         if self.is_data_reporter and first is not None:
             for microbatch_id, ids in first.served_sample_ids.items():
                 for offset, sample_id in enumerate(ids):
@@ -132,7 +147,7 @@ class Trainer:
                     vector[2 + slot] += sample_id + 1
                     vector[2 + gbs + slot] += 1
         vector = vector.to(self.backend.device())
-        dist.all_reduce(vector)
+        dist.all_reduce(vector, group=self.reduce_group)
         vector = vector.cpu()
         counts = vector[2 + gbs:]
         ids = [int(v) - 1 if c == 1 else -1 for v, c in zip(vector[2:2 + gbs].tolist(), counts.tolist())]
@@ -146,12 +161,12 @@ class Trainer:
         self.objects.optimizer.zero_grad()
         data = self._step_data(self.train_source, self.consumed_samples)
         losses = self._run_schedule(data, forward_only=False)
+        self.before_optimizer_step()
         succeeded, grad_norm, _ = self.objects.optimizer.step()
         self.objects.scheduler.step(increment=gbs)
         loss_sum, num_tokens, sample_ids = self._reduce(data, losses, gbs)
         if self.snapshots is not None:
-            self.snapshots.after_step(self.iteration + 1, self.objects.optimizer,
-                                      self.objects.scheduler, self.consumed_samples + gbs)
+            self.take_snapshot(self.iteration + 1, self.consumed_samples + gbs)
         self.backend.synchronize()
         return StepResult(
             lm_loss=loss_sum / max(num_tokens, 1),
@@ -161,6 +176,13 @@ class Trainer:
             step_time_s=time.perf_counter() - start,
             skipped=not succeeded,
         )
+
+    def before_optimizer_step(self) -> None:
+        """Called between the last backward and the optimizer step."""
+
+    def take_snapshot(self, iteration: int, consumed_samples: int) -> None:
+        self.snapshots.after_step(iteration, self.objects.optimizer, self.objects.scheduler,
+                                  consumed_samples)
 
     # -- reporting -----------------------------------------------------------------------------
 
@@ -172,14 +194,14 @@ class Trainer:
             global_batch_size=gbs,
             consumed_samples=self.consumed_samples,
             samples_digest=samples_digest(result.sample_ids),
-            world_size=dist.get_world_size(),
+            world_size=len(self.layout.active_ranks()),
             layout=self.layout.to_json(),
             step_time_s=result.step_time_s,
             grad_norm=result.grad_norm,
             **({"snapshot_bytes": self.snapshots.bytes_held} if self.snapshots else {}),
         )
         self._interval_times.append(result.step_time_s)
-        if self.iteration % self.args.log_interval == 0 and self.rank == 0:
+        if self.iteration % self.args.log_interval == 0 and self.is_logger:
             elapsed_ms = 1000 * sum(self._interval_times) / len(self._interval_times)
             tokens_per_s = gbs * self.args.seq_length / (elapsed_ms / 1000)
             lr = self.objects.optimizer.param_groups[0]["lr"]
@@ -212,7 +234,7 @@ class Trainer:
         for model in self.objects.model:
             model.train()
         loss = loss_sum / max(num_tokens, 1)
-        if self.rank == 0:
+        if self.is_logger:
             log(f" validation loss at iteration {self.iteration} | lm loss value: {loss:.6E} | "
                 f"lm loss PPL: {math.exp(min(loss, 20)):.6E} |")
         return loss

@@ -110,7 +110,7 @@ def _parameter_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def _global_parameter_names(chunk: GPTModel) -> dict[str, str]:
+def global_parameter_names(chunk: GPTModel) -> dict[str, str]:
     """Map stage-local parameter names to global ones (layer indices counted over the model)."""
     layer_numbers = {str(i): layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
     names = {}
@@ -136,7 +136,7 @@ def _initial_value(name: str, shape: tuple[int, ...], std: float, num_layers: in
 def layout_invariant_init(chunk: GPTModel, config: TransformerConfig, seed: int,
                           tp_rank: int, tp_size: int, tied_embeddings: bool) -> None:
     """Set every parameter of ``chunk`` from ``(seed, global name)``, sliced to this TP shard."""
-    global_names = _global_parameter_names(chunk)
+    global_names = global_parameter_names(chunk)
     for local_name, param in chunk.named_parameters():
         name = global_names[local_name]
         if tied_embeddings and name == "output_layer.weight":
@@ -192,7 +192,16 @@ def wrap_and_optimize(args: argparse.Namespace, config: TransformerConfig, chunk
         for index, chunk in enumerate(chunks)
     ]
     config.finalize_model_grads_func = finalize_model_grads
-    optimizer_config = OptimizerConfig(
+    optimizer = get_megatron_optimizer(optimizer_config(args), model, use_gloo_process_groups=False,
+                                       pg_collection=pg_collection)
+    if args.fp16:
+        config.grad_scale_func = optimizer.scale_loss
+    scheduler = build_scheduler(args, optimizer)
+    return TrainingObjects(config=config, model=model, optimizer=optimizer, scheduler=scheduler)
+
+
+def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+    return OptimizerConfig(
         optimizer=args.optimizer,
         lr=args.lr,
         min_lr=args.min_lr,
@@ -206,12 +215,12 @@ def wrap_and_optimize(args: argparse.Namespace, config: TransformerConfig, chunk
         fp16=args.fp16,
         params_dtype=params_dtype(args),
     )
-    optimizer = get_megatron_optimizer(optimizer_config, model, use_gloo_process_groups=False,
-                                       pg_collection=pg_collection)
-    if args.fp16:
-        config.grad_scale_func = optimizer.scale_loss
+
+
+def build_scheduler(args: argparse.Namespace, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:
+    """Megatron-LM's LR and weight-decay schedule, stepped in samples."""
     gbs = args.global_batch_size
-    scheduler = OptimizerParamScheduler(
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=args.lr_warmup_init,
         max_lr=args.lr,
@@ -224,4 +233,17 @@ def wrap_and_optimize(args: argparse.Namespace, config: TransformerConfig, chunk
         wd_incr_steps=args.train_iters * gbs,
         wd_incr_style="constant",
     )
-    return TrainingObjects(config=config, model=model, optimizer=optimizer, scheduler=scheduler)
+
+
+def allocate_optimizer_state(optimizers) -> None:
+    """Give fresh torch Adams their (zero) state now rather than at the first step, so that
+    loaders and snapshots find every tensor; a zero state at step 0 updates exactly like none."""
+    for optimizer in optimizers:
+        inner = optimizer.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if not state:
+                    state["step"] = torch.zeros((), dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)

@@ -12,6 +12,7 @@ import random
 
 import numpy
 import torch
+import torch.distributed as dist
 from megatron.core import tensor_parallel
 from megatron.core.optimizer import MegatronOptimizer
 
@@ -47,20 +48,27 @@ def rng_states() -> dict:
 class StepSnapshots:
     """Snapshots of one rank after every step, replicated to its buddies in the layout."""
 
-    def __init__(self, layout: Layout, rank: int, config: SnapshotConfig) -> None:
+    def __init__(self, layout: Layout, rank: int, config: SnapshotConfig,
+                 group: dist.ProcessGroup | None = None) -> None:
+        """``group`` carries the replicas (the default group if ``None``)."""
         self.store = SnapshotStore(rank, config)
+        self.group = group
         members = [r for replica in layout.replicas for stage in replica.stages for r in stage.ranks]
         self.send_to = buddy_ranks(layout, rank, config.replicas) if config.replicas else []
         self.receive_from = [r for r in members
                              if config.replicas and rank in buddy_ranks(layout, r, config.replicas)]
 
     def after_step(self, iteration: int, optimizer: MegatronOptimizer, scheduler,
-                   consumed_samples: int) -> None:
+                   consumed_samples: int, tensors: dict[str, torch.Tensor] | None = None,
+                   **extra_state) -> None:
+        """Snapshot ``tensors`` (by default the optimizer shard by optimizer-local names) and the
+        small state, then exchange replicas with the buddies."""
         state = {"iteration": iteration, "consumed_samples": consumed_samples,
-                 "scheduler": scheduler.state_dict(), "rng": rng_states()}
-        snapshot = self.store.capture(iteration, optimizer_shard(optimizer), state)
+                 "scheduler": scheduler.state_dict(), "rng": rng_states(), **extra_state}
+        tensors = optimizer_shard(optimizer) if tensors is None else tensors
+        snapshot = self.store.capture(iteration, tensors, state)
         if self.send_to or self.receive_from:
-            self.store.replicate(snapshot, self.send_to, self.receive_from)
+            self.store.replicate(snapshot, self.send_to, self.receive_from, group=self.group)
 
     @property
     def bytes_held(self) -> int:

@@ -1,0 +1,94 @@
+"""Fault injection: fail rank ``r`` at iteration ``i`` in a given phase, with a real signal.
+
+``--elastic-inject-failure rank=R,iteration=I[,phase=P][,kind=K]`` (repeatable). The process
+signals itself, so the job sees exactly what an outside ``kill`` would produce:
+
+* ``kind=kill`` (default): ``SIGKILL``; the launcher reports the death.
+* ``kind=hang``: ``SIGSTOP``; only the heartbeat timeout reveals it. A detached helper sends
+  ``SIGCONT`` after ``hang_s`` seconds, so the stopped rank wakes up, finds itself excluded by
+  the survivors and leaves, and the job can end.
+
+Phases, within iteration ``I`` (counted from 1 like Megatron's log lines): ``forward`` (the
+first micro-batch's forward), ``backward`` (the first micro-batch's backward), ``optimizer``
+(before the optimizer step), ``snapshot`` (between capturing the snapshot and replicating it),
+``recovery`` (on entering a recovery during iteration ``I``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+PHASES = ("forward", "backward", "optimizer", "snapshot", "recovery")
+KINDS = ("kill", "hang")
+
+
+class FailureSpecError(ValueError):
+    """A ``--elastic-inject-failure`` value that cannot be parsed."""
+
+
+@dataclass(frozen=True)
+class InjectedFailure:
+    """One failure to inject."""
+
+    rank: int
+    """Launch rank that fails."""
+    iteration: int
+    """Iteration (from 1) during which it fails."""
+    phase: str = "forward"
+    """Where in the iteration: one of :data:`PHASES`."""
+    kind: str = "kill"
+    """``kill`` (SIGKILL) or ``hang`` (SIGSTOP, woken later to leave)."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.iteration < 1:
+            raise FailureSpecError("rank must be >= 0 and iteration >= 1")
+        if self.phase not in PHASES:
+            raise FailureSpecError(f"phase must be one of {', '.join(PHASES)}, not {self.phase!r}")
+        if self.kind not in KINDS:
+            raise FailureSpecError(f"kind must be one of {', '.join(KINDS)}, not {self.kind!r}")
+
+    @classmethod
+    def parse(cls, text: str) -> InjectedFailure:
+        """Parse ``rank=R,iteration=I[,phase=P][,kind=K]``."""
+        fields = {}
+        for item in text.split(","):
+            key, sep, value = item.partition("=")
+            if not sep or key.strip() not in ("rank", "iteration", "phase", "kind"):
+                raise FailureSpecError(
+                    f"bad failure spec {text!r}: expected rank=R,iteration=I[,phase=P][,kind=K]")
+            fields[key.strip()] = value.strip()
+        if "rank" not in fields or "iteration" not in fields:
+            raise FailureSpecError(f"bad failure spec {text!r}: rank= and iteration= are required")
+        try:
+            rank, iteration = int(fields.pop("rank")), int(fields.pop("iteration"))
+        except ValueError:
+            raise FailureSpecError(f"bad failure spec {text!r}: rank and iteration are integers") from None
+        return cls(rank, iteration, **fields)
+
+
+class FaultInjector:
+    """The failures of one rank; :meth:`at` fires the one due now, if any."""
+
+    def __init__(self, failures: Iterable[InjectedFailure], rank: int, hang_s: float) -> None:
+        self.rank = rank
+        self.hang_s = hang_s
+        self._due = {(f.iteration, f.phase): f for f in failures if f.rank == rank}
+
+    def at(self, phase: str, iteration: int) -> None:
+        """Fail now if a failure is due in ``phase`` of ``iteration``."""
+        failure = self._due.pop((iteration, phase), None)
+        if failure is None:
+            return
+        print(f" injected failure: rank {self.rank} {failure.kind} in the {phase} of iteration "
+              f"{iteration}", flush=True)
+        if failure.kind == "hang":
+            subprocess.Popen(["sh", "-c", f"sleep {self.hang_s}; kill -CONT {os.getpid()}"],
+                             start_new_session=True, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            os.kill(os.getpid(), signal.SIGKILL)

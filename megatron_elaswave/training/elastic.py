@@ -1,0 +1,362 @@
+"""``--elastic`` training: a rank dies, the survivors reshard and re-run the iteration it broke.
+
+Recovery, on every survivor (DESIGN section 3):
+
+1. *detect*: the failure monitor notices (launcher death record, heartbeat, or a collective that
+   fails) and aborts every in-flight collective, so the training thread unblocks;
+2. *agree* through the store on the failed set and the next generation;
+3. *plan* the next layout with the planner (a pure function every survivor evaluates alike);
+4. *edit* the process groups in place (only their members take part);
+5. *rebuild* the Megatron objects of this rank's stage for the new layout, then *migrate*: roll
+   back to the newest iteration whose snapshots survive, and fetch parameters and Adam shards
+   from the survivors' snapshots and the failed ranks' replicas (checksummed transfers);
+6. re-run the broken iteration with the same micro-batch ids; the global batch, the LR schedule
+   and the consumed-samples counter continue exactly.
+
+A ``recovery`` record with the time of each phase goes into the metrics file. A rank the new
+layout does not use (a spare) serves its snapshots and waits, taking part in later recoveries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_elaswave.agreement import Decision, agree
+from megatron_elaswave.communicator import EditMode, GroupRegistry, Role, group_specs, member_lists
+from megatron_elaswave.device import DeviceBackend
+from megatron_elaswave.faults import FaultInjector, InjectedFailure
+from megatron_elaswave.layout import Layout
+from megatron_elaswave.metrics import MetricsWriter
+from megatron_elaswave.monitor import FailureDetected, FailureMonitor, MonitorConfig
+from megatron_elaswave.planner.cost import CostModel, MemoryModel
+from megatron_elaswave.planner.job import JobSpec
+from megatron_elaswave.planner.profile import SyntheticDevice, SyntheticModel, load_profile, synthetic_profile
+from megatron_elaswave.planner.replan import PlanError, PlanOptions, plan_recovery
+from megatron_elaswave.snapshot import SnapshotConfig
+from megatron_elaswave.store import connect_store, read_deaths
+
+from .data import MicrobatchSource
+from .layer_groups import StageObjects, build_stage_objects
+from .loop import Trainer, log
+from .model import seed_random_generators
+from .migration import adam_step, load_pieces, migrate, named_shard, needed_pieces
+from .snapshots import StepSnapshots
+
+class CannotContinue(RuntimeError):
+    """The survivors cannot hold the model any more."""
+
+
+CPU_DEVICE = SyntheticDevice(name="CPU core (gloo)", peak_tflops=0.02, model_flops_utilisation=0.5,
+                             memory_bytes=16 * 2**30, bandwidth_bytes_per_s=1e9, p2p_latency_s=1e-4)
+"""What a CPU rank with one thread roughly does, for plans made without a measured profile."""
+
+
+def cost_model(args: argparse.Namespace, vocab_size: int, backend: DeviceBackend) -> CostModel:
+    """The planner's costs: a measured profile (``--elastic-profile``) or one from FLOP counts
+    on a nominal device of the backend's kind."""
+    job = JobSpec(
+        tensor_parallel_size=args.tensor_model_parallel_size,
+        pipeline_parallel_size=args.pipeline_model_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        num_layers=args.num_layers,
+        global_batch_size=args.global_batch_size,
+        micro_batch_size=args.micro_batch_size,
+    )
+    if args.elastic_profile:
+        profile = load_profile(args.elastic_profile)
+    else:
+        profile = synthetic_profile(
+            SyntheticModel(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                           ffn_hidden_size=args.ffn_hidden_size, vocab_size=vocab_size,
+                           seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+                           tensor_model_parallel_size=args.tensor_model_parallel_size),
+            CPU_DEVICE if backend.name == "cpu" else SyntheticDevice())
+    return CostModel(profile, job, MemoryModel())
+
+
+@dataclass
+class RecoveryTimes:
+    """Wall-clock marks of one recovery on this rank (``time.time()``)."""
+
+    failure_at: float
+    noticed_at: float
+    agreed_at: float = 0.0
+    planned_at: float = 0.0
+    edited_at: float = 0.0
+    rebuilt_at: float = 0.0
+    migrated_at: float = 0.0
+    failed_ranks: list[int] = field(default_factory=list)
+    bytes_moved: int = 0
+    rolled_back_to: int = 0
+
+
+@dataclass
+class ElasticTrainer(Trainer):
+    """:class:`Trainer` that survives failures of other ranks (module docstring)."""
+
+    registry: GroupRegistry = None
+    monitor: FailureMonitor = None
+    store: object = None
+    cost: CostModel = None
+    vocab_size: int = 0
+    injector: FaultInjector = None
+    _pending: RecoveryTimes | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._use_stage_objects()
+        self.state_layout = self.layout
+        """The layout whose snapshots the ranks hold: the last one restored."""
+        self.lost: set[int] = set()
+        """Ranks failed since the state was last restored; their replicas must serve it."""
+
+    def _use_stage_objects(self) -> None:
+        objects: StageObjects = self.objects
+        self.stages = [objects.stage]
+        self.pg_collection = objects.schedule_groups
+        self.p2p = objects.p2p
+        self.reduce_group = self.registry.group(Role.WORLD)
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        self.forward_backward = get_forward_backward_func(pp_size=len(self.replica.stages),
+                                                          vp_size=None)
+        self.tp_rank = self.layout.position(self.rank)[2]
+        self.objects.model[-1].module.register_forward_hook(self._arm_backward_fault)
+
+    def _arm_backward_fault(self, module, inputs, output) -> None:
+        if torch.is_tensor(output) and output.requires_grad:
+            iteration = self.iteration + 1
+            output.register_hook(lambda grad: self.injector.at("backward", iteration))
+
+    def before_optimizer_step(self) -> None:
+        self.injector.at("optimizer", self.iteration + 1)
+
+    # -- snapshots by global name --------------------------------------------------------------
+
+    def take_snapshot(self, iteration: int, consumed_samples: int) -> None:
+        self.snapshots.after_step(
+            iteration, self.objects.optimizer, self.objects.scheduler, consumed_samples,
+            tensors=named_shard(self.objects, self.tp_rank), adam_step=adam_step(self.objects))
+        self.injector.at("snapshot", iteration)
+
+    def train_step(self):
+        self.injector.at("forward", self.iteration + 1)
+        return super().train_step()
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def train(self, on_iteration=None) -> None:
+        if (self.rank, self.iteration) not in self.snapshots.store.held():
+            self.take_snapshot(self.iteration, self.consumed_samples)  # the state before a step
+        while self.iteration < self.args.train_iters and self.rank in self.layout.active_ranks():
+            try:
+                self.monitor.raise_if_failed()
+                result = self.train_step()
+                self.monitor.raise_if_failed()
+            except (RuntimeError, FailureDetected) as error:
+                self.recover(error)
+                continue
+            gbs = len(result.sample_ids)
+            self.iteration += 1
+            self.consumed_samples += gbs
+            if self._pending is not None:
+                self._record_recovery(result.step_time_s)
+            self._record(result, gbs)
+            if on_iteration is not None:
+                on_iteration(self)
+
+    # -- recovery ------------------------------------------------------------------------------
+
+    def recover(self, error: BaseException) -> None:
+        """Steps 1-5 of the module docstring; a failure during them starts them again."""
+        while True:
+            try:
+                self._recover_once(error)
+                return
+            except (RuntimeError, FailureDetected) as again:
+                if self.monitor.failure is None:
+                    raise
+                error = again
+
+    def _recover_once(self, error: BaseException) -> None:
+        self.injector.at("recovery", self.iteration + 1)
+        noticed = time.time()
+        self.monitor.report_error(error)
+        evidence = [self.monitor.failure.time] + [s.time for s in self.monitor.suspects().values()]
+        times = self._pending or RecoveryTimes(failure_at=min(evidence + [noticed]),
+                                               noticed_at=noticed)
+        decision = agree(self.store, self.monitor)
+        self.monitor.advance(decision)
+        times.agreed_at = time.time()
+        failed = set(self.layout.known_ranks()) - set(decision.survivors)
+        self.lost |= failed
+        times.failed_ranks = sorted(set(times.failed_ranks) | failed)
+        # A death is dated by the launcher that saw it; a hang by the first suspicion.
+        deaths = [d.time for d in read_deaths(self.store) if d.rank in failed]
+        times.failure_at = min([times.failure_at, *deaths])
+        try:
+            plan = plan_recovery(self.layout, failed, self.cost, PlanOptions(dvfs=False))
+        except PlanError as plan_error:
+            raise CannotContinue(str(plan_error)) from None
+        new_layout = plan.layout
+        times.planned_at = time.time()
+        old_lists = member_lists(group_specs(self.layout))
+        # Every connection was shut down to unblock the training thread: re-create all groups
+        # of the new layout, each by its own members only.
+        self.registry.edit(failed, new_layout, EditMode.INPLACE, broken=old_lists,
+                           generation=decision.generation)
+        times.edited_at = time.time()
+        self._restore(decision, new_layout, times)
+        self._pending = times
+        self.state_layout, self.lost = new_layout, set()
+
+    def _rollback_iteration(self, prefix: str, members: list[int]) -> int:
+        """The newest iteration whose state survives whole: every surviving stage holder has
+        its own snapshot of it and every failed one has a replica on some survivor."""
+        held = self.snapshots.store.held() if self.snapshots is not None else []
+        self.store.set(f"{prefix}/held/{self.rank}", json.dumps(held))
+        keys = [f"{prefix}/held/{member}" for member in members]
+        self.store.wait(keys, timedelta(seconds=self.monitor.config.agreement_timeout_s))
+        everything = {m: {tuple(x) for x in json.loads(self.store.get(k))} for m, k in zip(members, keys)}
+        holders = self.state_layout.active_ranks()
+        candidates = None
+        for rank in holders:
+            mine = ({i for r, i in everything[rank] if r == rank} if rank in everything
+                    else {i for held_by in everything.values() for r, i in held_by if r == rank})
+            candidates = mine if candidates is None else candidates & mine
+        if not candidates:
+            raise CannotContinue("no iteration has a complete set of surviving snapshots "
+                                 f"after ranks {sorted(self.lost)} failed")
+        return max(candidates)
+
+    def _restore(self, decision: Decision, layout: Layout, times: RecoveryTimes) -> None:
+        prefix = f"rt/gen{decision.generation}/restore"
+        members = sorted(layout.known_ranks())
+        iteration = self._rollback_iteration(prefix, members)
+        # What this rank serves: its own shard if it held one, and the failed ranks' replicas.
+        serves = {self.rank} if self.rank in self.state_layout.active_ranks() else set()
+        held: dict[str, torch.Tensor] = {}
+        state = None
+        for rank, snapshot_iteration in self.snapshots.store.held():
+            if snapshot_iteration == iteration and rank in serves | self.lost:
+                tensors, snapshot_state = self.snapshots.store.restore(rank, iteration)
+                held.update(tensors)
+                state = snapshot_state if rank == self.rank or state is None else state
+        active = self.rank in layout.active_ranks()
+        if active and state is None:
+            raise CannotContinue(f"rank {self.rank} holds no snapshot of iteration {iteration}")
+        # Drop the old objects before building new ones: their groups are gone.
+        self.objects = self.stages = self.p2p = None
+        self.layout = layout
+        if active:
+            self.replica = layout.replicas[layout.position(self.rank)[0]]
+            self.is_data_reporter = layout.position(self.rank)[2] == 0
+            self.objects = build_stage_objects(self.args, layout, self.registry, self.vocab_size,
+                                               self.backend.device())
+            self._use_stage_objects()
+        times.rebuilt_at = time.time()
+        needs = needed_pieces(self.objects, self.tp_rank) if active else []
+        values, moved = migrate(
+            held, needs, rank=self.rank, members=members, store=self.store,
+            prefix=f"{prefix}/migrate", group=self.registry.group(Role.MEMBERS),
+            timeout=timedelta(seconds=self.monitor.config.collective_timeout_s))
+        times.bytes_moved += moved
+        times.rolled_back_to = iteration
+        if active:
+            self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
+            load_pieces(self.objects, self.tp_rank, needs, values, state["adam_step"])
+            self.objects.scheduler.load_state_dict(state["scheduler"])
+            self.snapshots = StepSnapshots(layout, self.rank, self.snapshots.store.config,
+                                           group=self.registry.group(Role.WORLD))
+            self.take_snapshot(self.iteration, self.consumed_samples)
+        times.migrated_at = time.time()
+        if self.is_logger and self.metrics.path is None:
+            self.metrics = MetricsWriter(self.args.elastic_metrics_file)
+
+    def _record_recovery(self, first_step_s: float) -> None:
+        times, self._pending = self._pending, None
+        total = times.migrated_at + first_step_s - times.failure_at
+        self.metrics.write(
+            "recovery",
+            iteration=self.iteration,
+            failed_ranks=times.failed_ranks,
+            detect_s=times.noticed_at - times.failure_at,
+            agree_s=times.agreed_at - times.noticed_at,
+            plan_s=times.planned_at - times.agreed_at,
+            comm_s=times.edited_at - times.planned_at,
+            rebuild_s=times.rebuilt_at - times.edited_at,
+            migrate_s=times.migrated_at - times.rebuilt_at,
+            first_step_s=first_step_s,
+            total_s=total,
+            bytes_moved=times.bytes_moved,
+            rolled_back_to=times.rolled_back_to,
+            layout=self.layout.to_json(),
+        )
+        if self.is_logger:
+            log(f" recovered from the failure of ranks {times.failed_ranks}: rolled back to "
+                f"iteration {times.rolled_back_to}, re-ran iteration {self.iteration} on "
+                f"{len(self.layout.active_ranks())} ranks in {total:.2f} s (detect "
+                f"{times.noticed_at - times.failure_at:.2f}, agree "
+                f"{times.agreed_at - times.noticed_at:.2f}, plan {times.planned_at - times.agreed_at:.2f}, "
+                f"groups {times.edited_at - times.planned_at:.2f}, rebuild "
+                f"{times.rebuilt_at - times.edited_at:.2f}, migrate "
+                f"{times.migrated_at - times.rebuilt_at:.2f}, first step {first_step_s:.2f}; "
+                f"{times.bytes_moved / 1e6:.1f} MB moved)")
+
+
+def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int,
+                          world_size: int, vocab_size: int, train_source: MicrobatchSource,
+                          valid_source: MicrobatchSource | None,
+                          failures: list[InjectedFailure]) -> ElasticTrainer:
+    """Groups from the registry, the stage objects of the failure-free layout, the monitor."""
+    store = connect_store(timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    config = MonitorConfig(heartbeat_timeout_s=args.elastic_heartbeat_timeout)
+    timeout = timedelta(seconds=config.collective_timeout_s)
+    layout = Layout.megatron(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
+                             dp=args.data_parallel_size, num_layers=args.num_layers,
+                             num_microbatches=args.global_batch_size // args.micro_batch_size)
+    registry = GroupRegistry(layout, rank, store=store, backend=backend.dist_backend, timeout=timeout)
+    seed_random_generators(args.seed, registry.process_group_collection())
+    objects = build_stage_objects(args, layout, registry, vocab_size, backend.device())
+    monitor = FailureMonitor(store, rank, Decision.initial(world_size), config)
+    snapshots = StepSnapshots(layout, rank, SnapshotConfig(replicas=args.elastic_snapshot_replicas),
+                              group=registry.group(Role.WORLD))
+    return ElasticTrainer(
+        args=args, objects=objects, pg_collection=objects.schedule_groups, backend=backend,
+        layout=layout, train_source=train_source, valid_source=valid_source,
+        metrics=MetricsWriter(args.elastic_metrics_file if rank == 0 else None), rank=rank,
+        snapshots=snapshots, registry=registry, monitor=monitor, store=store,
+        cost=cost_model(args, vocab_size, backend), vocab_size=vocab_size,
+        injector=FaultInjector(failures, rank, hang_s=3 * config.heartbeat_timeout_s),
+    )
+
+
+
+def run_elastic(trainer: ElasticTrainer) -> None:
+    """Train to the end through failures; a spare serves recoveries meanwhile. No rank leaves
+    before every member of the job is done, since any of them may still need its state."""
+    while True:
+        if trainer.rank in trainer.layout.active_ranks():
+            trainer.train()
+        if _everyone_done(trainer):
+            return
+        trainer.recover(RuntimeError("a rank failed while this one waited for the others"))
+
+
+def _everyone_done(trainer: ElasticTrainer) -> bool:
+    """Wait until every member has finished (True) or a failure is noticed (False)."""
+    generation = trainer.monitor.generation
+    trainer.store.set(f"rt/gen{generation}/done/{trainer.rank}", "")
+    done = [f"rt/gen{generation}/done/{member}" for member in sorted(trainer.layout.known_ranks())]
+    while not trainer.store.check(done):
+        if trainer.monitor.failure_detected.is_set():
+            return False
+        time.sleep(0.05)
+    return True

@@ -1,0 +1,221 @@
+"""Megatron objects for any layout, heterogeneous replicas included: one model chunk per layer group.
+
+A replica that lost a stage re-partitions its layers over fewer stages, so replicas end up with
+different stage boundaries. The *layer groups* are the coarsest common refinement of every
+replica's boundaries (:meth:`Layout.layer_groups`). A rank builds one ``GPTModel`` chunk per layer
+group of its stage, each in its own ``DistributedDataParallel`` over that layer group's
+data-parallel group (its holders at this TP rank, one per replica) with its own
+``DistributedOptimizer``; the optimizers are chained. A stage's chunks are consecutive layer
+groups and run back to back as one pipeline stage (:class:`ChunkSequence`), so the stock 1F1B and
+no-pipelining schedules drive every replica, whatever its depth.
+
+Gradients are normalised by the token count of the whole global batch (one all-reduce over
+every active rank), and the gradient norm is reduced over the same group, so any split of the
+global batch over replicas and micro-batches gives the same update. With the failure-free grid
+the layer groups are the stages and every object is the one Megatron builds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.enums import ModelType
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer.optimizer import ChainedOptimizer
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_attr_wrapped_model
+
+from megatron_elaswave.communicator import GroupRegistry, Role
+from megatron_elaswave.layout import Layout
+from megatron_elaswave.patches.optimizer import param_groups_aligned_on
+from megatron_elaswave.patches.parallel_state import install_process_groups
+
+from .model import (
+    TrainingObjects,
+    allocate_optimizer_state,
+    build_scheduler,
+    layout_invariant_init,
+    optimizer_config,
+    transformer_config,
+)
+
+
+class LayerGroupStage:
+    """What a chunk's model code sees as its pipeline group: the chunk's place among the layer
+    groups. Megatron's model code asks it only for ``rank()`` and ``size()`` (layer offset and
+    count, first/last stage); it never issues a collective on it."""
+
+    def __init__(self, index: int, count: int) -> None:
+        self.index, self.count = index, count
+
+    def rank(self) -> int:
+        return self.index
+
+    def size(self) -> int:
+        return self.count
+
+
+class ChunkSequence(torch.nn.Module):
+    """A stage made of several consecutive layer-group chunks, run as one stage by the schedules.
+
+    The schedule's input tensor goes to the first chunk; each chunk's output is the next one's
+    input. Autograd spans the chunks, so one backward covers them all.
+    """
+
+    def __init__(self, chunks: list[DistributedDataParallel], config) -> None:
+        super().__init__()
+        self.chunks = torch.nn.ModuleList(chunks)
+        self.config = config
+        self.model_type = ModelType.encoder_or_decoder
+        self.pre_process = chunks[0].module.pre_process
+        self.post_process = chunks[-1].module.post_process
+
+    def set_input_tensor(self, tensor) -> None:
+        get_attr_wrapped_model(self.chunks[0], "set_input_tensor")(tensor)
+
+    def forward(self, *args, **kwargs):
+        hidden = None
+        for index, chunk in enumerate(self.chunks):
+            if index > 0:
+                get_attr_wrapped_model(chunk, "set_input_tensor")(hidden)
+            hidden = chunk(*args, **kwargs)
+        return hidden
+
+
+def pipeline_layout_string(groups: list[tuple[int, int]], num_layers: int) -> str:
+    """Megatron's ``pipeline_model_parallel_layout`` with one pipeline stage per layer group."""
+    stages = []
+    for index, (first, last) in enumerate(groups):
+        stage = "t" * (last - first + 1)
+        if index == 0:
+            stage = "E" + stage
+        if index == len(groups) - 1:
+            stage += "L"
+        stages.append(stage)
+    return "|".join(stages)
+
+
+@dataclass
+class StageObjects(TrainingObjects):
+    """:class:`TrainingObjects` of one rank of a layout, with what its schedule needs."""
+
+    stage: torch.nn.Module = None
+    """The module the schedule runs: the only chunk, or a :class:`ChunkSequence`."""
+    schedule_groups: ProcessGroupCollection = None
+    p2p: P2PCommunicator = None
+    chunk_groups: list[ProcessGroupCollection] = dataclasses.field(default_factory=list)
+    chunk_optimizers: list = dataclasses.field(default_factory=list)
+    """One ``DistributedOptimizer`` per chunk, in chunk order."""
+    layer_group_indices: list[int] = dataclasses.field(default_factory=list)
+
+
+def _chunk_config(args: argparse.Namespace, layout: Layout):
+    groups = layout.layer_groups()
+    config = transformer_config(args, batch_p2p_comm=True)
+    config.pipeline_model_parallel_size = len(groups)
+    if len(groups) > 1:
+        # Set after construction: the config checks a layout against the job's pipeline size.
+        from megatron.core.transformer.pipeline_parallel_layer_layout import (
+            PipelineParallelLayerLayout,
+        )
+
+        config.pipeline_model_parallel_layout = PipelineParallelLayerLayout.from_str(
+            pipeline_layout_string(groups, layout.num_layers), len(groups))
+    return config
+
+
+def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: GroupRegistry,
+                        vocab_size: int, device: torch.device) -> StageObjects:
+    """Model chunks, DDPs, optimizers, LR schedule and P2P of this rank's stage in ``layout``.
+
+    Collective over the holders of each of this rank's layer groups. Parameters are initialised
+    layout-invariantly; restoring a snapshot overwrites them.
+    """
+    config = _chunk_config(args, layout)
+    groups = layout.layer_groups()
+    rank = registry.rank
+    replica_index, stage_index, tp_rank = layout.position(rank)
+    replica = layout.replicas[replica_index]
+    stage = replica.stages[stage_index]
+    held = [g for g, (first, _) in enumerate(groups)
+            if stage.first_layer <= first <= stage.last_layer]
+    tp, pp, world = registry.group(Role.TP), registry.group(Role.PP), registry.group(Role.WORLD)
+    cp = registry.group(Role.CP)
+    install_process_groups(registry.process_group_collection(held[0]))
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True)
+    opt_config = optimizer_config(args)
+    chunks, chunk_groups, optimizers = [], [], []
+    for g in held:
+        dp = registry.group(Role.DP, (g, tp_rank))
+        model_groups = ProcessGroupCollection(tp=tp, cp=cp, pp=LayerGroupStage(g, len(groups)),
+                                              embd=None, pos_embd=None)
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=get_gpt_layer_local_spec(),
+            vocab_size=vocab_size,
+            max_sequence_length=args.max_position_embeddings,
+            pre_process=g == 0,
+            post_process=g == len(groups) - 1,
+            share_embeddings_and_output_weights=False,
+            position_embedding_type=args.position_embedding_type,
+            pg_collection=model_groups,
+        )
+        chunk.to(device)
+        layout_invariant_init(chunk, config, args.seed, tp_rank, tp.size(), tied_embeddings=False)
+        # Untied embeddings: nothing to share between the ends, so the embedding groups are
+        # this rank alone (``None`` would make Megatron read the global ones).
+        groups_of_chunk = ProcessGroupCollection(
+            tp=tp, cp=cp, pp=pp, ep=cp, embd=cp, pos_embd=cp, dp=dp, dp_cp=dp,
+            intra_dp_cp=dp, expt_dp=cp, intra_dist_opt=world, mp=LayerGroupStage(g, len(groups)),
+            tp_ep_pp=None,
+        )
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                      pg_collection=groups_of_chunk)
+        with param_groups_aligned_on(dp):
+            optimizers += get_megatron_optimizer(
+                opt_config, [ddp], use_gloo_process_groups=False, pg_collection=groups_of_chunk
+            ).chained_optimizers
+        chunks.append(ddp)
+        chunk_groups.append(groups_of_chunk)
+    optimizer = ChainedOptimizer(optimizers)
+    allocate_optimizer_state(optimizers)
+
+    def finalize(model, num_tokens, pg_collection=None, force_all_reduce=False):
+        """Each chunk's reduce-scatter over its layer group, then the global token scale."""
+        for ddp, chunk_pgc in zip(chunks, chunk_groups):
+            finalize_model_grads([ddp], None, pg_collection=chunk_pgc,
+                                 force_all_reduce=force_all_reduce)
+        tokens = num_tokens.clone()  # non-zero on each replica's loss stage only
+        dist.all_reduce(tokens, group=world)
+        for ddp in chunks:
+            ddp.scale_gradients(1.0 / max(tokens.item(), 1))
+
+    config.finalize_model_grads_func = finalize
+    stage_module = chunks[0] if len(chunks) == 1 else ChunkSequence(chunks, config)
+    schedule_groups = ProcessGroupCollection(tp=tp, cp=cp, pp=pp, embd=None, pos_embd=None,
+                                             dp_cp=chunk_groups[0].dp)
+    return StageObjects(
+        config=config,
+        model=chunks,
+        optimizer=optimizer,
+        scheduler=build_scheduler(args, optimizer),
+        stage=stage_module,
+        schedule_groups=schedule_groups,
+        p2p=P2PCommunicator(pp_group=pp, config=config),
+        chunk_groups=chunk_groups,
+        layer_group_indices=held,
+        chunk_optimizers=optimizers,
+    )

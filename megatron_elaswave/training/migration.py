@@ -1,0 +1,256 @@
+"""Optimizer state by global name, and its migration to a new layout as rank-to-rank transfers.
+
+A rank's ZeRO shard is named by layout-independent keys ``t<tp>/<global name>/<start>:<end>/<kind>``:
+the TP rank, the parameter's global name (layers numbered over the whole model), the range of
+the flattened parameter this rank owns, and ``param`` (fp32 main parameter), ``exp_avg`` or
+``exp_avg_sq``. Snapshots store these keys, so any layout can find what it needs in them.
+
+:func:`migrate` guarantees, after a failure, that every survivor ends with the full parameters of
+every chunk it now holds and the Adam state of its new shard, taken from the snapshots of one
+iteration: its own, those of the other survivors, and the replicas of the failed ranks' snapshots
+their buddies hold. Each survivor publishes what it holds and what it needs in the store; every
+survivor derives the same transfer plan from those; each pair of ranks then exchanges one packed
+buffer per direction, all pairs at once, and the receiver checks a CRC-32 of every buffer.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .model import global_parameter_names
+
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+class StateLost(RuntimeError):
+    """No survivor holds part of the state the new layout needs."""
+
+
+class TransferCorrupted(RuntimeError):
+    """A migrated buffer does not match the checksum its sender computed."""
+
+
+@dataclass(frozen=True, order=True)
+class Piece:
+    """A range of one flattened tensor: ``kind`` of parameter ``name`` at TP rank ``tp``."""
+
+    tp: int
+    name: str
+    kind: str
+    start: int
+    end: int
+
+    @property
+    def key(self) -> str:
+        return f"t{self.tp}/{self.name}/{self.start}:{self.end}/{self.kind}"
+
+    @classmethod
+    def parse(cls, key: str) -> Piece:
+        tp, rest = key.split("/", 1)
+        name, span, kind = rest.rsplit("/", 2)
+        start, end = span.split(":")
+        return cls(int(tp[1:]), name, kind, int(start), int(end))
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def _chunk_params(objects):
+    """``(optimizer, global name, model parameter)`` of every parameter of every chunk."""
+    for ddp, optimizer in zip(objects.model, objects.chunk_optimizers):
+        names = global_parameter_names(ddp.module)
+        for local_name, param in ddp.module.named_parameters():
+            yield optimizer, names[local_name], param
+
+
+def named_shard(objects, tp_rank: int) -> dict[str, torch.Tensor]:
+    """This rank's optimizer shard under layout-independent keys (module docstring)."""
+    tensors = {}
+    for optimizer, name, param in _chunk_params(objects):
+        if param not in optimizer.model_param_group_index_map:
+            continue  # this rank owns no element of it
+        span = optimizer._get_model_param_range_map(param)["param"]
+        state = optimizer._get_main_param_and_optimizer_states(param)
+        for kind in KINDS:
+            tensors[Piece(tp_rank, name, kind, span.start, span.end).key] = state[kind]
+    return tensors
+
+
+def adam_step(objects) -> float:
+    """The Adam step count of this rank's shard (every parameter has taken the same steps)."""
+    for optimizer in objects.chunk_optimizers:
+        for state in optimizer.optimizer.state.values():
+            if "step" in state:
+                return float(state["step"])
+    return 0.0
+
+
+def needed_pieces(objects, tp_rank: int) -> list[Piece]:
+    """Full parameters of every chunk, and the Adam state of this rank's shard of each."""
+    needs = []
+    for optimizer, name, param in _chunk_params(objects):
+        needs.append(Piece(tp_rank, name, "param", 0, param.numel()))
+        if param in optimizer.model_param_group_index_map:
+            span = optimizer._get_model_param_range_map(param)["param"]
+            if span.end > span.start:
+                needs += [Piece(tp_rank, name, kind, span.start, span.end) for kind in KINDS[1:]]
+    return needs
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Copy ``[start, end)`` of ``source_key`` (held by ``source``) into need ``need`` of ``target``."""
+
+    source: int
+    target: int
+    source_key: str
+    need: int
+    start: int
+    end: int
+
+
+def plan_transfers(holdings: Mapping[int, Sequence[str]],
+                   needs: Mapping[int, Sequence[Piece]]) -> list[Transfer]:
+    """Who sends which range to whom; the same on every rank that evaluates it.
+
+    A rank that holds a range itself copies it locally; otherwise the holder with the fewest
+    bytes assigned so far sends it, which spreads the copies over all holders.
+    """
+    fragments: dict[tuple, list[tuple[Piece, list[int]]]] = defaultdict(list)
+    holders: dict[str, list[int]] = defaultdict(list)
+    for rank in sorted(holdings):
+        for key in holdings[rank]:
+            holders[key].append(rank)
+    for key in sorted(holders):
+        piece = Piece.parse(key)
+        fragments[(piece.tp, piece.name, piece.kind)].append((piece, holders[key]))
+    load: dict[int, int] = defaultdict(int)
+    transfers = []
+    for target in sorted(needs):
+        for index, need in enumerate(needs[target]):
+            covered = need.start
+            for fragment, ranks in sorted(fragments[(need.tp, need.name, need.kind)]):
+                start, end = max(fragment.start, covered), min(fragment.end, need.end)
+                if start >= end or start != covered:
+                    continue
+                source = target if target in ranks else min(ranks, key=lambda r: (load[r], r))
+                if source != target:
+                    load[source] += end - start
+                transfers.append(Transfer(source, target, fragment.key, index, start, end))
+                covered = end
+            if covered != need.end:
+                found = [(f.start, f.end, ranks) for f, ranks in
+                         sorted(fragments[(need.tp, need.name, need.kind)])]
+                raise StateLost(
+                    f"no survivor holds elements {covered}-{need.end} of {need.kind} of "
+                    f"{need.name} (TP rank {need.tp}; held: {found or 'nothing'}): the failed "
+                    "ranks took them with them (keep more snapshot replicas: "
+                    "--elastic-snapshot-replicas)"
+                )
+    return transfers
+
+
+def _publish_and_collect(store, prefix: str, rank: int, members: Sequence[int], what: str,
+                         value: list, timeout: timedelta) -> dict[int, list]:
+    store.set(f"{prefix}/{what}/{rank}", json.dumps(value))
+    keys = [f"{prefix}/{what}/{member}" for member in members]
+    store.wait(keys, timeout)
+    return {member: json.loads(store.get(key)) for member, key in zip(members, keys)}
+
+
+def migrate(held: Mapping[str, torch.Tensor], needs: Sequence[Piece], *, rank: int,
+            members: Sequence[int], store, prefix: str, group: dist.ProcessGroup | None,
+            timeout: timedelta) -> tuple[list[torch.Tensor], int]:
+    """Fill ``needs`` from what the ``members`` hold (module docstring).
+
+    Every member calls this with what it holds (verified snapshot tensors by key) and what it
+    needs. Returns one tensor per need and the bytes the whole job moved between ranks.
+    """
+    holdings = _publish_and_collect(store, prefix, rank, members, "holds", sorted(held), timeout)
+    all_needs = _publish_and_collect(
+        store, prefix, rank, members, "needs",
+        [[p.tp, p.name, p.kind, p.start, p.end] for p in needs], timeout)
+    all_needs = {r: [Piece(*fields) for fields in value] for r, value in all_needs.items()}
+    transfers = plan_transfers(holdings, all_needs)
+
+    results = [torch.empty(need.numel, dtype=torch.float32) for need in needs]
+    outgoing: dict[int, list[Transfer]] = defaultdict(list)
+    incoming: dict[int, list[Transfer]] = defaultdict(list)
+    for transfer in transfers:
+        if transfer.source == rank == transfer.target:
+            _copy_into(results, needs, transfer, held)
+        elif transfer.source == rank:
+            outgoing[transfer.target].append(transfer)
+        elif transfer.target == rank:
+            incoming[transfer.source].append(transfer)
+
+    requests, sent = [], []
+    for peer, items in sorted(outgoing.items()):
+        buffer = torch.cat([_slice(held, t).float().reshape(-1) for t in items])
+        checksum = torch.tensor([zlib.crc32(buffer.numpy().tobytes())], dtype=torch.int64)
+        sent += [buffer, checksum]
+        requests.append(dist.isend(buffer, peer, group=group, tag=1))
+        requests.append(dist.isend(checksum, peer, group=group, tag=2))
+    received = {}
+    for peer, items in sorted(incoming.items()):
+        buffer = torch.empty(sum(t.end - t.start for t in items), dtype=torch.float32)
+        checksum = torch.empty(1, dtype=torch.int64)
+        requests.append(dist.irecv(buffer, peer, group=group, tag=1))
+        requests.append(dist.irecv(checksum, peer, group=group, tag=2))
+        received[peer] = (buffer, checksum)
+    for request in requests:
+        request.wait()
+    for peer, (buffer, checksum) in received.items():
+        if zlib.crc32(buffer.numpy().tobytes()) != int(checksum):
+            raise TransferCorrupted(f"state received from rank {peer} fails its CRC-32")
+        offset = 0
+        for transfer in incoming[peer]:
+            length = transfer.end - transfer.start
+            need = needs[transfer.need]
+            results[transfer.need][transfer.start - need.start:transfer.end - need.start] = (
+                buffer[offset:offset + length])
+            offset += length
+    moved = sum(t.end - t.start for t in transfers if t.source != t.target)
+    return results, moved * torch.float32.itemsize
+
+
+def _slice(held: Mapping[str, torch.Tensor], transfer: Transfer) -> torch.Tensor:
+    fragment = Piece.parse(transfer.source_key)
+    flat = held[transfer.source_key].reshape(-1)
+    return flat[transfer.start - fragment.start:transfer.end - fragment.start]
+
+
+def _copy_into(results, needs, transfer: Transfer, held) -> None:
+    need = needs[transfer.need]
+    results[transfer.need][transfer.start - need.start:transfer.end - need.start] = (
+        _slice(held, transfer))
+
+
+@torch.no_grad()
+def load_pieces(objects, tp_rank: int, needs: Sequence[Piece], values: Sequence[torch.Tensor],
+                step: float) -> None:
+    """Set every chunk's parameters and this rank's Adam shard from migrated ``values``."""
+    found = {(p.name, p.kind): (p, v) for p, v in zip(needs, values) if p.tp == tp_rank}
+    for optimizer, name, param in _chunk_params(objects):
+        full = found[(name, "param")][1]
+        param.data.copy_(full.view_as(param).to(param.dtype))
+        if param not in optimizer.model_param_group_index_map:
+            continue
+        span = optimizer._get_model_param_range_map(param)["param"]
+        tensors = {"param": full[span.start:span.end]}
+        if span.end > span.start:
+            tensors.update({kind: found[(name, kind)][1] for kind in KINDS[1:]})
+        optimizer._set_main_param_and_optimizer_states(param, tensors)
+    for optimizer in objects.chunk_optimizers:
+        for state in optimizer.optimizer.state.values():
+            if "step" in state:
+                state["step"].fill_(step)

@@ -1,0 +1,60 @@
+"""Layout-invariant dropout in ``TransformerLayer.forward``: reseed Megatron's streams per layer.
+
+Checked against megatron-core 0.16.1 (``megatron/core/transformer/transformer_layer.py``).
+
+Installed only when asked (``patches.install(backend, layout_invariant_rng=True)``; the training
+script does so for ``--elastic-rng invariant``). Right before a layer's forward runs in training,
+the default device generator and the RNG tracker's ``'model-parallel-rng'`` state are reseeded
+from :func:`megatron_elaswave.dropout_rng.stream_seeds` of
+
+* the global layer number, ``self.layer_number - 1`` (Megatron sets ``layer_number`` to the
+  1-based local index plus ``get_transformer_layer_offset``, transformer_layer.py:280), and
+* the layer's tensor-parallel rank, ``self.tp_group.rank()`` (transformer_layer.py:278),
+
+plus the iteration and micro-batch the training loop has set. Both streams are put back when the
+layer returns. Megatron's consumers inside a layer are: attention dropout under
+``tracker.fork()`` (dot_product_attention.py:217) and the two hidden dropouts in
+``bias_dropout_add`` on the default generator; with sequence parallelism the block runs every
+layer inside the fork (transformer_block.py:707), so all three draw from the model-parallel
+stream, which is keyed by TP rank as the sharded activations require.
+
+Not supported: full activation recompute (``recompute_granularity='full'``) re-runs the layer's
+forward during backward, when the loop has moved on to another micro-batch, so it is refused.
+Selective recompute re-runs sub-modules under ``tensor_parallel.checkpoint``, which restores the
+RNG states captured inside the layer, so it keeps the keyed masks (not exercised by our tests).
+``MoETransformerLayer`` inherits this forward, but the expert-parallel stream is not keyed.
+Eval (``self.training`` false) and layers without dropout run unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from megatron_elaswave import dropout_rng
+from megatron_elaswave.device import DeviceBackend
+
+from .registry import PatchRegistry
+from .tensor_parallel_random import keyed_streams
+
+FORWARD = "megatron.core.transformer.transformer_layer.TransformerLayer.forward"
+
+
+def _keyed_forward(forward, backend: DeviceBackend):
+    @functools.wraps(forward)
+    def forward_with_keyed_rng(self, *args, **kwargs):
+        config = self.config
+        if not self.training or (config.hidden_dropout == 0 and config.attention_dropout == 0):
+            return forward(self, *args, **kwargs)
+        if config.recompute_granularity == "full":
+            raise NotImplementedError(
+                "layout-invariant dropout RNG does not support full activation recompute "
+                "(the recomputed forward would draw other masks); use --elastic-rng megatron")
+        seeds = dropout_rng.stream_seeds(self.layer_number - 1, self.tp_group.rank())
+        with keyed_streams(backend, seeds.default, seeds.model_parallel):
+            return forward(self, *args, **kwargs)
+
+    return forward_with_keyed_rng
+
+
+def register(registry: PatchRegistry, backend: DeviceBackend) -> None:
+    registry.register_wrapper(FORWARD, lambda forward: _keyed_forward(forward, backend))

@@ -1,0 +1,152 @@
+"""``pretrain_gpt.py --elastic`` against the failure-free trajectory (DESIGN section 7).
+
+Every run below loses workers to real signals, from outside the job (the test SIGKILLs or
+SIGSTOPs a worker once the metrics file shows a chosen iteration) or from inside
+(``--elastic-inject-failure`` makes the worker signal itself in a chosen phase). The survivors
+must finish every iteration on the samples of the failure-free run (identical
+``samples_digest``) with a relative ``lm_loss`` difference of at most 1e-4.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from harness import free_port, launch
+from megatron_elaswave.metrics import read_metrics
+from test_pretrain_gpt import PRETRAIN, model_flags, text_data  # noqa: F401  (fixture)
+
+LOSS_TOLERANCE = 1e-4
+TRAIN_ITERS = 24
+
+pytestmark = pytest.mark.multiprocess
+
+
+def elastic_flags(data_prefix: str, **overrides) -> list[str]:
+    settings = {"num_layers": 8, "train_iters": TRAIN_ITERS, "global_batch_size": 16, **overrides}
+    return [*model_flags(data_prefix, **settings), "--elastic", "--use-distributed-optimizer",
+            "--untie-embeddings-and-output-weights", "--elastic-heartbeat-timeout", "2"]
+
+
+def run(tmp_path: Path, name: str, flags: list[str], nproc: int = 8, kills=(),
+        stop: int | None = None, timeout: float = 240) -> tuple[list[dict], list[dict], str]:
+    """Train; ``kills`` are ``(rank, after_iteration)``: SIGKILL ``rank`` once the metrics file
+    holds that iteration. ``stop`` SIGSTOPs that rank after iteration 3 and wakes it once the
+    survivors have recovered. Returns the iteration records, the recovery records and the log."""
+    metrics = tmp_path / f"{name}.jsonl"
+
+    def reached(iteration: int) -> bool:
+        return metrics.exists() and any(
+            r["iteration"] >= iteration for r in read_metrics(str(metrics), "iteration"))
+
+    with launch([PRETRAIN, *flags, "--elastic-metrics-file", str(metrics)], nproc,
+                master_port=free_port(), log_path=tmp_path / f"{name}.log") as job:
+        for rank, after in kills:
+            job.wait_for(lambda: reached(after), 120, f"iteration {after}")
+            job.kill_worker(rank)
+        if stop is not None:
+            job.wait_for(lambda: reached(3), 120, "iteration 3")
+            job.kill_worker(stop, signal.SIGSTOP)
+            job.wait_for(lambda: bool(read_metrics(str(metrics), "recovery")), 120, "a recovery")
+            job.kill_worker(stop, signal.SIGCONT)
+        returncode, output = job.wait(timeout)
+    iterations = read_metrics(str(metrics), "iteration")
+    recoveries = read_metrics(str(metrics), "recovery")
+    assert [r["iteration"] for r in iterations] == list(range(1, TRAIN_ITERS + 1)), output[-4000:]
+    return iterations, recoveries, output
+
+
+def assert_on_trajectory(reference: list[dict], run: list[dict]) -> float:
+    """Same samples every iteration and losses within tolerance; returns the worst deviation."""
+    worst = 0.0
+    for ref, got in zip(reference, run, strict=True):
+        assert got["samples_digest"] == ref["samples_digest"], got["iteration"]
+        assert got["global_batch_size"] == ref["global_batch_size"]
+        worst = max(worst, abs(got["lm_loss"] - ref["lm_loss"]) / abs(ref["lm_loss"]))
+    assert worst <= LOSS_TOLERANCE, worst
+    return worst
+
+
+@pytest.fixture(scope="module")
+def reference(text_data, tmp_path_factory):  # noqa: F811
+    iterations, recoveries, _ = run(tmp_path_factory.mktemp("reference"), "reference",
+                                    elastic_flags(text_data, tensor_model_parallel_size=2,
+                                                  pipeline_model_parallel_size=2))
+    assert not recoveries
+    assert iterations[-1]["lm_loss"] < iterations[0]["lm_loss"] - 0.5  # it learns
+    return iterations
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("victims", [[(2, 3)], [(7, 4)], [(0, 3)], [(5, 3), (2, 8)]],
+                         ids=["first-stage-rank-2", "last-stage-rank-7", "rank-0", "two-failures"])
+def test_sigkilled_workers_leave_the_trajectory_unchanged(text_data, reference, tmp_path,  # noqa: F811
+                                                          victims):
+    flags = elastic_flags(text_data, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    iterations, recoveries, _ = run(tmp_path, "killed", flags, kills=victims)
+    assert_on_trajectory(reference, iterations)
+    assert sorted(r for rec in recoveries for r in rec["failed_ranks"]) == sorted(v for v, _ in victims)
+    for record in recoveries:
+        survivors = {r for replica in record["layout"] for stage in replica["stages"]
+                     for r in stage["ranks"]}
+        assert survivors.isdisjoint(record["failed_ranks"])
+        assert sum(replica["num_microbatches"] for replica in record["layout"]) == 8
+        assert record["total_s"] > 0 and record["bytes_moved"] > 0
+    # After the failure the job runs on fewer ranks, with the same global batch.
+    assert iterations[-1]["world_size"] < 8
+
+
+@pytest.mark.timeout(300)
+def test_a_middle_stage_rank_dies(text_data, tmp_path):  # noqa: F811
+    flags = elastic_flags(text_data, tensor_model_parallel_size=1, pipeline_model_parallel_size=4)
+    reference, _, _ = run(tmp_path, "reference", flags)
+    # TP1 x PP4 x DP2 in Megatron's order: rank 2 is stage 1 of replica 0.
+    iterations, recoveries, _ = run(tmp_path, "killed", flags, kills=[(2, 4)])
+    assert_on_trajectory(reference, iterations)
+    assert [r["failed_ranks"] for r in recoveries] == [[2]]
+    stages = [len(replica["stages"]) for replica in recoveries[0]["layout"]]
+    assert sorted(stages) == [3, 4]  # replica 0 re-partitioned its layers over three stages
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_worker_is_excluded_and_the_rest_continue(text_data, reference, tmp_path):  # noqa: F811
+    flags = elastic_flags(text_data, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    iterations, recoveries, output = run(tmp_path, "stopped", flags, stop=6)
+    assert_on_trajectory(reference, iterations)
+    assert [r["failed_ranks"] for r in recoveries] == [[6]]
+    assert recoveries[0]["detect_s"] >= 1.5  # found by the 2 s heartbeat timeout
+    assert "rank 6 was excluded from the job" in output
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer", "snapshot"])
+def test_an_injected_kill_in_any_phase_is_survived(text_data, tmp_path, phase):  # noqa: F811
+    flags = elastic_flags(text_data, tensor_model_parallel_size=1, pipeline_model_parallel_size=2,
+                          global_batch_size=8)
+    reference, _, _ = run(tmp_path, "reference", flags, nproc=4)
+    iterations, recoveries, output = run(
+        tmp_path, "injected", [*flags, "--elastic-inject-failure", f"rank=1,iteration=5,phase={phase}"],
+        nproc=4)
+    assert f"rank 1 kill in the {phase} of iteration 5" in output
+    assert_on_trajectory(reference, iterations)
+    assert [r["failed_ranks"] for r in recoveries] == [[1]]
+    # A failure before the step's snapshot rolls back to iteration 4; one during the snapshot
+    # may find iteration 5 complete on every survivor and its replica.
+    assert recoveries[0]["rolled_back_to"] in ((4, 5) if phase == "snapshot" else (4,))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("spec, message", [
+    ("rank=1", "rank= and iteration= are required"),
+    ("rank=1,iteration=2,phase=lunch", "phase must be one of"),
+    ("rank=9,iteration=2", "is not a rank of this"),
+])
+def test_bad_failure_specs_are_refused_in_one_line(text_data, tmp_path, spec, message):  # noqa: F811
+    flags = elastic_flags(text_data, tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
+    with launch([PRETRAIN, *flags, "--elastic-inject-failure", spec], 4,
+                master_port=free_port()) as job:
+        returncode, output = job.wait(120)
+    assert returncode == 2
+    assert message in output and "Traceback" not in output
