@@ -31,7 +31,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "hypothesis>=6"],
-        "bench": ["matplotlib>=3.8", "torchft"],
+        # torchft 0.2 publishes wheels for Linux x86_64 only (elsewhere pip builds it from
+        # source, which needs Rust and protoc); scripts/bench/torchft_mttr.py uses 0.2's API.
+        "bench": ["matplotlib>=3.8", "torchft>=0.2,<0.3"],
         "cuda": ["transformer-engine[pytorch]"],
         "npu": ["torch-npu"],
         "dvfs": ["nvidia-ml-py"],

@@ -9,8 +9,9 @@ signals itself, so the job sees exactly what an outside ``kill`` would produce:
   the survivors and leaves, and the job can end.
 
 Phases, within iteration ``I`` (counted from 1 like Megatron's log lines): ``forward`` (the
-first micro-batch's forward), ``backward`` (the first micro-batch's backward), ``optimizer``
-(before the optimizer step), ``snapshot`` (between capturing the snapshot and replicating it),
+first micro-batch's forward), ``backward`` (the first micro-batch's backward), ``allreduce``
+(as the gradient reduction over the data-parallel groups starts), ``optimizer`` (before the
+optimizer step), ``snapshot`` (between capturing the snapshot and replicating it),
 ``recovery`` (on entering a recovery during iteration ``I``).
 """
 
@@ -22,7 +23,7 @@ import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-PHASES = ("forward", "backward", "optimizer", "snapshot", "recovery")
+PHASES = ("forward", "backward", "allreduce", "optimizer", "snapshot", "recovery")
 KINDS = ("kill", "hang")
 
 

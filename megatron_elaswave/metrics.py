@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from typing import Any, Iterable, TextIO
 
 ITERATION_FIELDS = (
@@ -39,7 +40,7 @@ class MetricsWriter:
     def write(self, event: str, **fields: Any) -> None:
         if self._file is None:
             return
-        self._file.write(json.dumps({"event": event, **fields}) + "\n")
+        self._file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
         self._file.flush()
 
     def close(self) -> None:

@@ -37,7 +37,8 @@ def register(registry: PatchRegistry, backend: DeviceBackend) -> None:
 
 
 @contextlib.contextmanager
-def keyed_streams(backend: DeviceBackend, default_seed: int, model_parallel_seed: int) -> Iterator[None]:
+def keyed_streams(backend: DeviceBackend, default_seed: int,
+                  model_parallel_seed: int) -> Iterator[None]:
     """Run the block with the default generator seeded by ``default_seed`` and the tracker's
     model-parallel stream by ``model_parallel_seed``; restore both streams afterwards, so code
     outside the block sees the generators as if the block had drawn nothing.

@@ -251,3 +251,37 @@ def choose_clocks(cost: CostModel, layout: Layout, options: PlanOptions) -> Cloc
         return step.step_time_s, step.energy_j
 
     return scaled if simulated(scaled) < simulated(nominal) else nominal
+
+
+def plan_replica_drop(old: Layout, failed_ranks: Iterable[int], *, keep_global_batch: bool) -> Layout:
+    """The executable baselines: every replica with a failed rank stops, no layer moves.
+
+    Its surviving ranks become spares. With ``keep_global_batch`` (``reroute``, ReCycle-style at
+    replica granularity) its micro-batches are dealt round-robin over the remaining replicas, so
+    the global batch and its samples stay those of the failure-free run; without it
+    (``drop-replica``, TorchFT-style) they are dropped: the global batch shrinks and the kept
+    micro-batches are renumbered in order.
+    """
+    failed = frozenset(failed_ranks)
+    kept = [r for r in old.replicas
+            if all(failed.isdisjoint(stage.ranks) for stage in r.stages)]
+    if not kept:
+        raise PlanError(f"failing ranks {sorted(failed)} leaves no intact replica")
+    lost = sorted(i for r in old.replicas if r not in kept for i in r.microbatch_ids)
+    ids = {r.index: list(r.microbatch_ids) for r in kept}
+    if keep_global_batch:
+        for n, microbatch in enumerate(lost):
+            ids[kept[n % len(kept)].index].append(microbatch)
+        ids = {index: sorted(values) for index, values in ids.items()}
+    else:
+        order = sorted(i for values in ids.values() for i in values)
+        renumber = {old_id: new_id for new_id, old_id in enumerate(order)}
+        ids = {index: [renumber[i] for i in values] for index, values in ids.items()}
+    spares = set(old.spares) | {
+        rank for r in old.replicas if r not in kept for s in r.stages for rank in s.ranks
+    }
+    return Layout(
+        num_layers=old.num_layers,
+        replicas=tuple(Replica(r.index, r.stages, tuple(ids[r.index])) for r in kept),
+        spares=tuple(sorted(spares - failed)),
+    )

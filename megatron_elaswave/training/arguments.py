@@ -106,6 +106,12 @@ def _add_elastic_args(parser: argparse.ArgumentParser) -> None:
                        help="keep per-step in-memory snapshots (on by default with --elastic)")
     group.add_argument("--elastic-snapshot-replicas", type=int, default=1,
                        help="buddy ranks that hold a copy of each rank's snapshot (default 1)")
+    group.add_argument("--elastic-policy", choices=("elaswave", "drop-replica", "reroute"),
+                       default="elaswave",
+                       help="after a failure: elaswave (reshard layers, micro-batches and state), "
+                            "drop-replica (TorchFT-style: the damaged replica and its micro-batches "
+                            "go, the global batch shrinks) or reroute (the damaged replica goes, "
+                            "its micro-batches move to the others; no layer moves)")
     group.add_argument("--elastic-heartbeat-timeout", type=float, default=5.0,
                        help="seconds without a heartbeat after which a rank counts as hung")
     group.add_argument("--elastic-profile", default=None,
@@ -114,7 +120,7 @@ def _add_elastic_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--elastic-inject-failure", action="append", default=[],
                        metavar="rank=R,iteration=I[,phase=P][,kind=kill|hang]",
                        help="fail rank R during iteration I (repeatable); phases: forward, "
-                            "backward, optimizer, snapshot, recovery")
+                            "backward, allreduce, optimizer, snapshot, recovery")
     group.add_argument("--elastic-rng", choices=RNG_MODES, default=None,
                        help="dropout randomness: 'invariant' keys each mask by (seed, iteration, "
                             "micro-batch, layer, TP rank) so it does not depend on the pipeline "

@@ -34,11 +34,11 @@ from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.faults import FaultInjector, InjectedFailure
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter
-from megatron_elaswave.monitor import FailureDetected, FailureMonitor, MonitorConfig
+from megatron_elaswave.monitor import HEARTBEAT, FailureDetected, FailureMonitor, MonitorConfig
 from megatron_elaswave.planner.cost import CostModel, MemoryModel
 from megatron_elaswave.planner.job import JobSpec
 from megatron_elaswave.planner.profile import SyntheticDevice, SyntheticModel, load_profile, synthetic_profile
-from megatron_elaswave.planner.replan import PlanError, PlanOptions, plan_recovery
+from megatron_elaswave.planner.replan import PlanError, PlanOptions, plan_recovery, plan_replica_drop
 from megatron_elaswave.snapshot import SnapshotConfig
 from megatron_elaswave.store import connect_store, read_deaths
 
@@ -47,7 +47,7 @@ from .layer_groups import StageObjects, build_stage_objects
 from .loop import Trainer, log
 from .model import seed_random_generators
 from .migration import adam_step, load_pieces, migrate, named_shard, needed_pieces
-from .snapshots import StepSnapshots
+from .snapshots import StepSnapshots, restore_rng_states
 
 class CannotContinue(RuntimeError):
     """The survivors cannot hold the model any more."""
@@ -129,6 +129,13 @@ class ElasticTrainer(Trainer):
                                                           vp_size=None)
         self.tp_rank = self.layout.position(self.rank)[2]
         self.objects.model[-1].module.register_forward_hook(self._arm_backward_fault)
+        finalize = self.objects.config.finalize_model_grads_func
+
+        def finalize_with_fault(*args, **kwargs):
+            self.injector.at("allreduce", self.iteration + 1)
+            return finalize(*args, **kwargs)
+
+        self.objects.config.finalize_model_grads_func = finalize_with_fault
 
     def _arm_backward_fault(self, module, inputs, output) -> None:
         if torch.is_tensor(output) and output.requires_grad:
@@ -189,7 +196,11 @@ class ElasticTrainer(Trainer):
         self.injector.at("recovery", self.iteration + 1)
         noticed = time.time()
         self.monitor.report_error(error)
-        evidence = [self.monitor.failure.time] + [s.time for s in self.monitor.suspects().values()]
+        # A hang is older than its detection by the heartbeat timeout.
+        timeout_s = self.monitor.config.heartbeat_timeout_s
+        evidence = [self.monitor.failure.time] + [
+            s.time - (timeout_s if s.cause == HEARTBEAT else 0.0)
+            for s in self.monitor.suspects().values()]
         times = self._pending or RecoveryTimes(failure_at=min(evidence + [noticed]),
                                                noticed_at=noticed)
         decision = agree(self.store, self.monitor)
@@ -202,10 +213,9 @@ class ElasticTrainer(Trainer):
         deaths = [d.time for d in read_deaths(self.store) if d.rank in failed]
         times.failure_at = min([times.failure_at, *deaths])
         try:
-            plan = plan_recovery(self.layout, failed, self.cost, PlanOptions(dvfs=False))
+            new_layout = self._plan(failed)
         except PlanError as plan_error:
             raise CannotContinue(str(plan_error)) from None
-        new_layout = plan.layout
         times.planned_at = time.time()
         old_lists = member_lists(group_specs(self.layout))
         # Every connection was shut down to unblock the training thread: re-create all groups
@@ -216,6 +226,12 @@ class ElasticTrainer(Trainer):
         self._restore(decision, new_layout, times)
         self._pending = times
         self.state_layout, self.lost = new_layout, set()
+
+    def _plan(self, failed: set[int]) -> Layout:
+        policy = self.args.elastic_policy
+        if policy == "elaswave":
+            return plan_recovery(self.layout, failed, self.cost, PlanOptions(dvfs=False)).layout
+        return plan_replica_drop(self.layout, failed, keep_global_batch=policy == "reroute")
 
     def _rollback_iteration(self, prefix: str, members: list[int]) -> int:
         """The newest iteration whose state survives whole: every surviving stage holder has
@@ -273,6 +289,8 @@ class ElasticTrainer(Trainer):
             self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
             load_pieces(self.objects, self.tp_rank, needs, values, state["adam_step"])
             self.objects.scheduler.load_state_dict(state["scheduler"])
+            # Only Megatron's stateful streams need this; layout-invariant ones are keyed.
+            restore_rng_states(state["rng"])
             self.snapshots = StepSnapshots(layout, self.rank, self.snapshots.store.config,
                                            group=self.registry.group(Role.WORLD))
             self.take_snapshot(self.iteration, self.consumed_samples)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_elaswave import patches
+from megatron_elaswave import dropout_rng, patches
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter
@@ -74,7 +74,8 @@ def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: in
 def train_job(args: argparse.Namespace, backend: DeviceBackend, rank: int, local_rank: int,
               world_size: int) -> None:
     """Join the job, train to ``--train-iters`` with the checkpoints and profile asked for."""
-    patches.install(backend)
+    patches.install(backend, layout_invariant_rng=args.elastic_rng == "invariant")
+    dropout_rng.set_seed(args.seed)
     tokenizer = load_tokenizer(args)
     init_default_group(rank, world_size, local_rank, backend, args.distributed_timeout_minutes)
     if args.elastic:

@@ -20,11 +20,12 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_elaswave import dropout_rng
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter, samples_digest
 
-from .data import MicrobatchSource, StepData
+from .data import MicrobatchIds, MicrobatchSource, StepData
 from .model import TrainingObjects
 from .snapshots import StepSnapshots
 
@@ -51,6 +52,8 @@ def stage_of(model) -> torch.nn.Module:
 def forward_step(data_iterator, model):
     stage = stage_of(model)
     batch = next(data_iterator) if data_iterator is not None else None
+    if batch is not None:  # layout-invariant dropout: every stage knows the global micro-batch
+        dropout_rng.set_microbatch(batch["microbatch_id"])
     tokens = batch["tokens"] if stage.pre_process else None
     position_ids = batch["position_ids"] if stage.pre_process else None
     labels = batch["labels"] if stage.post_process else None
@@ -111,10 +114,11 @@ class Trainer:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def _step_data(self, source: MicrobatchSource, consumed: int) -> list[StepData | None]:
+    def _step_data(self, source: MicrobatchSource, consumed: int) -> list[StepData | MicrobatchIds]:
         return [
             StepData(source, consumed, self.replica.microbatch_ids)
-            if stage_of(stage).pre_process or stage_of(stage).post_process else None
+            if stage_of(stage).pre_process or stage_of(stage).post_process
+            else MicrobatchIds(self.replica.microbatch_ids)  # ids only, for dropout_rng
             for stage in self.stages
         ]
 
@@ -160,6 +164,7 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.objects.optimizer.zero_grad()
         data = self._step_data(self.train_source, self.consumed_samples)
+        dropout_rng.set_iteration(self.iteration + 1)  # layout-invariant dropout: this step
         losses = self._run_schedule(data, forward_only=False)
         self.before_optimizer_step()
         succeeded, grad_norm, _ = self.objects.optimizer.step()

@@ -6,8 +6,10 @@ any training state exists; nothing here prints a traceback for a user mistake.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import re
+import signal
 import sys
 import warnings
 from dataclasses import dataclass
@@ -20,6 +22,8 @@ from megatron_elaswave.device import DeviceUnavailableError, resolve_device_back
 from .arguments import ArgumentError, parse_args
 
 EXIT_BAD_INPUT = 2
+EXIT_CANNOT_CONTINUE = 3
+"""The survivors of failures cannot hold the model or lost part of its state."""
 
 # Warnings megatron-core and torch print on every rank that a user cannot act on.
 _KNOWN_WARNINGS = (
@@ -74,15 +78,23 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
 
     from .checkpoint import CheckpointError
     from .data import DataError
+    from .elastic import CannotContinue
     from .job import train_job
+    from .migration import StateLost
 
     try:
         train_job(args, backend, info.rank, info.local_rank, info.world_size)
     except (UnsupportedMegatronVersion, CheckpointError, DataError) as error:
         report_error(str(error), info.rank)
         return EXIT_BAD_INPUT
+    except (CannotContinue, StateLost) as error:
+        # Every survivor reaches the same verdict; each says it, since rank 0 may be gone.
+        print(f"pretrain_gpt.py: cannot continue: {error}", file=sys.stderr, flush=True)
+        return EXIT_CANNOT_CONTINUE
     return 0
 
 
 def main() -> None:
+    # ``kill -USR1 <pid>`` prints every thread's stack: what a rank is waiting for, live.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     sys.exit(pretrain(sys.argv[1:]))

@@ -45,6 +45,14 @@ def rng_states() -> dict:
     }
 
 
+def restore_rng_states(states: dict) -> None:
+    """Inverse of :func:`rng_states`."""
+    random.setstate(states["python"])
+    numpy.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
+
+
 class StepSnapshots:
     """Snapshots of one rank after every step, replicated to its buddies in the layout."""
 

@@ -1,0 +1,207 @@
+"""Time to recover from a failure: ElasWave against restart-from-checkpoint and TorchFT.
+
+Every arm trains the same GPT on 8 CPU ranks (TP2 x PP2 x DP2, 8 layers) and loses rank
+``--fail-rank`` to a SIGKILL sent from outside the job once iteration ``--fail-at - 1`` is in
+the metrics file, i.e. during iteration ``--fail-at``. MTTR is the time from that SIGKILL to the
+moment iteration ``--fail-at`` is completed again (its metrics record's timestamp):
+
+* ``elaswave``: ``pretrain_gpt.py --elastic``; the survivors recover in place.
+* ``restart``: ``pretrain_gpt.py --save DIR --save-interval N`` without ``--elastic``. As
+  torchrun does when a worker dies, every worker is stopped at once, then all are launched again
+  with ``--load DIR``; the iterations since the last checkpoint are computed again (counted as
+  ``lost_iterations``).
+* ``torchft``: ``scripts/bench/torchft_mttr.py`` (the ``torchft`` package, DDP replicas on the
+  same machine); reported as that script measures it, when torchft is installed.
+
+Arms alternate; medians over ``--repetitions`` and the ratio restart / elaswave are printed;
+``--json`` prints one object.
+
+    python scripts/bench/mttr.py --repetitions 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import SCRIPTS, free_port
+
+REPO = SCRIPTS.parent
+NPROC = 8
+
+
+def model_flags(data: str, train_iters: int) -> list[str]:
+    return [
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--num-layers", "8", "--hidden-size", "128", "--num-attention-heads", "4",
+        "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "16",
+        "--train-iters", str(train_iters), "--lr", "1e-3", "--seed", "1234",
+        "--use-distributed-optimizer", "--untie-embeddings-and-output-weights",
+        "--data-path", data, "--split", "98,2,0", "--log-interval", "1", "--eval-interval", "100000",
+    ]
+
+
+class Job:
+    """One ``pretrain_gpt.py`` launch whose workers the benchmark can signal."""
+
+    def __init__(self, flags: list[str], metrics: Path, log: Path) -> None:
+        self.metrics = metrics
+        command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={NPROC}",
+                   f"--master-port={free_port()}", str(SCRIPTS / "pretrain_gpt.py"), *flags,
+                   "--elastic-metrics-file", str(metrics)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        self.log = open(log, "w")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env=env, start_new_session=True)
+
+    def records(self) -> list[dict]:
+        if not self.metrics.exists():
+            return []
+        return [json.loads(line) for line in self.metrics.read_text().splitlines() if line]
+
+    def wait_for_iteration(self, iteration: int, timeout: float = 600) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for record in self.records():
+                if record["event"] == "iteration" and record["iteration"] == iteration:
+                    return record
+            if self.process.poll() is not None:
+                sys.exit(f"training ended (status {self.process.returncode}) before iteration "
+                         f"{iteration}; see {self.log.name}")
+            time.sleep(0.02)
+        sys.exit(f"no iteration {iteration} within {timeout} s; see {self.log.name}")
+
+    def worker_pid(self, rank: int) -> int:
+        for child in Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split():
+            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
+            if f"RANK={rank}".encode() in environ:
+                return int(child)
+        sys.exit(f"no worker of rank {rank}")
+
+    def stop(self) -> None:
+        """What torchrun does once a worker died: stop every worker of the job."""
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def finish(self, timeout: float = 600) -> None:
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+        self.log.close()
+
+
+def elaswave(data: str, workdir: Path, fail_at: int, fail_rank: int) -> dict:
+    job = Job([*model_flags(data, fail_at + 2), "--elastic"], workdir / "elaswave.jsonl",
+              workdir / "elaswave.log")
+    job.wait_for_iteration(fail_at - 1)
+    os.kill(job.worker_pid(fail_rank), signal.SIGKILL)
+    killed_at = time.time()
+    done = job.wait_for_iteration(fail_at)
+    job.finish()
+    recovery = [r for r in job.records() if r["event"] == "recovery"]
+    return {"mttr_s": done["time"] - killed_at, "lost_iterations": 0,
+            "breakdown": {k: v for k, v in recovery[0].items() if k.endswith("_s")} if recovery else {}}
+
+
+def restart(data: str, workdir: Path, fail_at: int, fail_rank: int, save_interval: int) -> dict:
+    checkpoints = workdir / "checkpoints"
+    flags = [*model_flags(data, fail_at + 2), "--save", str(checkpoints),
+             "--save-interval", str(save_interval)]
+    job = Job(flags, workdir / "restart.jsonl", workdir / "restart.log")
+    job.wait_for_iteration(fail_at - 1)
+    os.kill(job.worker_pid(fail_rank), signal.SIGKILL)
+    killed_at = time.time()
+    job.stop()
+    again = Job([*flags, "--load", str(checkpoints)], workdir / "restarted.jsonl",
+                workdir / "restarted.log")
+    done = again.wait_for_iteration(fail_at)
+    again.finish()
+    resumed_from = min(r["iteration"] for r in again.records() if r["event"] == "iteration") - 1
+    return {"mttr_s": done["time"] - killed_at, "lost_iterations": fail_at - 1 - resumed_from}
+
+
+def torchft(repetitions: int) -> dict | None:
+    script = SCRIPTS / "bench" / "torchft_mttr.py"
+    result = subprocess.run([sys.executable, str(script), "--repetitions", str(repetitions), "--json"],
+                            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if result.returncode != 0:
+        print(f"torchft arm skipped: {(result.stderr or result.stdout).strip().splitlines()[-1:]}",
+              file=sys.stderr)
+        return None
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def prepare_data(workdir: Path) -> str:
+    sys.path.insert(0, str(SCRIPTS))
+    from demo import prepare_data as demo_data
+
+    return demo_data(workdir)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--fail-at", type=int, default=8, help="iteration during which a rank dies")
+    parser.add_argument("--fail-rank", type=int, default=5)
+    parser.add_argument("--save-interval", type=int, default=5,
+                        help="checkpoint interval of the restart arm")
+    parser.add_argument("--workdir", default="runs/bench-mttr")
+    parser.add_argument("--skip-torchft", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.fail_at < 2:
+        sys.exit("--fail-at must be at least 2")
+    say = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
+    workdir = Path(args.workdir)
+    data = prepare_data(workdir)
+    runs: dict[str, list[dict]] = {"elaswave": [], "restart": []}
+    for repetition in range(args.repetitions):
+        order = ["elaswave", "restart"] if repetition % 2 == 0 else ["restart", "elaswave"]
+        for arm in order:
+            with tempfile.TemporaryDirectory(dir=workdir) as scratch:
+                if arm == "elaswave":
+                    result = elaswave(data, Path(scratch), args.fail_at, args.fail_rank)
+                else:
+                    result = restart(data, Path(scratch), args.fail_at, args.fail_rank,
+                                     args.save_interval)
+            runs[arm].append(result)
+            say(f"  {arm:9s} MTTR {result['mttr_s']:7.2f} s  (lost iterations "
+                f"{result['lost_iterations']})")
+    summary = {f"{arm}_mttr_s": statistics.median(r["mttr_s"] for r in results)
+               for arm, results in runs.items()}
+    summary["restart_over_elaswave"] = summary["restart_mttr_s"] / summary["elaswave_mttr_s"]
+    summary["restart_lost_iterations"] = statistics.median(r["lost_iterations"] for r in runs["restart"])
+    breakdowns = [r["breakdown"] for r in runs["elaswave"] if r["breakdown"]]
+    summary["elaswave_breakdown_s"] = {
+        key: statistics.median(b[key] for b in breakdowns) for key in breakdowns[0]} if breakdowns else {}
+    if not args.skip_torchft:
+        measured = torchft(args.repetitions)
+        if measured is not None:
+            summary["torchft"] = measured
+            summary["torchft_mttr_s"] = measured.get("torchft_mttr_s")
+    summary["samples"] = runs
+    if args.json:
+        print(json.dumps(summary))
+        return
+    print(f"ElasWave MTTR {summary['elaswave_mttr_s']:.2f} s (median of {args.repetitions}); "
+          f"restart-from-checkpoint {summary['restart_mttr_s']:.2f} s, "
+          f"{summary['restart_over_elaswave']:.1f}x longer "
+          f"({summary['restart_lost_iterations']:.0f} iterations recomputed)")
+    if summary.get("torchft_mttr_s") is not None:
+        print(f"TorchFT (torchft package, DDP replicas): {summary['torchft_mttr_s']:.2f} s")
+    if summary["elaswave_breakdown_s"]:
+        print("ElasWave breakdown (median s): " + ", ".join(
+            f"{k} {v:.2f}" for k, v in summary["elaswave_breakdown_s"].items()))
+
+
+if __name__ == "__main__":
+    main()
