@@ -104,7 +104,8 @@ def summarise(results: dict, failure_at: int) -> int:
     record = recoveries[0]
     phases = ("detect", "agree", "plan", "comm", "rebuild", "migrate", "first_step")
     print()
-    print(f"demo: rank {record['failed_ranks']} failed in iteration {failure_at}; the "
+    failed = ", ".join(str(rank) for rank in record["failed_ranks"])
+    print(f"demo: rank {failed} failed in iteration {failure_at}; the "
           f"{iterations[-1]['world_size']} survivors rolled back to iteration "
           f"{record['rolled_back_to']}, resharded and finished all {len(iterations)} iterations "
           "without a restart or a checkpoint")

@@ -9,6 +9,7 @@ must finish every iteration on the samples of the failure-free run (identical
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from pathlib import Path
 
@@ -211,3 +212,32 @@ def test_state_lost_with_its_only_copy_stops_with_a_message(text_data, tmp_path)
     assert returncode != 0
     assert "cannot continue: no iteration has a complete set of surviving snapshots" in output
     assert "Traceback" not in output
+
+
+@pytest.mark.timeout(300)
+def test_a_lost_node_takes_half_the_job_and_the_other_half_continues(text_data, reference,  # noqa: F811
+                                                                    tmp_path):
+    """Two launchers of four workers each; node 1's launcher is SIGKILLed with its workers (the
+    last stage of both replicas): each replica re-partitions its layers onto its first stage."""
+    metrics = tmp_path / "node.jsonl"
+    flags = [PRETRAIN, *elastic_flags(text_data, tensor_model_parallel_size=2,
+                                      pipeline_model_parallel_size=2),
+             "--elastic-metrics-file", str(metrics)]
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        node0, node1 = (
+            stack.enter_context(launch(flags, 4, nnodes=2, node_rank=node, master_port=port,
+                                       launcher_args=["--node-timeout=1"],
+                                       log_path=tmp_path / f"node{node}.log"))
+            for node in (0, 1))
+        node0.wait_for(lambda: metrics.exists() and len(read_metrics(str(metrics), "iteration")) >= 3,
+                       120, "iteration 3")
+        node1.send_signal(signal.SIGKILL)
+        returncode, output = node0.wait(240)
+    iterations = read_metrics(str(metrics), "iteration")
+    assert [r["iteration"] for r in iterations] == list(range(1, TRAIN_ITERS + 1)), output[-4000:]
+    assert_on_trajectory(reference, iterations)
+    [recovery] = read_metrics(str(metrics), "recovery")
+    assert recovery["failed_ranks"] == [4, 5, 6, 7]
+    assert [[stage["ranks"] for stage in replica["stages"]] for replica in recovery["layout"]] == [
+        [[0, 1]], [[2, 3]]]
