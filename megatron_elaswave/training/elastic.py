@@ -34,7 +34,13 @@ from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.faults import FaultInjector, InjectedFailure
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter
-from megatron_elaswave.monitor import HEARTBEAT, FailureDetected, FailureMonitor, MonitorConfig
+from megatron_elaswave.monitor import (
+    HEARTBEAT,
+    FailureDetected,
+    FailureMonitor,
+    MonitorConfig,
+    round_key,
+)
 from megatron_elaswave.planner.cost import CostModel, MemoryModel
 from megatron_elaswave.planner.job import JobSpec
 from megatron_elaswave.planner.profile import SyntheticDevice, SyntheticModel, load_profile, synthetic_profile
@@ -209,9 +215,9 @@ class ElasticTrainer(Trainer):
         failed = set(self.layout.known_ranks()) - set(decision.survivors)
         self.lost |= failed
         times.failed_ranks = sorted(set(times.failed_ranks) | failed)
-        # A death is dated by the launcher that saw it; a hang by the first suspicion.
+        # A death is dated by the launcher that saw it; a hang by the first rank that noticed it.
         deaths = [d.time for d in read_deaths(self.store) if d.rank in failed]
-        times.failure_at = min([times.failure_at, *deaths])
+        times.failure_at = min([times.failure_at, *deaths, *self._announced_at(decision)])
         try:
             new_layout = self._plan(failed)
         except PlanError as plan_error:
@@ -226,6 +232,15 @@ class ElasticTrainer(Trainer):
         self._restore(decision, new_layout, times)
         self._pending = times
         self.state_layout, self.lost = new_layout, set()
+
+    def _announced_at(self, decision: Decision) -> list[float]:
+        """When the first rank to notice the failure dates it (a hang: its last heartbeat)."""
+        key = round_key(decision.generation - 1)
+        if not self.store.check([key]):
+            return []
+        notice = json.loads(self.store.get(key))
+        timeout_s = self.monitor.config.heartbeat_timeout_s
+        return [notice["time"] - (timeout_s if notice["cause"] == HEARTBEAT else 0.0)]
 
     def _plan(self, failed: set[int]) -> Layout:
         policy = self.args.elastic_policy
