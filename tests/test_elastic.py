@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -241,3 +243,19 @@ def test_a_lost_node_takes_half_the_job_and_the_other_half_continues(text_data, 
     assert recovery["failed_ranks"] == [4, 5, 6, 7]
     assert [[stage["ranks"] for stage in replica["stages"]] for replica in recovery["layout"]] == [
         [[0, 1]], [[2, 3]]]
+
+
+@pytest.mark.timeout(60)
+def test_elastic_refuses_what_it_cannot_do_in_one_line(text_data, tmp_path):  # noqa: F811
+    base = model_flags(text_data, num_layers=8)
+    cases = [
+        ([*base, "--elastic", "--untie-embeddings-and-output-weights"], "--use-distributed-optimizer"),
+        ([*base, "--elastic", "--use-distributed-optimizer"], "--untie-embeddings-and-output-weights"),
+        ([*elastic_flags(text_data), "--save", str(tmp_path / "ckpt")], "--save/--load"),
+    ]
+    for flags, message in cases:
+        result = subprocess.run([sys.executable, PRETRAIN, *flags], capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 2, result.stderr
+        [line] = result.stderr.strip().splitlines()
+        assert line.startswith("pretrain_gpt.py: error: ") and message in line
