@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 
 from megatron_elaswave.agreement import Decision, agree
 from megatron_elaswave.communicator import EditMode, GroupRegistry, Role, group_specs, member_lists
