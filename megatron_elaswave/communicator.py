@@ -343,10 +343,6 @@ class GroupRegistry:
         """Indices (into ``layout.layer_groups()``) of the layer groups this rank holds."""
         return tuple(s.key[0] for s in self.specs() if s.role == Role.DP)
 
-    def dp_groups(self) -> dict[int, ProcessGroup]:
-        """This rank's data-parallel group of each layer group it holds."""
-        return {s.key[0]: self._groups[s.ranks] for s in self.specs() if s.role == Role.DP}
-
     def process_group_collection(self, layer_group: int | None = None) -> ProcessGroupCollection:
         """Megatron's groups for one of this rank's layer groups (its only one by default).
 

@@ -79,6 +79,11 @@ class FaultInjector:
         self.hang_s = hang_s
         self._due = {(f.iteration, f.phase): f for f in failures if f.rank == rank}
 
+    @property
+    def armed(self) -> bool:
+        """Whether a failure of this rank is still due."""
+        return bool(self._due)
+
     def at(self, phase: str, iteration: int) -> None:
         """Fail now if a failure is due in ``phase`` of ``iteration``."""
         failure = self._due.pop((iteration, phase), None)

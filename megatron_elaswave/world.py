@@ -34,7 +34,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -204,11 +204,3 @@ def _meet_survivors(
             )
         time.sleep(_MEET_POLL_INTERVAL_S)
 
-
-def new_group(ranks: Sequence[int], **kwargs) -> ProcessGroup:
-    """``torch.distributed.new_group(ranks, **kwargs)``, abortable by :func:`abort_collectives`.
-
-    ``ranks`` are ranks of the current generation, not launch ranks.
-    """
-    with recording_connections():
-        return dist.new_group(ranks, **kwargs)

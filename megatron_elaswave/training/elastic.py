@@ -48,7 +48,7 @@ from megatron_elaswave.snapshot import SnapshotConfig
 from megatron_elaswave.store import connect_store, read_deaths
 
 from .data import MicrobatchSource
-from .layer_groups import StageObjects, build_stage_objects
+from .layer_groups import build_stage_objects
 from .loop import Trainer, log
 from .model import seed_random_generators
 from .migration import adam_step, load_pieces, migrate, named_shard, needed_pieces
@@ -116,31 +116,24 @@ class ElasticTrainer(Trainer):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        self._use_stage_objects()
         self.state_layout = self.layout
         """The layout whose snapshots the ranks hold: the last one restored."""
         self.lost: set[int] = set()
         """Ranks failed since the state was last restored; their replicas must serve it."""
 
-    def _use_stage_objects(self) -> None:
-        objects: StageObjects = self.objects
-        self.stages = [objects.stage]
-        self.pg_collection = objects.schedule_groups
-        self.p2p = objects.p2p
+    def _bind(self) -> None:
+        super()._bind()
         self.reduce_group = self.registry.group(Role.WORLD)
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        self.forward_backward = get_forward_backward_func(pp_size=len(self.replica.stages),
-                                                          vp_size=None)
         self.tp_rank = self.layout.position(self.rank)[2]
-        self.objects.model[-1].module.register_forward_hook(self._arm_backward_fault)
-        finalize = self.objects.config.finalize_model_grads_func
+        if self.injector.armed:  # hooks only where a failure is to be injected
+            self.objects.model[-1].module.register_forward_hook(self._arm_backward_fault)
+            finalize = self.objects.config.finalize_model_grads_func
 
-        def finalize_with_fault(*args, **kwargs):
-            self.injector.at("allreduce", self.iteration + 1)
-            return finalize(*args, **kwargs)
+            def finalize_with_fault(*args, **kwargs):
+                self.injector.at("allreduce", self.iteration + 1)
+                return finalize(*args, **kwargs)
 
-        self.objects.config.finalize_model_grads_func = finalize_with_fault
+            self.objects.config.finalize_model_grads_func = finalize_with_fault
 
     def _arm_backward_fault(self, module, inputs, output) -> None:
         if torch.is_tensor(output) and output.requires_grad:
@@ -250,8 +243,7 @@ class ElasticTrainer(Trainer):
     def _rollback_iteration(self, prefix: str, members: list[int]) -> int:
         """The newest iteration whose state survives whole: every surviving stage holder has
         its own snapshot of it and every failed one has a replica on some survivor."""
-        held = self.snapshots.store.held() if self.snapshots is not None else []
-        self.store.set(f"{prefix}/held/{self.rank}", json.dumps(held))
+        self.store.set(f"{prefix}/held/{self.rank}", json.dumps(self.snapshots.store.held()))
         keys = [f"{prefix}/held/{member}" for member in members]
         self.store.wait(keys, timedelta(seconds=self.monitor.config.agreement_timeout_s))
         everything = {m: {tuple(x) for x in json.loads(self.store.get(k))} for m, k in zip(members, keys)}
@@ -286,11 +278,10 @@ class ElasticTrainer(Trainer):
         self.objects = self.stages = self.p2p = None
         self.layout = layout
         if active:
-            self.replica = layout.replicas[layout.position(self.rank)[0]]
-            self.is_data_reporter = layout.position(self.rank)[2] == 0
             self.objects = build_stage_objects(self.args, layout, self.registry, self.vocab_size,
-                                               self.backend.device())
-            self._use_stage_objects()
+                                               self.backend.device(), initialize=False)
+            self.pg_collection = self.objects.schedule_groups
+            self._bind()
         times.rebuilt_at = time.time()
         needs = needed_pieces(self.objects, self.tp_rank) if active else []
         values, moved = migrate(
@@ -301,7 +292,7 @@ class ElasticTrainer(Trainer):
         times.rolled_back_to = iteration
         if active:
             self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
-            load_pieces(self.objects, self.tp_rank, needs, values, state["adam_step"])
+            load_pieces(self.objects, needs, values, state["adam_step"])
             self.objects.scheduler.load_state_dict(state["scheduler"])
             # Only Megatron's stateful streams need this; layout-invariant ones are keyed.
             restore_rng_states(state["rng"])

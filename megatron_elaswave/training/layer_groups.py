@@ -18,7 +18,6 @@ the layer groups are the stages and every object is the one Megatron builds.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +32,6 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_attr_wrapped_model
 
@@ -94,7 +92,7 @@ class ChunkSequence(torch.nn.Module):
         return hidden
 
 
-def pipeline_layout_string(groups: list[tuple[int, int]], num_layers: int) -> str:
+def pipeline_layout_string(groups: list[tuple[int, int]]) -> str:
     """Megatron's ``pipeline_model_parallel_layout`` with one pipeline stage per layer group."""
     stages = []
     for index, (first, last) in enumerate(groups):
@@ -109,16 +107,20 @@ def pipeline_layout_string(groups: list[tuple[int, int]], num_layers: int) -> st
 
 @dataclass
 class StageObjects(TrainingObjects):
-    """:class:`TrainingObjects` of one rank of a layout, with what its schedule needs."""
+    """:class:`TrainingObjects` of one rank of a layout, with what its schedule needs.
+
+    ``optimizer.chained_optimizers`` holds one ``DistributedOptimizer`` per chunk, in the order
+    of ``model``.
+    """
 
     stage: torch.nn.Module = None
     """The module the schedule runs: the only chunk, or a :class:`ChunkSequence`."""
     schedule_groups: ProcessGroupCollection = None
-    p2p: P2PCommunicator = None
-    chunk_groups: list[ProcessGroupCollection] = dataclasses.field(default_factory=list)
-    chunk_optimizers: list = dataclasses.field(default_factory=list)
-    """One ``DistributedOptimizer`` per chunk, in chunk order."""
-    layer_group_indices: list[int] = dataclasses.field(default_factory=list)
+    """The groups the schedule and its P2P communication use (the replica's pipeline)."""
+
+    @property
+    def stages(self) -> list[torch.nn.Module]:
+        return [self.stage]
 
 
 def _chunk_config(args: argparse.Namespace, layout: Layout):
@@ -132,16 +134,17 @@ def _chunk_config(args: argparse.Namespace, layout: Layout):
         )
 
         config.pipeline_model_parallel_layout = PipelineParallelLayerLayout.from_str(
-            pipeline_layout_string(groups, layout.num_layers), len(groups))
+            pipeline_layout_string(groups), len(groups))
     return config
 
 
 def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: GroupRegistry,
-                        vocab_size: int, device: torch.device) -> StageObjects:
-    """Model chunks, DDPs, optimizers, LR schedule and P2P of this rank's stage in ``layout``.
+                        vocab_size: int, device: torch.device, *,
+                        initialize: bool = True) -> StageObjects:
+    """Model chunks, DDPs, optimizers and LR schedule of this rank's stage in ``layout``.
 
-    Collective over the holders of each of this rank's layer groups. Parameters are initialised
-    layout-invariantly; restoring a snapshot overwrites them.
+    Collective over the holders of each of this rank's layer groups. With ``initialize`` the
+    parameters are set layout-invariantly; without it they are left for a restore to fill.
     """
     config = _chunk_config(args, layout)
     groups = layout.layer_groups()
@@ -174,7 +177,9 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
             pg_collection=model_groups,
         )
         chunk.to(device)
-        layout_invariant_init(chunk, config, args.seed, tp_rank, tp.size(), tied_embeddings=False)
+        if initialize:
+            layout_invariant_init(chunk, config, args.seed, tp_rank, tp.size(),
+                                  tied_embeddings=False)
         # Untied embeddings: nothing to share between the ends, so the embedding groups are
         # this rank alone (``None`` would make Megatron read the global ones).
         groups_of_chunk = ProcessGroupCollection(
@@ -214,8 +219,4 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
         scheduler=build_scheduler(args, optimizer),
         stage=stage_module,
         schedule_groups=schedule_groups,
-        p2p=P2PCommunicator(pp_group=pp, config=config),
-        chunk_groups=chunk_groups,
-        layer_group_indices=held,
-        chunk_optimizers=optimizers,
     )

@@ -95,12 +95,16 @@ class Trainer:
     _interval_times: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self._bind()
+
+    def _bind(self) -> None:
+        """Derive what the loop uses from the layout, the objects and the groups; called again
+        whenever they change."""
         position = self.layout.position(self.rank)
         assert position is not None, f"rank {self.rank} holds no stage"
         self.replica = self.layout.replicas[position[0]]
         self.is_data_reporter = position[2] == 0  # one rank of each TP group reports
-        self.stages = list(self.objects.model)
-        """What the schedule runs: one module per virtual pipeline stage."""
+        self.stages = self.objects.stages
         self.p2p = P2PCommunicator(pp_group=self.pg_collection.pp, config=self.objects.config)
         self.forward_backward = get_forward_backward_func(
             pp_size=self.pg_collection.pp.size(),
@@ -122,7 +126,7 @@ class Trainer:
             for stage in self.stages
         ]
 
-    def _run_schedule(self, data: list[StepData | None], forward_only: bool):
+    def _run_schedule(self, data: list[StepData | MicrobatchIds], forward_only: bool):
         iterators = [iter(d) if d is not None else None for d in data]
         return self.forward_backward(
             forward_step_func=forward_step,
@@ -136,7 +140,7 @@ class Trainer:
             pg_collection=self.pg_collection,
         )
 
-    def _reduce(self, data: list[StepData | None], losses: list[dict], gbs: int):
+    def _reduce(self, data: list[StepData | MicrobatchIds], losses: list[dict], gbs: int):
         """One world all-reduce: loss sum, token count, and which sample filled each slot."""
         mbs = self.args.micro_batch_size
         vector = torch.zeros(2 + 2 * gbs, dtype=torch.float64)

@@ -66,7 +66,7 @@ class Piece:
 
 def _chunk_params(objects):
     """``(optimizer, global name, model parameter)`` of every parameter of every chunk."""
-    for ddp, optimizer in zip(objects.model, objects.chunk_optimizers):
+    for ddp, optimizer in zip(objects.model, objects.optimizer.chained_optimizers):
         names = global_parameter_names(ddp.module)
         for local_name, param in ddp.module.named_parameters():
             yield optimizer, names[local_name], param
@@ -87,7 +87,7 @@ def named_shard(objects, tp_rank: int) -> dict[str, torch.Tensor]:
 
 def adam_step(objects) -> float:
     """The Adam step count of this rank's shard (every parameter has taken the same steps)."""
-    for optimizer in objects.chunk_optimizers:
+    for optimizer in objects.optimizer.chained_optimizers:
         for state in optimizer.optimizer.state.values():
             if "step" in state:
                 return float(state["step"])
@@ -187,7 +187,7 @@ def migrate(held: Mapping[str, torch.Tensor], needs: Sequence[Piece], *, rank: i
     incoming: dict[int, list[Transfer]] = defaultdict(list)
     for transfer in transfers:
         if transfer.source == rank == transfer.target:
-            _copy_into(results, needs, transfer, held)
+            _place(results, needs, transfer, _slice(held, transfer))
         elif transfer.source == rank:
             outgoing[transfer.target].append(transfer)
         elif transfer.target == rank:
@@ -215,9 +215,7 @@ def migrate(held: Mapping[str, torch.Tensor], needs: Sequence[Piece], *, rank: i
         offset = 0
         for transfer in incoming[peer]:
             length = transfer.end - transfer.start
-            need = needs[transfer.need]
-            results[transfer.need][transfer.start - need.start:transfer.end - need.start] = (
-                buffer[offset:offset + length])
+            _place(results, needs, transfer, buffer[offset:offset + length])
             offset += length
     moved = sum(t.end - t.start for t in transfers if t.source != t.target)
     return results, moved * torch.float32.itemsize
@@ -229,28 +227,28 @@ def _slice(held: Mapping[str, torch.Tensor], transfer: Transfer) -> torch.Tensor
     return flat[transfer.start - fragment.start:transfer.end - fragment.start]
 
 
-def _copy_into(results, needs, transfer: Transfer, held) -> None:
+def _place(results: list[torch.Tensor], needs: Sequence[Piece], transfer: Transfer,
+           values: torch.Tensor) -> None:
     need = needs[transfer.need]
-    results[transfer.need][transfer.start - need.start:transfer.end - need.start] = (
-        _slice(held, transfer))
+    results[transfer.need][transfer.start - need.start:transfer.end - need.start] = values
 
 
 @torch.no_grad()
-def load_pieces(objects, tp_rank: int, needs: Sequence[Piece], values: Sequence[torch.Tensor],
+def load_pieces(objects, needs: Sequence[Piece], values: Sequence[torch.Tensor],
                 step: float) -> None:
     """Set every chunk's parameters and this rank's Adam shard from migrated ``values``."""
-    found = {(p.name, p.kind): (p, v) for p, v in zip(needs, values) if p.tp == tp_rank}
+    found = {(p.name, p.kind): v for p, v in zip(needs, values)}
     for optimizer, name, param in _chunk_params(objects):
-        full = found[(name, "param")][1]
+        full = found[(name, "param")]
         param.data.copy_(full.view_as(param).to(param.dtype))
         if param not in optimizer.model_param_group_index_map:
             continue
         span = optimizer._get_model_param_range_map(param)["param"]
         tensors = {"param": full[span.start:span.end]}
         if span.end > span.start:
-            tensors.update({kind: found[(name, kind)][1] for kind in KINDS[1:]})
+            tensors.update({kind: found[(name, kind)] for kind in KINDS[1:]})
         optimizer._set_main_param_and_optimizer_states(param, tensors)
-    for optimizer in objects.chunk_optimizers:
+    for optimizer in objects.optimizer.chained_optimizers:
         for state in optimizer.optimizer.state.values():
             if "step" in state:
                 state["step"].fill_(step)

@@ -47,6 +47,11 @@ class TrainingObjects:
     optimizer: MegatronOptimizer
     scheduler: OptimizerParamScheduler
 
+    @property
+    def stages(self) -> list[torch.nn.Module]:
+        """What the schedule runs: one module per virtual pipeline stage."""
+        return list(self.model)
+
 
 def params_dtype(args: argparse.Namespace) -> torch.dtype:
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
