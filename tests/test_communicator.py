@@ -155,7 +155,7 @@ def run_edit_job(
             job.wait_for(lambda: store.check([f"test/ready/{r}" for r in range(WORLD_8)]), 45,
                          "every rank to build its groups")
             job.kill_worker(victim)
-        returncode, output = job.wait(timeout=50)
+        returncode, output = job.wait(timeout=100)
     assert returncode == 0, output
     return read_reports(tmp_path)
 
@@ -181,7 +181,7 @@ def assert_groups_work(reports: dict[int, dict], victim: int) -> None:
 
 
 @multiprocess
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     "mode, victim, sigkill, broken",
     [
