@@ -316,6 +316,11 @@ class GroupRegistry:
         """``rank``'s rank in the current default group."""
         return self._world_ranks[rank]
 
+    @property
+    def world_members(self) -> frozenset[int]:
+        """The ranks of the current default group, failed ones included until a ``full`` edit."""
+        return frozenset(self._world_ranks)
+
     def specs(self) -> tuple[GroupSpec, ...]:
         """The specs of the groups this rank belongs to, in canonical order."""
         return tuple(spec for spec in self._specs if self._rank in spec.ranks)

@@ -10,6 +10,7 @@ must finish every iteration on the samples of the failure-free run (identical
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import subprocess
 import sys
@@ -35,10 +36,12 @@ def elastic_flags(data_prefix: str, **overrides) -> list[str]:
 
 
 def run(tmp_path: Path, name: str, flags: list[str], nproc: int = 8, kills=(),
-        stop: int | None = None, timeout: float = 240) -> tuple[list[dict], list[dict], str]:
+        stop: int | None = None, timeout: float = 240,
+        resumed_at: int = 0) -> tuple[list[dict], list[dict], str]:
     """Train; ``kills`` are ``(rank, after_iteration)``: SIGKILL ``rank`` once the metrics file
     holds that iteration. ``stop`` SIGSTOPs that rank after iteration 3 and wakes it once the
-    survivors have recovered. Returns the iteration records, the recovery records and the log."""
+    survivors have recovered. ``resumed_at`` is the iteration a ``--load`` starts from.
+    Returns the iteration records, the recovery records and the log."""
     metrics = tmp_path / f"{name}.jsonl"
 
     def reached(iteration: int) -> bool:
@@ -58,7 +61,8 @@ def run(tmp_path: Path, name: str, flags: list[str], nproc: int = 8, kills=(),
         returncode, output = job.wait(timeout)
     iterations = read_metrics(str(metrics), "iteration")
     recoveries = read_metrics(str(metrics), "recovery")
-    assert [r["iteration"] for r in iterations] == list(range(1, TRAIN_ITERS + 1)), output[-4000:]
+    assert [r["iteration"] for r in iterations] == list(range(resumed_at + 1, TRAIN_ITERS + 1)), \
+        output[-4000:]
     return iterations, recoveries, output
 
 
@@ -189,10 +193,14 @@ def test_megatrons_rng_strays_from_the_trajectory_and_the_invariant_one_does_not
 def test_reroute_keeps_the_batch_and_drop_replica_shrinks_it(text_data, small_reference,  # noqa: F811
                                                              tmp_path):
     kill = ["--elastic-inject-failure", "rank=1,iteration=5"]
+    final = tmp_path / "final"
     rerouted, recoveries, _ = run(tmp_path, "reroute",
-                                  [*small_flags(text_data), *kill, "--elastic-policy", "reroute"],
+                                  [*small_flags(text_data), *kill, "--elastic-policy", "reroute",
+                                   "--save", str(final)],
                                   nproc=4)
     assert_on_trajectory(small_reference, rerouted)
+    # The final checkpoint is saved by the two ranks left, without the spare and the dead rank.
+    assert (final / "latest_checkpointed_iteration.txt").read_text() == str(TRAIN_ITERS)
     # The damaged replica (ranks 1 and 3) stopped; no layer moved.
     assert recoveries[0]["layout"] == [
         {"replica": 0, "stages": [{"ranks": [0], "layers": [0, 3]}, {"ranks": [2], "layers": [4, 7]}],
@@ -214,6 +222,36 @@ def test_state_lost_with_its_only_copy_stops_with_a_message(text_data, tmp_path)
     assert returncode != 0
     assert "cannot continue: no iteration has a complete set of surviving snapshots" in output
     assert "Traceback" not in output
+
+
+@pytest.mark.timeout(400)
+def test_survivors_that_cannot_continue_save_a_checkpoint_that_resumes_the_trajectory(
+        text_data, small_reference, tmp_path):  # noqa: F811
+    """Under ``reroute`` a failure in each replica leaves no replica whole: the survivors save
+    the last complete iteration with ``dist_checkpointing`` and stop; a new launch with
+    ``--load`` (and the default policy) finishes the run on the failure-free trajectory."""
+    checkpoint = tmp_path / "checkpoint"
+    metrics = tmp_path / "stopped.jsonl"
+    flags = [*small_flags(text_data), "--elastic-policy", "reroute", "--save", str(checkpoint),
+             "--elastic-inject-failure", "rank=1,iteration=3",
+             "--elastic-inject-failure", "rank=0,iteration=6", "--elastic-metrics-file", str(metrics)]
+    with launch([PRETRAIN, *flags], 4, master_port=free_port(),
+                log_path=tmp_path / "stopped.log") as job:
+        returncode, output = job.wait(200)
+    assert returncode != 0
+    for survivor in (2, 3):  # the job's status is that of its first failure, 137 (SIGKILL)
+        assert re.search(rf"worker rank {survivor} \(pid \d+\) exited with code 3", output), \
+            output[-4000:]
+    assert "cannot continue: failing ranks [0] leaves no intact replica. The state of iteration 5 " \
+           f"is saved in {checkpoint}/iter_0000005: resume with --load {checkpoint}" in output
+    assert "Traceback" not in output
+    stopped = read_metrics(str(metrics), "iteration")
+    assert [r["iteration"] for r in stopped] == [1, 2, 3, 4, 5]
+    resumed, recoveries, output = run(tmp_path, "resumed",
+                                      [*small_flags(text_data), "--load", str(checkpoint)],
+                                      nproc=4, resumed_at=5)
+    assert "loaded checkpoint from" in output and not recoveries
+    assert_on_trajectory(small_reference, stopped + resumed)
 
 
 @pytest.mark.timeout(300)
@@ -251,7 +289,8 @@ def test_elastic_refuses_what_it_cannot_do_in_one_line(text_data, tmp_path):  # 
     cases = [
         ([*base, "--elastic", "--untie-embeddings-and-output-weights"], "--use-distributed-optimizer"),
         ([*base, "--elastic", "--use-distributed-optimizer"], "--untie-embeddings-and-output-weights"),
-        ([*elastic_flags(text_data), "--save", str(tmp_path / "ckpt")], "--save/--load"),
+        ([*elastic_flags(text_data), "--save", str(tmp_path / "ckpt"), "--save-interval", "5"],
+         "drop --save-interval"),
     ]
     for flags, message in cases:
         result = subprocess.run([sys.executable, PRETRAIN, *flags], capture_output=True, text=True,

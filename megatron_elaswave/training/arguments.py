@@ -214,9 +214,10 @@ def _validate_elastic(args: argparse.Namespace, world_size: int) -> None:
     _fail_unless(args.virtual_pipeline_model_parallel_size is None,
                  "--elastic runs each replica's stages with 1F1B: drop the virtual pipeline flags")
     _fail_unless(not args.fp16, "--elastic does not support --fp16 (loss scaling); use --bf16")
-    _fail_unless(not (args.save or args.load),
-                 "--elastic does not take --save/--load yet: after a failure the default process "
-                 "group, on which dist_checkpointing coordinates, still counts the failed ranks")
+    _fail_unless(args.save_interval is None,
+                 "--elastic keeps a snapshot of every iteration in memory instead of periodic "
+                 "checkpoints: drop --save-interval (--save names where the final checkpoint goes, "
+                 "and the survivors' one if they cannot continue)")
     for failure in args.elastic_inject_failure:
         _fail_unless(failure.rank < world_size,
                      f"--elastic-inject-failure rank {failure.rank} is not a rank of this "

@@ -13,6 +13,11 @@ Recovery, on every survivor (DESIGN section 3):
 6. re-run the broken iteration with the same micro-batch ids; the global batch, the LR schedule
    and the consumed-samples counter continue exactly.
 
+When no layout of the survivors can hold the model, they gather the state of the rollback
+iteration into the checkpoint layout (:mod:`.rescue`), save it with ``dist_checkpointing`` to
+``--save`` (default ``./elaswave-checkpoint``) and stop with :class:`CannotContinue`, naming what
+is missing and where the checkpoint is; ``--load`` resumes from it in any layout.
+
 A ``recovery`` record with the time of each phase goes into the metrics file. A rank the new
 layout does not use (a spare) serves its snapshots and waits, taking part in later recoveries.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -47,11 +53,13 @@ from megatron_elaswave.planner.replan import PlanError, PlanOptions, plan_recove
 from megatron_elaswave.snapshot import SnapshotConfig
 from megatron_elaswave.store import connect_store, read_deaths
 
+from .checkpoint import TrainingProgress, save_checkpoint
 from .data import MicrobatchSource
 from .layer_groups import build_stage_objects
 from .loop import Trainer, log
 from .model import seed_random_generators
 from .migration import adam_step, load_pieces, migrate, named_shard, needed_pieces
+from .rescue import checkpoint_layout
 from .snapshots import StepSnapshots, restore_rng_states
 
 class CannotContinue(RuntimeError):
@@ -61,6 +69,9 @@ class CannotContinue(RuntimeError):
 CPU_DEVICE = SyntheticDevice(name="CPU core (gloo)", peak_tflops=0.02, model_flops_utilisation=0.5,
                              memory_bytes=16 * 2**30, bandwidth_bytes_per_s=1e9, p2p_latency_s=1e-4)
 """What a CPU rank with one thread roughly does, for plans made without a measured profile."""
+
+RESCUE_DIRECTORY = "elaswave-checkpoint"
+"""Where the survivors save when they cannot continue and ``--save`` is not given."""
 
 
 def cost_model(args: argparse.Namespace, vocab_size: int, backend: DeviceBackend) -> CostModel:
@@ -185,6 +196,8 @@ class ElasticTrainer(Trainer):
             try:
                 self._recover_once(error)
                 return
+            except CannotContinue:
+                raise
             except (RuntimeError, FailureDetected) as again:
                 if self.monitor.failure is None:
                     raise
@@ -210,20 +223,72 @@ class ElasticTrainer(Trainer):
         # A death is dated by the launcher that saw it; a hang by the first rank that noticed it.
         deaths = [d.time for d in read_deaths(self.store) if d.rank in failed]
         times.failure_at = min([times.failure_at, *deaths, *self._announced_at(decision)])
+        # Every connection was shut down to unblock the training thread: re-create all groups
+        # of the new layout, each by its own members only.
+        old_lists = member_lists(group_specs(self.layout))
         try:
             new_layout = self._plan(failed)
         except PlanError as plan_error:
-            raise CannotContinue(str(plan_error)) from None
+            self._stop_with_checkpoint(str(plan_error), failed, decision, old_lists, times)
         times.planned_at = time.time()
-        old_lists = member_lists(group_specs(self.layout))
-        # Every connection was shut down to unblock the training thread: re-create all groups
-        # of the new layout, each by its own members only.
         self.registry.edit(failed, new_layout, EditMode.INPLACE, broken=old_lists,
                            generation=decision.generation)
         times.edited_at = time.time()
         self._restore(decision, new_layout, times)
         self._pending = times
         self.state_layout, self.lost = new_layout, set()
+
+    def _stop_with_checkpoint(self, reason: str, failed: set[int], decision: Decision,
+                              old_lists, times: RecoveryTimes) -> None:
+        """Gather the rollback iteration's state into the checkpoint layout, save it, stop."""
+        layout = checkpoint_layout(self.layout, failed)
+        if layout is None:
+            raise CannotContinue(f"{reason}; no stage has a tensor-parallel group left whole, so "
+                                 "the survivors cannot save a checkpoint either")
+        self.registry.edit(failed, layout, EditMode.INPLACE, broken=old_lists,
+                           generation=decision.generation)
+        self._restore(decision, layout, times)
+        directory = self.save_checkpoint(self.args.save or os.path.abspath(RESCUE_DIRECTORY))
+        raise CannotContinue(f"{reason}. The state of iteration {times.rolled_back_to} is saved "
+                             f"in {directory}: resume with --load {os.path.dirname(directory)}")
+
+    def save_checkpoint(self, root: str) -> str:
+        """Save the active ranks' state under ``root`` with ``dist_checkpointing``; returns the
+        checkpoint directory. Every member of the job calls this.
+
+        ``dist_checkpointing`` coordinates on the default process group. When that group still
+        counts failed ranks or spares, the active ranks first re-form it among themselves (a
+        ``full`` edit) and rebuild their objects on the new groups, from their own state; the
+        spares wait for the save. Afterwards the trainer only saves: its groups are the saver's.
+        """
+        actives = sorted(self.layout.active_ranks())
+        saved_key = f"rt/gen{self.registry.generation}/saved"
+        if self.rank not in actives:
+            while not self.store.check([saved_key]):
+                if self.monitor.failure_detected.is_set():
+                    raise CannotContinue("a rank failed while the survivors saved a checkpoint")
+                time.sleep(0.05)
+            return self.store.get(saved_key).decode()
+        if self.registry.world_members != frozenset(actives):
+            self._reform_default_group()
+        directory = save_checkpoint(root, self.objects,
+                                    TrainingProgress(self.iteration, self.consumed_samples))
+        if self.rank == actives[0]:
+            self.store.set(saved_key, directory)
+        return directory
+
+    def _reform_default_group(self) -> None:
+        held, step = named_shard(self.objects, self.tp_rank), adam_step(self.objects)
+        scheduler = self.objects.scheduler.state_dict()
+        self.objects = self.stages = self.p2p = None
+        leaving = set(self.layout.known_ranks() - self.layout.active_ranks())
+        self.layout = Layout(self.layout.num_layers, self.layout.replicas)
+        self.registry.edit(leaving, self.layout, EditMode.FULL)
+        self.objects = build_stage_objects(self.args, self.layout, self.registry, self.vocab_size,
+                                           self.backend.device(), initialize=False)
+        needs = needed_pieces(self.objects, self.tp_rank)
+        load_pieces(self.objects, needs, [held[piece.key] for piece in needs], step)
+        self.objects.scheduler.load_state_dict(scheduler)
 
     def _announced_at(self, decision: Decision) -> list[float]:
         """When the first rank to notice the failure dates it (a hang: its last heartbeat)."""
@@ -369,6 +434,10 @@ def run_elastic(trainer: ElasticTrainer) -> None:
         if trainer.rank in trainer.layout.active_ranks():
             trainer.train()
         if _everyone_done(trainer):
+            if trainer.args.save:
+                directory = trainer.save_checkpoint(trainer.args.save)
+                if trainer.is_logger:
+                    log(f" saved checkpoint at iteration {trainer.iteration} to {directory}")
             return
         trainer.recover(RuntimeError("a rank failed while this one waited for the others"))
 

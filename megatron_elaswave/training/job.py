@@ -55,6 +55,14 @@ def build_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int, t
     )
 
 
+def resume(trainer: Trainer, root: str) -> None:
+    """Load the latest checkpoint under ``root`` into the trainer (collective)."""
+    progress = load_checkpoint(root, trainer.objects)
+    trainer.iteration, trainer.consumed_samples = progress.iteration, progress.consumed_samples
+    if trainer.rank == 0:
+        log(f" loaded checkpoint from {root} at iteration {progress.iteration}")
+
+
 def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: int,
                       world_size: int, tokenizer) -> None:
     """``--elastic``: train to ``--train-iters`` through failures of other ranks."""
@@ -66,6 +74,8 @@ def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: in
         MicrobatchSource(train_set, args.micro_batch_size),
         MicrobatchSource(valid_set, args.micro_batch_size) if valid_set else None,
         args.elastic_inject_failure)
+    if args.load:
+        resume(trainer, args.load)
     with trainer.monitor:
         run_elastic(trainer)
     trainer.metrics.close()
@@ -88,10 +98,7 @@ def train_job(args: argparse.Namespace, backend: DeviceBackend, rank: int, local
         trainer = build_trainer(args, backend, rank, tokenizer)
         objects = trainer.objects
         if args.load:
-            progress = load_checkpoint(args.load, objects)
-            trainer.iteration, trainer.consumed_samples = progress.iteration, progress.consumed_samples
-            if rank == 0:
-                log(f" loaded checkpoint from {args.load} at iteration {progress.iteration}")
+            resume(trainer, args.load)
 
         def save() -> None:
             progress = TrainingProgress(trainer.iteration, trainer.consumed_samples)

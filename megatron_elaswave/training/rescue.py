@@ -1,0 +1,50 @@
+"""Where the survivors put the model when they cannot train it any more.
+
+When no layout of the survivors can hold the model (the planner raises ``PlanError``), the job
+stops, but its state is not lost as long as every piece of it survives somewhere (own snapshots
+and replicas). The survivors then gather it, one last time, into the *checkpoint layout*: a
+single replica whose stages are intact tensor-parallel groups, the layers split evenly over
+them, every other survivor a spare. A replica with one data-parallel rank per layer owns every
+parameter and optimizer element, which is the shape ``dist_checkpointing`` saves from, and the
+checkpoint (the fully reshardable format) loads into any layout of a new launch.
+
+The checkpoint layout only needs the memory of one replica spread over the intact stage
+instances, with no room for activations: it exists for the save, not for training.
+"""
+
+from __future__ import annotations
+
+from megatron_elaswave.layout import Layout, Replica, StageInstance
+
+
+def checkpoint_layout(layout: Layout, failed: frozenset[int] | set[int]) -> Layout | None:
+    """The single-replica layout the survivors of ``failed`` save from (module docstring), or
+    ``None`` when no stage instance survived whole.
+
+    At most as many stages as the deepest replica had; instances are taken in the order of the
+    layers they held, one per distinct position first, so most layers stay where they were.
+    """
+    intact = [(stage.first_layer, replica.index, stage)
+              for replica in layout.replicas for stage in replica.stages
+              if failed.isdisjoint(stage.ranks)]
+    if not intact:
+        return None
+    intact.sort(key=lambda item: item[:2])
+    depth = max(len(replica.stages) for replica in layout.replicas)
+    distinct, others, seen = [], [], set()
+    for first_layer, _, stage in intact:
+        (others if first_layer in seen else distinct).append(stage)
+        seen.add(first_layer)
+    chosen = sorted((distinct + others)[:depth], key=lambda s: s.first_layer)
+    stages, first = [], 0
+    for index, stage in enumerate(chosen):
+        count = layout.num_layers // len(chosen) + (index < layout.num_layers % len(chosen))
+        stages.append(StageInstance(stage.ranks, first, first + count - 1))
+        first += count
+    used = {rank for stage in stages for rank in stage.ranks}
+    survivors = layout.known_ranks() - set(failed)
+    return Layout(
+        num_layers=layout.num_layers,
+        replicas=(Replica(0, tuple(stages), tuple(range(layout.global_num_microbatches))),),
+        spares=tuple(sorted(survivors - used)),
+    )
