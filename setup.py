@@ -30,7 +30,8 @@ setup(
         "psutil>=5.9",
     ],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6"],
+        # matplotlib: the plots of scripts/reproduce.py, whose --smoke run is part of CI.
+        "test": ["pytest>=8", "hypothesis>=6", "matplotlib>=3.8"],
         # torchft 0.2 publishes wheels for Linux x86_64 only (elsewhere pip builds it from
         # source, which needs Rust and protoc); scripts/bench/torchft_mttr.py uses 0.2's API.
         "bench": ["matplotlib>=3.8", "torchft>=0.2,<0.3"],

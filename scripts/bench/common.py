@@ -20,6 +20,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def demo_corpus(workdir: Path) -> str:
+    """The demo's text corpus (built under ``workdir`` on first use); its data prefix."""
+    sys.path.insert(0, str(SCRIPTS))
+    from demo import prepare_data
+
+    return prepare_data(workdir)
+
+
 def launch(script: Path, script_args: Sequence[str], nproc: int) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nproc`` ranks through elaswave-run; exit with its stderr on failure."""
     command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={nproc}",

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import SCRIPTS, free_port
+from common import SCRIPTS, demo_corpus, free_port
 
 REPO = SCRIPTS.parent
 NPROC = 8
@@ -140,13 +140,6 @@ def torchft(repetitions: int) -> dict | None:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def prepare_data(workdir: Path) -> str:
-    sys.path.insert(0, str(SCRIPTS))
-    from demo import prepare_data as demo_data
-
-    return demo_data(workdir)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repetitions", type=int, default=3)
@@ -162,7 +155,7 @@ def main() -> None:
         sys.exit("--fail-at must be at least 2")
     say = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
     workdir = Path(args.workdir)
-    data = prepare_data(workdir)
+    data = demo_corpus(workdir)
     runs: dict[str, list[dict]] = {"elaswave": [], "restart": []}
     for repetition in range(args.repetitions):
         order = ["elaswave", "restart"] if repetition % 2 == 0 else ["restart", "elaswave"]

@@ -133,7 +133,7 @@ def plot(paper: list[dict], scale: list[dict], path: str) -> None:
 
     policies = ("elaswave", "recycle", "torchft_grad_accum", "torchft_drop", "restart")
     groups = [("TP8xPP4xDP3", paper), ("TP4xPP4xDP6", paper)]
-    figure, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    figure, axes = plt.subplots(1, 3 if scale else 2, figsize=(16 if scale else 11, 4.5))
     for axis, (name, results) in zip(axes[:2], groups):
         rows = [r for r in results if r["case"] == name]
         width = 0.16
@@ -152,21 +152,22 @@ def plot(paper: list[dict], scale: list[dict], path: str) -> None:
         axis.set_ylabel("tokens/s relative to failure-free")
         axis.set_ylim(0, 1.1)
     axes[0].legend(fontsize=8)
-    axis = axes[2]
-    for policy in policies:
-        points = [
-            (
-                r["devices"],
-                r["predicted"][policy]["tokens_per_s"] / r["predicted"]["failure_free"]["tokens_per_s"],
-            )
-            for r in scale
-            if r["failed_instances"] == 16 and r["predicted"][policy]["runnable"]
-        ]
-        axis.plot(*zip(*points), marker="o", label=policy)
-    axis.set_xscale("log")
-    axis.set_title("16 failed stage instances, 175B-class")
-    axis.set_xlabel("devices")
-    axis.set_ylabel("tokens/s relative to failure-free")
+    if scale:
+        axis = axes[2]
+        for policy in policies:
+            points = [
+                (
+                    r["devices"],
+                    r["predicted"][policy]["tokens_per_s"] / r["predicted"]["failure_free"]["tokens_per_s"],
+                )
+                for r in scale
+                if r["failed_instances"] == 16 and r["predicted"][policy]["runnable"]
+            ]
+            axis.plot(*zip(*points), marker="o", label=policy)
+        axis.set_xscale("log")
+        axis.set_title("16 failed stage instances, 175B-class")
+        axis.set_xlabel("devices")
+        axis.set_ylabel("tokens/s relative to failure-free")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
