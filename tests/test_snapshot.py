@@ -1,20 +1,30 @@
-"""Per-step snapshots: bit-exact restore, corruption caught, double buffering, replication to a
-buddy that keeps a dead rank's state."""
+"""Per-step snapshots: bit-exact restore, corruption caught, double buffering, replicas kept as
+sent and verified when read, RNG states through a pickle, replication to a buddy that keeps a
+dead rank's state."""
 
 from __future__ import annotations
 
 import json
+import pickle
+import random
+from collections import deque
+from types import SimpleNamespace
 
+import numpy
 import pytest
 import torch
+from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
 from harness import free_port, launch, worker_script
+from megatron_elaswave import snapshot as snapshot_module
 from megatron_elaswave.snapshot import (
     SnapshotConfig,
     SnapshotCorrupted,
     SnapshotMissing,
     SnapshotStore,
 )
+from megatron_elaswave.training.snapshots import restore_rng_states, rng_states
 
 
 def shard(rank: int, iteration: int) -> dict[str, torch.Tensor]:
@@ -52,6 +62,73 @@ def test_a_flipped_byte_is_reported_not_loaded():
     held["exp_avg"].view(-1).view(torch.uint8)[101] ^= 0x10
     with pytest.raises(SnapshotCorrupted, match="'exp_avg' does not match"):
         store.restore(3, 7)
+
+
+class Loopback:
+    """Stand-in for torch.distributed's point-to-point calls within one process: messages
+    arrive in the order they were sent, whoever sends them; with ``peer_died`` set, waiting
+    for a send fails."""
+
+    def __init__(self) -> None:
+        self.queue: deque[torch.Tensor] = deque()
+        self.peer_died = False
+
+    def isend(self, tensor, peer, group=None):
+        self.queue.append(tensor.clone())
+        return SimpleNamespace(wait=self._send_done)
+
+    def _send_done(self) -> None:
+        if self.peer_died:
+            raise RuntimeError("Connection reset by peer")
+
+    def irecv(self, tensor, peer, group=None):
+        return SimpleNamespace(wait=lambda: tensor.copy_(self.queue.popleft()))
+
+
+def test_a_replica_is_kept_as_sent_and_verified_when_read(monkeypatch):
+    loopback = Loopback()
+    monkeypatch.setattr(snapshot_module, "dist", loopback)
+    sender = SnapshotStore(rank=1, config=SnapshotConfig(chunk_bytes=256))
+    buddy = SnapshotStore(rank=0, config=SnapshotConfig(chunk_bytes=256))
+    for iteration in (1, 2, 3, 4):
+        sender.replicate(sender.capture(iteration, shard(1, iteration), {"cursor": iteration}),
+                         send_to=[0], receive_from=[])
+        if iteration == 4:
+            loopback.queue[-1][100] ^= 0x01  # the payload, damaged in transit
+        buddy.replicate(buddy.capture(iteration, shard(0, iteration), {"cursor": iteration}),
+                        send_to=[], receive_from=[1])
+    assert buddy.held() == [(0, 3), (0, 4), (1, 3), (1, 4)]
+    assert buddy.bytes_held == 2 * sender.bytes_held  # same-sized shards: its own and rank 1's
+    tensors, state = buddy.restore(1, 3)
+    assert state == {"cursor": 3}
+    assert all(torch.equal(tensors[name], tensor) for name, tensor in shard(1, 3).items())
+    with pytest.raises(SnapshotCorrupted, match="rank 1 at iteration 4: 'main_param'"):
+        buddy.restore(1, 4)
+
+
+def test_a_copy_that_arrived_is_kept_when_a_send_to_its_dead_sender_fails(monkeypatch):
+    loopback = Loopback()
+    monkeypatch.setattr(snapshot_module, "dist", loopback)
+    sender, buddy = SnapshotStore(rank=1), SnapshotStore(rank=0)
+    sender.replicate(sender.capture(5, shard(1, 5), {}), send_to=[0], receive_from=[])
+    loopback.peer_died = True
+    with pytest.raises(RuntimeError, match="reset by peer"):
+        buddy.replicate(buddy.capture(5, shard(0, 5), {}), send_to=[1], receive_from=[1])
+    assert buddy.held() == [(0, 5), (1, 5)]
+
+
+def test_rng_states_survive_a_pickle(monkeypatch):
+    tracker = CudaRNGStatesTracker()
+    tracker.set_states({"model-parallel-rng": torch.Generator().manual_seed(5).get_state()})
+    monkeypatch.setattr(tensor_parallel, "get_cuda_rng_tracker", lambda: tracker)
+    saved = pickle.loads(pickle.dumps(rng_states()))
+    expected = random.random(), numpy.random.rand(), torch.rand(3)
+    tracker.set_states({"model-parallel-rng": torch.Generator().manual_seed(6).get_state()})
+    restore_rng_states(saved)
+    assert (random.random(), numpy.random.rand()) == expected[:2]
+    assert torch.equal(torch.rand(3), expected[2])
+    assert torch.equal(tracker.get_states()["model-parallel-rng"],
+                       torch.Generator().manual_seed(5).get_state())
 
 
 def test_config_is_validated():

@@ -37,11 +37,14 @@ def optimizer_shard(optimizer: MegatronOptimizer) -> dict[str, torch.Tensor]:
 
 
 def rng_states() -> dict:
+    """The RNG states, generator state tensors as bytes: a tensor takes about 35 us to pickle,
+    its bytes 1 us, and the state is pickled every step."""
     return {
         "python": random.getstate(),
         "numpy": numpy.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+        "torch": _state_bytes(torch.get_rng_state()),
+        "tracker": {name: _state_bytes(state)
+                    for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
     }
 
 
@@ -49,8 +52,22 @@ def restore_rng_states(states: dict) -> None:
     """Inverse of :func:`rng_states`."""
     random.setstate(states["python"])
     numpy.random.set_state(states["numpy"])
-    torch.set_rng_state(states["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(states["tracker"])
+    torch.set_rng_state(_state_tensor(states["torch"]))
+    tensor_parallel.get_cuda_rng_tracker().set_states(
+        {name: _state_tensor(state) for name, state in states["tracker"].items()})
+
+
+def _state_bytes(state):
+    """A generator state tensor (uint8 on the host) as bytes; other states (graph-safe
+    ``torch.Generator`` objects) as they are."""
+    return state.numpy().tobytes() if torch.is_tensor(state) else state
+
+
+def _state_tensor(state):
+    """Inverse of :func:`_state_bytes`."""
+    if isinstance(state, bytes):
+        return torch.frombuffer(bytearray(state), dtype=torch.uint8)
+    return state
 
 
 class StepSnapshots:
