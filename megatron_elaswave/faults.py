@@ -13,6 +13,11 @@ first micro-batch's forward), ``backward`` (the first micro-batch's backward), `
 (as the gradient reduction over the data-parallel groups starts), ``optimizer`` (before the
 optimizer step), ``snapshot`` (between capturing the snapshot and replicating it),
 ``recovery`` (on entering a recovery during iteration ``I``).
+
+``--elastic-inject-slowdown rank=R,factor=F[,iteration=I]`` makes rank ``R`` a straggler from
+iteration ``I`` on: after each micro-batch's forward it sleeps ``(F - 1)`` times the forward and
+backward compute (the backward taken as twice the forward), so its compute takes about ``F``
+times as long, as on a throttled or shared device.
 """
 
 from __future__ import annotations
@@ -20,8 +25,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+import torch
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "snapshot", "recovery")
 KINDS = ("kill", "hang")
@@ -55,20 +63,77 @@ class InjectedFailure:
     @classmethod
     def parse(cls, text: str) -> InjectedFailure:
         """Parse ``rank=R,iteration=I[,phase=P][,kind=K]``."""
-        fields = {}
-        for item in text.split(","):
-            key, sep, value = item.partition("=")
-            if not sep or key.strip() not in ("rank", "iteration", "phase", "kind"):
-                raise FailureSpecError(
-                    f"bad failure spec {text!r}: expected rank=R,iteration=I[,phase=P][,kind=K]")
-            fields[key.strip()] = value.strip()
-        if "rank" not in fields or "iteration" not in fields:
-            raise FailureSpecError(f"bad failure spec {text!r}: rank= and iteration= are required")
+        fields = _spec_fields(text, ("rank", "iteration"), ("phase", "kind"),
+                              "rank=R,iteration=I[,phase=P][,kind=K]")
         try:
             rank, iteration = int(fields.pop("rank")), int(fields.pop("iteration"))
         except ValueError:
-            raise FailureSpecError(f"bad failure spec {text!r}: rank and iteration are integers") from None
+            raise FailureSpecError(f"bad spec {text!r}: rank and iteration are integers") from None
         return cls(rank, iteration, **fields)
+
+
+def _spec_fields(text: str, required: tuple[str, ...], optional: tuple[str, ...],
+                 usage: str) -> dict[str, str]:
+    fields = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or key.strip() not in required + optional:
+            raise FailureSpecError(f"bad spec {text!r}: expected {usage}")
+        fields[key.strip()] = value.strip()
+    if any(key not in fields for key in required):
+        raise FailureSpecError(
+            f"bad spec {text!r}: {' and '.join(key + '=' for key in required)} are required")
+    return fields
+
+
+@dataclass(frozen=True)
+class InjectedSlowdown:
+    """One rank made slow (module docstring)."""
+
+    rank: int
+    """Launch rank that slows down."""
+    factor: float
+    """How many times as long its compute takes (> 1)."""
+    iteration: int = 1
+    """First slow iteration (from 1)."""
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.iteration < 1:
+            raise FailureSpecError("rank must be >= 0 and iteration >= 1")
+        if not self.factor > 1:
+            raise FailureSpecError(f"factor must be greater than 1, not {self.factor}")
+
+    @classmethod
+    def parse(cls, text: str) -> InjectedSlowdown:
+        """Parse ``rank=R,factor=F[,iteration=I]``."""
+        fields = _spec_fields(text, ("rank", "factor"), ("iteration",),
+                              "rank=R,factor=F[,iteration=I]")
+        try:
+            rank, factor = int(fields["rank"]), float(fields["factor"])
+            iteration = int(fields.get("iteration", 1))
+        except ValueError:
+            raise FailureSpecError(f"bad spec {text!r}: rank and iteration are integers, "
+                                   "factor a number") from None
+        return cls(rank, factor, iteration)
+
+
+def slow_down(chunks: Iterable[torch.nn.Module], slowdown: InjectedSlowdown,
+              iteration: Callable[[], int]) -> None:
+    """Hook ``chunks`` so that their compute takes ``slowdown.factor`` times as long from
+    ``slowdown.iteration`` on; ``iteration()`` is the iteration running."""
+    started: list[float] = []
+
+    def before(module, inputs) -> None:
+        started.append(time.perf_counter())
+
+    def after(module, inputs, output) -> None:
+        forward_s = time.perf_counter() - started.pop()
+        if iteration() >= slowdown.iteration:
+            time.sleep((slowdown.factor - 1) * 3 * forward_s)
+
+    for chunk in chunks:
+        chunk.register_forward_pre_hook(before)
+        chunk.register_forward_hook(after)
 
 
 class FaultInjector:

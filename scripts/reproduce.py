@@ -42,7 +42,7 @@ SCRIPTS = Path(__file__).resolve().parent
 BENCH = SCRIPTS / "bench"
 REPO = SCRIPTS.parent
 sys.path.insert(0, str(BENCH))
-from planner import cost_of, plot as plot_throughput  # noqa: E402  (scripts/bench/planner.py)
+from planner import cost_of, dvfs_rows, plot as plot_throughput  # noqa: E402  (scripts/bench/planner.py)
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,10 @@ FULL = Sizes(
 )
 SMOKE = Sizes(
     communicator_configs="2x2x2", communicator_repetitions=1,
-    convergence=("--train-iters", "10", "--fail-at", "4", "--arms", "elaswave,megatron_rng"),
-    mttr=("--repetitions", "1", "--fail-at", "4", "--save-interval", "2", "--skip-torchft"),
-    overhead=("--rounds", "1", "--train-iters", "6", "--warmup-iters", "2"),
-    snapshot=("--rounds", "1", "--train-iters", "6", "--warmup-iters", "2"),
+    convergence=("--train-iters", "10", "--fail-at", "4", "--arms", "elaswave"),
+    mttr=("--repetitions", "1", "--fail-at", "4", "--skip-restart", "--skip-torchft"),
+    overhead=("--nproc", "2", "--rounds", "1", "--train-iters", "6", "--warmup-iters", "2"),
+    snapshot=("--nproc", "2", "--rounds", "1", "--train-iters", "6", "--warmup-iters", "2"),
     scale_cases=False,
 )
 
@@ -200,7 +200,10 @@ def throughput(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
         "replicas; geometric mean over the cases where the baseline can still run.", "",
         *table(["scale", "cases", "ElasWave / ReCycle-style", "ElasWave / TorchFT (drop)",
                 "ElasWave / TorchFT (grad. accumulation)"], rows),
-        "", "![throughput](results/throughput.png)",
+        "", "![throughput](results/throughput.png)", "",
+        "DVFS on the degraded 96-device layouts (simulated: the planner's power model; the "
+        "governor's `sim` backend on CPU applies the same clocks and accounts energy with it):", "",
+        *dvfs_rows(),
     ]
     plot_throughput(paper, scale, str(plots / "throughput.png"))
     return lines, {"summary": summary, "paper": paper, "scale": scale}
@@ -209,9 +212,11 @@ def throughput(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
 def mttr(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
     results = bench_json("mttr.py", *sizes.mttr)
     torchft_s = results.get("torchft_mttr_s")
-    rows = [["ElasWave", f"{results['elaswave_mttr_s']:.2f}", "0", "1.00x"],
-            ["restart from checkpoint", f"{results['restart_mttr_s']:.2f}",
-             f"{results['restart_lost_iterations']:.0f}", f"{results['restart_over_elaswave']:.1f}x"]]
+    rows = [["ElasWave", f"{results['elaswave_mttr_s']:.2f}", "0", "1.00x"]]
+    if "restart_mttr_s" in results:
+        rows.append(["restart from checkpoint", f"{results['restart_mttr_s']:.2f}",
+                     f"{results['restart_lost_iterations']:.0f}",
+                     f"{results['restart_over_elaswave']:.1f}x"])
     if torchft_s is not None:
         rows.append(["TorchFT (torchft package, DDP replicas)", f"{torchft_s:.2f}", "0",
                      f"{torchft_s / results['elaswave_mttr_s']:.1f}x"])
@@ -306,9 +311,9 @@ def plot_mttr(results: dict, path: Path) -> None:
     for phase, seconds in phases.items():
         axis.barh(["ElasWave"], [seconds], left=left, label=phase.removesuffix("_s"))
         left += seconds
-    others = {"restart from checkpoint": results["restart_mttr_s"]}
-    if results.get("torchft_mttr_s") is not None:
-        others["TorchFT"] = results["torchft_mttr_s"]
+    others = {name: results.get(key) for name, key in (("restart from checkpoint", "restart_mttr_s"),
+                                                       ("TorchFT", "torchft_mttr_s"))
+              if results.get(key) is not None}
     axis.barh(list(others), list(others.values()), color="grey")
     axis.set_xlabel("seconds from SIGKILL to the broken iteration completed again")
     axis.legend(fontsize=8, ncol=4)

@@ -206,11 +206,33 @@ def test_reroute_keeps_the_batch_and_drop_replica_shrinks_it(text_data, small_re
         {"replica": 0, "stages": [{"ranks": [0], "layers": [0, 3]}, {"ranks": [2], "layers": [4, 7]}],
          "num_microbatches": 4}]
 
+    # Rank 0 this time: the replica left is replica 1, the only one.
     dropped, _, _ = run(tmp_path, "drop",
-                        [*small_flags(text_data), *kill, "--elastic-policy", "drop-replica"], nproc=4)
+                        [*small_flags(text_data), "--elastic-inject-failure", "rank=0,iteration=5",
+                         "--elastic-policy", "drop-replica"], nproc=4)
     assert [r["global_batch_size"] for r in dropped] == [8] * 4 + [4] * (TRAIN_ITERS - 4)
     assert dropped[3] == {**dropped[3], "samples_digest": small_reference[3]["samples_digest"]}
     assert dropped[4]["samples_digest"] != small_reference[4]["samples_digest"]
+
+
+@pytest.mark.timeout(300)
+def test_a_straggler_gets_fewer_microbatches_and_the_trajectory_stays(text_data, small_reference,  # noqa: F811
+                                                                     tmp_path):
+    """Rank 1 (stage 0 of replica 1) computes three times as slowly from iteration 3: replica 1
+    gets one micro-batch of the four, without a failure, and the samples and losses stay those
+    of the failure-free run."""
+    flags = [*small_flags(text_data), "--elastic-inject-slowdown", "rank=1,factor=3,iteration=3"]
+    iterations, recoveries, output = run(tmp_path, "straggler", flags, nproc=4)
+    assert not recoveries
+    rebalances = read_metrics(str(tmp_path / "straggler.jsonl"), "rebalance")
+    assert rebalances, output[-3000:]
+    first = rebalances[0]
+    assert "replica 1 takes" in first["reason"] and first["predicted_gain"] >= 1.2
+    assert [r["num_microbatches"] for r in first["layout"]] == [3, 1]
+    assert 5 <= first["iteration"] <= 12  # the median of five needs three slow iterations
+    assert [r["num_microbatches"] for r in iterations[-1]["layout"]] == [3, 1]
+    assert_on_trajectory(small_reference, iterations)
+    assert "rebalanced after iteration" in output
 
 
 @pytest.mark.timeout(200)

@@ -10,7 +10,8 @@ import argparse
 import os
 from typing import Sequence
 
-from megatron_elaswave.faults import FailureSpecError, InjectedFailure
+from megatron_elaswave.dvfs import BACKENDS
+from megatron_elaswave.faults import FailureSpecError, InjectedFailure, InjectedSlowdown
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("ByteLevelTokenizer", "NullTokenizer")
@@ -121,6 +122,23 @@ def _add_elastic_args(parser: argparse.ArgumentParser) -> None:
                        metavar="rank=R,iteration=I[,phase=P][,kind=kill|hang]",
                        help="fail rank R during iteration I (repeatable); phases: forward, "
                             "backward, allreduce, optimizer, snapshot, recovery")
+    group.add_argument("--elastic-inject-slowdown", action="append", default=[],
+                       metavar="rank=R,factor=F[,iteration=I]",
+                       help="make rank R's compute take F times as long from iteration I on "
+                            "(repeatable), a straggler for tests and benchmarks")
+    group.add_argument("--elastic-rebalance-window", type=int, default=5,
+                       help="iterations of measured pipeline times behind a re-deal of the "
+                            "micro-batches to follow a straggler (0: never re-deal)")
+    group.add_argument("--elastic-rebalance-min-gain", type=float, default=1.2,
+                       help="smallest predicted step speed-up that makes the job re-deal its "
+                            "micro-batches (default 1.2)")
+    group.add_argument("--elastic-dvfs", choices=BACKENDS, default="sim",
+                       help="how the planner's per-stage clocks are applied: sim (logged, energy "
+                            "from the power model; default), nvml (locked GPU clocks), npu "
+                            "(--elastic-dvfs-command)")
+    group.add_argument("--elastic-dvfs-command", default=None,
+                       help="with --elastic-dvfs npu: shell command that sets a clock; {device}, "
+                            "{clock} (relative to nominal) and {percent} are filled in")
     group.add_argument("--elastic-rng", choices=RNG_MODES, default=None,
                        help="dropout randomness: 'invariant' keys each mask by (seed, iteration, "
                             "micro-batch, layer, TP rank) so it does not depend on the pipeline "
@@ -201,8 +219,16 @@ def _validate_elastic(args: argparse.Namespace, world_size: int) -> None:
                                        for text in args.elastic_inject_failure]
     except FailureSpecError as error:
         raise ArgumentError(f"--elastic-inject-failure: {error}") from None
-    _fail_unless(args.elastic or not args.elastic_inject_failure,
-                 "--elastic-inject-failure needs --elastic")
+    try:
+        args.elastic_inject_slowdown = [InjectedSlowdown.parse(text)
+                                        for text in args.elastic_inject_slowdown]
+    except FailureSpecError as error:
+        raise ArgumentError(f"--elastic-inject-slowdown: {error}") from None
+    _fail_unless(args.elastic or not (args.elastic_inject_failure or args.elastic_inject_slowdown),
+                 "--elastic-inject-failure and --elastic-inject-slowdown need --elastic")
+    _fail_unless(args.elastic_rebalance_window >= 0,
+                 "--elastic-rebalance-window must not be negative")
+    _fail_unless(args.elastic_rebalance_min_gain >= 1, "--elastic-rebalance-min-gain must be >= 1")
     _fail_unless(args.elastic_heartbeat_timeout > 0, "--elastic-heartbeat-timeout must be positive")
     if not args.elastic:
         return
@@ -218,6 +244,10 @@ def _validate_elastic(args: argparse.Namespace, world_size: int) -> None:
                  "--elastic keeps a snapshot of every iteration in memory instead of periodic "
                  "checkpoints: drop --save-interval (--save names where the final checkpoint goes, "
                  "and the survivors' one if they cannot continue)")
+    for slowdown in args.elastic_inject_slowdown:
+        _fail_unless(slowdown.rank < world_size,
+                     f"--elastic-inject-slowdown rank {slowdown.rank} is not a rank of this "
+                     f"{world_size}-rank job")
     for failure in args.elastic_inject_failure:
         _fail_unless(failure.rank < world_size,
                      f"--elastic-inject-failure rank {failure.rank} is not a rank of this "

@@ -20,6 +20,9 @@ is missing and where the checkpoint is; ``--load`` resumes from it in any layout
 
 A ``recovery`` record with the time of each phase goes into the metrics file. A rank the new
 layout does not use (a spare) serves its snapshots and waits, taking part in later recoveries.
+
+Without a failure, a replica that runs persistently slower gets fewer of the global batch's
+micro-batches (:mod:`.stragglers`; a ``rebalance`` record says why and the predicted gain).
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ import torch
 from megatron_elaswave.agreement import Decision, agree
 from megatron_elaswave.communicator import EditMode, GroupRegistry, Role, group_specs, member_lists
 from megatron_elaswave.device import DeviceBackend
-from megatron_elaswave.faults import FaultInjector, InjectedFailure
-from megatron_elaswave.layout import Layout
+from megatron_elaswave.dvfs import DvfsGovernor, clock_backend
+from megatron_elaswave.faults import FaultInjector, InjectedFailure, InjectedSlowdown, slow_down
+from megatron_elaswave.layout import Layout, Replica
 from megatron_elaswave.metrics import MetricsWriter
 from megatron_elaswave.monitor import (
     HEARTBEAT,
@@ -49,7 +53,14 @@ from megatron_elaswave.monitor import (
 from megatron_elaswave.planner.cost import CostModel, MemoryModel
 from megatron_elaswave.planner.job import JobSpec
 from megatron_elaswave.planner.profile import SyntheticDevice, SyntheticModel, load_profile, synthetic_profile
-from megatron_elaswave.planner.replan import PlanError, PlanOptions, plan_recovery, plan_replica_drop
+from megatron_elaswave.planner.frequency import ClockPlan, PowerModel
+from megatron_elaswave.planner.replan import (
+    PlanError,
+    PlanOptions,
+    nominal_clock_plan,
+    plan_recovery,
+    plan_replica_drop,
+)
 from megatron_elaswave.snapshot import SnapshotConfig
 from megatron_elaswave.store import connect_store, read_deaths
 
@@ -61,6 +72,7 @@ from .model import seed_random_generators
 from .migration import adam_step, load_pieces, migrate, named_shard, needed_pieces
 from .rescue import checkpoint_layout
 from .snapshots import StepSnapshots, restore_rng_states
+from .stragglers import RebalanceConfig, StragglerDetector
 
 class CannotContinue(RuntimeError):
     """The survivors cannot hold the model any more."""
@@ -123,9 +135,14 @@ class ElasticTrainer(Trainer):
     cost: CostModel = None
     vocab_size: int = 0
     injector: FaultInjector = None
+    governor: DvfsGovernor = None
+    slowdowns: tuple[InjectedSlowdown, ...] = ()
+    detector: StragglerDetector | None = None
+    """``None``: micro-batches are not re-dealt to follow stragglers."""
     _pending: RecoveryTimes | None = None
 
     def __post_init__(self) -> None:
+        self._step_started = self._pipeline_done = 0.0
         super().__post_init__()
         self.state_layout = self.layout
         """The layout whose snapshots the ranks hold: the last one restored."""
@@ -136,15 +153,21 @@ class ElasticTrainer(Trainer):
         super()._bind()
         self.reduce_group = self.registry.group(Role.WORLD)
         self.tp_rank = self.layout.position(self.rank)[2]
+        finalize = self.objects.config.finalize_model_grads_func
+
+        def timed_finalize(*args, **kwargs):
+            """Replicas first wait for each other in the gradient reduction: time up to it."""
+            self._pipeline_done = time.perf_counter()
+            self.injector.at("allreduce", self.iteration + 1)
+            return finalize(*args, **kwargs)
+
+        self.objects.config.finalize_model_grads_func = timed_finalize
         if self.injector.armed:  # hooks only where a failure is to be injected
             self.objects.model[-1].module.register_forward_hook(self._arm_backward_fault)
-            finalize = self.objects.config.finalize_model_grads_func
-
-            def finalize_with_fault(*args, **kwargs):
-                self.injector.at("allreduce", self.iteration + 1)
-                return finalize(*args, **kwargs)
-
-            self.objects.config.finalize_model_grads_func = finalize_with_fault
+        for slowdown in self.slowdowns:
+            if slowdown.rank == self.rank:
+                slow_down([ddp.module for ddp in self.objects.model], slowdown,
+                          lambda: self.iteration + 1)
 
     def _arm_backward_fault(self, module, inputs, output) -> None:
         if torch.is_tensor(output) and output.requires_grad:
@@ -163,8 +186,34 @@ class ElasticTrainer(Trainer):
         self.injector.at("snapshot", iteration)
 
     def train_step(self):
+        self._step_started = time.perf_counter()
         self.injector.at("forward", self.iteration + 1)
         return super().train_step()
+
+    def step_report(self) -> torch.Tensor | None:
+        if self.detector is None:
+            return None
+        times = torch.zeros(max(self.layout.known_ranks()) + 1, dtype=torch.float64)
+        if self.tp_rank == 0:
+            times[self.rank] = self._pipeline_done - self._step_started
+        return times
+
+    def _follow_stragglers(self, pipeline_s: torch.Tensor) -> None:
+        """Re-deal the micro-batches when a replica is persistently slow (:mod:`.stragglers`)."""
+        leaders = {stage.ranks[0] for r in self.layout.replicas for stage in r.stages}
+        self.detector.observe(self.layout, {rank: float(pipeline_s[rank]) for rank in leaders})
+        decision = self.detector.proposal(self.layout)
+        if decision is None:
+            return
+        self.detector.reset()
+        self.layout = decision.layout
+        self.replica = self.layout.replica_by_index()[self.layout.position(self.rank)[0]]
+        self.metrics.write("rebalance", iteration=self.iteration, reason=decision.reason,
+                           layout=self.layout.to_json(), predicted_gain=decision.predicted_gain)
+        if self.is_logger:
+            log(f" rebalanced after iteration {self.iteration}: {decision.reason}; micro-batches "
+                f"per replica now {[r.num_microbatches for r in self.layout.replicas]}, predicted "
+                f"{decision.predicted_gain:.2f}x faster")
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -184,7 +233,9 @@ class ElasticTrainer(Trainer):
             self.consumed_samples += gbs
             if self._pending is not None:
                 self._record_recovery(result.step_time_s)
-            self._record(result, gbs)
+            self._record(result, gbs, energy_j=self.governor.energy_j(result.step_time_s))
+            if result.reported is not None:
+                self._follow_stragglers(result.reported)
             if on_iteration is not None:
                 on_iteration(self)
 
@@ -227,7 +278,7 @@ class ElasticTrainer(Trainer):
         # of the new layout, each by its own members only.
         old_lists = member_lists(group_specs(self.layout))
         try:
-            new_layout = self._plan(failed)
+            new_layout, clocks = self._plan(failed)
         except PlanError as plan_error:
             self._stop_with_checkpoint(str(plan_error), failed, decision, old_lists, times)
         times.planned_at = time.time()
@@ -235,8 +286,11 @@ class ElasticTrainer(Trainer):
                            generation=decision.generation)
         times.edited_at = time.time()
         self._restore(decision, new_layout, times)
+        self.governor.apply(clocks, new_layout)
         self._pending = times
         self.state_layout, self.lost = new_layout, set()
+        if self.detector is not None:
+            self.detector.reset()
 
     def _stop_with_checkpoint(self, reason: str, failed: set[int], decision: Decision,
                               old_lists, times: RecoveryTimes) -> None:
@@ -299,11 +353,20 @@ class ElasticTrainer(Trainer):
         timeout_s = self.monitor.config.heartbeat_timeout_s
         return [notice["time"] - (timeout_s if notice["cause"] == HEARTBEAT else 0.0)]
 
-    def _plan(self, failed: set[int]) -> Layout:
+    def _plan(self, failed: set[int]) -> tuple[Layout, ClockPlan]:
+        # Plans start from a deal of the micro-batches fixed by the replicas alone: a failure
+        # in the all-reduce of the step that re-dealt them may leave ranks on either deal.
+        total = self.layout.global_num_microbatches
+        count = len(self.layout.replicas)
+        old = Layout(self.layout.num_layers, tuple(
+            Replica(r.index, r.stages, tuple(range(k, total, count)))
+            for k, r in enumerate(self.layout.replicas)), self.layout.spares)
         policy = self.args.elastic_policy
         if policy == "elaswave":
-            return plan_recovery(self.layout, failed, self.cost, PlanOptions(dvfs=False)).layout
-        return plan_replica_drop(self.layout, failed, keep_global_batch=policy == "reroute")
+            plan = plan_recovery(old, failed, self.cost, PlanOptions(dvfs=True))
+            return plan.layout, plan.clocks
+        layout = plan_replica_drop(old, failed, keep_global_batch=policy == "reroute")
+        return layout, nominal_clock_plan(self.cost, layout, len(layout.spares), PowerModel())
 
     def _rollback_iteration(self, prefix: str, members: list[int]) -> int:
         """The newest iteration whose state survives whole: every surviving stage holder has
@@ -386,6 +449,8 @@ class ElasticTrainer(Trainer):
             bytes_moved=times.bytes_moved,
             rolled_back_to=times.rolled_back_to,
             layout=self.layout.to_json(),
+            clocks=[list(replica) for replica in self.governor.plan.clocks],
+            dvfs=self.governor.backend.name,
         )
         if self.is_logger:
             log(f" recovered from the failure of ranks {times.failed_ranks}: rolled back to "
@@ -416,13 +481,21 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
     monitor = FailureMonitor(store, rank, Decision.initial(world_size), config)
     snapshots = StepSnapshots(layout, rank, SnapshotConfig(replicas=args.elastic_snapshot_replicas),
                               group=registry.group(Role.WORLD))
+    cost = cost_model(args, vocab_size, backend)
+    governor = DvfsGovernor(clock_backend(args.elastic_dvfs, backend.device().index or 0,
+                                          args.elastic_dvfs_command), rank)
+    governor.apply(nominal_clock_plan(cost, layout, 0, PowerModel()), layout)
     return ElasticTrainer(
         args=args, objects=objects, pg_collection=objects.schedule_groups, backend=backend,
         layout=layout, train_source=train_source, valid_source=valid_source,
         metrics=MetricsWriter(args.elastic_metrics_file if rank == 0 else None), rank=rank,
         snapshots=snapshots, registry=registry, monitor=monitor, store=store,
-        cost=cost_model(args, vocab_size, backend), vocab_size=vocab_size,
+        cost=cost, governor=governor, vocab_size=vocab_size,
         injector=FaultInjector(failures, rank, hang_s=3 * config.heartbeat_timeout_s),
+        slowdowns=tuple(args.elastic_inject_slowdown),
+        detector=(StragglerDetector(RebalanceConfig(window=args.elastic_rebalance_window,
+                                                    min_gain=args.elastic_rebalance_min_gain))
+                  if args.elastic_rebalance_window else None),
     )
 
 

@@ -77,7 +77,10 @@ def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: in
     if args.load:
         resume(trainer, args.load)
     with trainer.monitor:
-        run_elastic(trainer)
+        try:
+            run_elastic(trainer)
+        finally:
+            trainer.governor.backend.close()
     trainer.metrics.close()
 
 

@@ -150,7 +150,7 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
     groups = layout.layer_groups()
     rank = registry.rank
     replica_index, stage_index, tp_rank = layout.position(rank)
-    replica = layout.replicas[replica_index]
+    replica = layout.replica_by_index()[replica_index]
     stage = replica.stages[stage_index]
     held = [g for g, (first, _) in enumerate(groups)
             if stage.first_layer <= first <= stage.last_layer]

@@ -72,6 +72,8 @@ class StepResult:
     grad_norm: float | None
     step_time_s: float
     skipped: bool
+    reported: torch.Tensor | None = None
+    """The sum over ranks of :meth:`Trainer.step_report`, if any."""
 
 
 @dataclass
@@ -102,7 +104,7 @@ class Trainer:
         whenever they change."""
         position = self.layout.position(self.rank)
         assert position is not None, f"rank {self.rank} holds no stage"
-        self.replica = self.layout.replicas[position[0]]
+        self.replica = self.layout.replica_by_index()[position[0]]
         self.is_data_reporter = position[2] == 0  # one rank of each TP group reports
         self.stages = self.objects.stages
         self.p2p = P2PCommunicator(pp_group=self.pg_collection.pp, config=self.objects.config)
@@ -140,10 +142,15 @@ class Trainer:
             pg_collection=self.pg_collection,
         )
 
-    def _reduce(self, data: list[StepData | MicrobatchIds], losses: list[dict], gbs: int):
-        """One world all-reduce: loss sum, token count, and which sample filled each slot."""
+    def _reduce(self, data: list[StepData | MicrobatchIds], losses: list[dict], gbs: int,
+                report: torch.Tensor | None = None):
+        """One world all-reduce: loss sum, token count, which sample filled each slot, and the
+        sum of every rank's ``report``."""
         mbs = self.args.micro_batch_size
-        vector = torch.zeros(2 + 2 * gbs, dtype=torch.float64)
+        extra = 0 if report is None else report.numel()
+        vector = torch.zeros(2 + 2 * gbs + extra, dtype=torch.float64)
+        if report is not None:
+            vector[2 + 2 * gbs:] = report
         if self.is_data_reporter and losses:
             totals = torch.stack([entry["lm loss"] for entry in losses]).double().sum(dim=0)
             vector[0:2] += totals.cpu()
@@ -157,9 +164,9 @@ class Trainer:
         vector = vector.to(self.backend.device())
         dist.all_reduce(vector, group=self.reduce_group)
         vector = vector.cpu()
-        counts = vector[2 + gbs:]
+        counts = vector[2 + gbs:2 + 2 * gbs]
         ids = [int(v) - 1 if c == 1 else -1 for v, c in zip(vector[2:2 + gbs].tolist(), counts.tolist())]
-        return float(vector[0]), int(vector[1]), ids
+        return float(vector[0]), int(vector[1]), ids, vector[2 + 2 * gbs:] if extra else None
 
     def train_step(self) -> StepResult:
         gbs = self.layout.global_num_microbatches * self.args.micro_batch_size
@@ -173,7 +180,8 @@ class Trainer:
         self.before_optimizer_step()
         succeeded, grad_norm, _ = self.objects.optimizer.step()
         self.objects.scheduler.step(increment=gbs)
-        loss_sum, num_tokens, sample_ids = self._reduce(data, losses, gbs)
+        loss_sum, num_tokens, sample_ids, reported = self._reduce(data, losses, gbs,
+                                                                  self.step_report())
         if self.snapshots is not None:
             self.take_snapshot(self.iteration + 1, self.consumed_samples + gbs)
         self.backend.synchronize()
@@ -184,10 +192,15 @@ class Trainer:
             grad_norm=float(grad_norm) if grad_norm is not None else None,
             step_time_s=time.perf_counter() - start,
             skipped=not succeeded,
+            reported=reported,
         )
 
     def before_optimizer_step(self) -> None:
         """Called between the last backward and the optimizer step."""
+
+    def step_report(self) -> torch.Tensor | None:
+        """Values of this rank to sum over the job with the step's results (none here)."""
+        return None
 
     def take_snapshot(self, iteration: int, consumed_samples: int) -> None:
         self.snapshots.after_step(iteration, self.objects.optimizer, self.objects.scheduler,
@@ -195,7 +208,9 @@ class Trainer:
 
     # -- reporting -----------------------------------------------------------------------------
 
-    def _record(self, result: StepResult, gbs: int) -> None:
+    def _record(self, result: StepResult, gbs: int, **extra) -> None:
+        """The iteration's metrics record (with ``extra`` fields) and, every ``--log-interval``
+        iterations, Megatron-LM's log line."""
         self.metrics.write(
             "iteration",
             iteration=self.iteration,
@@ -208,6 +223,7 @@ class Trainer:
             step_time_s=result.step_time_s,
             grad_norm=result.grad_norm,
             **({"snapshot_bytes": self.snapshots.bytes_held} if self.snapshots else {}),
+            **extra,
         )
         self._interval_times.append(result.step_time_s)
         if self.iteration % self.args.log_interval == 0 and self.is_logger:
@@ -238,7 +254,7 @@ class Trainer:
                 consumed = (evaluation * self.args.eval_iters + k) * gbs
                 data = self._step_data(self.valid_source, consumed)
                 losses = self._run_schedule(data, forward_only=True)
-                step_sum, step_tokens, _ = self._reduce(data, losses, gbs)
+                step_sum, step_tokens, _, _ = self._reduce(data, losses, gbs)
                 loss_sum, num_tokens = loss_sum + step_sum, num_tokens + step_tokens
         for model in self.objects.model:
             model.train()

@@ -76,6 +76,8 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
     # Imported here so that flag errors come back before megatron-core is loaded.
     from megatron_elaswave.patches import UnsupportedMegatronVersion
 
+    from megatron_elaswave.dvfs import DvfsError
+
     from .checkpoint import CheckpointError
     from .data import DataError
     from .elastic import CannotContinue
@@ -84,7 +86,7 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
 
     try:
         train_job(args, backend, info.rank, info.local_rank, info.world_size)
-    except (UnsupportedMegatronVersion, CheckpointError, DataError) as error:
+    except (UnsupportedMegatronVersion, CheckpointError, DataError, DvfsError) as error:
         report_error(str(error), info.rank)
         return EXIT_BAD_INPUT
     except (CannotContinue, StateLost) as error:

@@ -148,6 +148,7 @@ def main() -> None:
     parser.add_argument("--save-interval", type=int, default=5,
                         help="checkpoint interval of the restart arm")
     parser.add_argument("--workdir", default="runs/bench-mttr")
+    parser.add_argument("--skip-restart", action="store_true")
     parser.add_argument("--skip-torchft", action="store_true")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -156,9 +157,9 @@ def main() -> None:
     say = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
     workdir = Path(args.workdir)
     data = demo_corpus(workdir)
-    runs: dict[str, list[dict]] = {"elaswave": [], "restart": []}
+    runs: dict[str, list[dict]] = {"elaswave": []} if args.skip_restart else {"elaswave": [], "restart": []}
     for repetition in range(args.repetitions):
-        order = ["elaswave", "restart"] if repetition % 2 == 0 else ["restart", "elaswave"]
+        order = list(runs) if repetition % 2 == 0 else list(runs)[::-1]
         for arm in order:
             with tempfile.TemporaryDirectory(dir=workdir) as scratch:
                 if arm == "elaswave":
@@ -171,8 +172,10 @@ def main() -> None:
                 f"{result['lost_iterations']})")
     summary = {f"{arm}_mttr_s": statistics.median(r["mttr_s"] for r in results)
                for arm, results in runs.items()}
-    summary["restart_over_elaswave"] = summary["restart_mttr_s"] / summary["elaswave_mttr_s"]
-    summary["restart_lost_iterations"] = statistics.median(r["lost_iterations"] for r in runs["restart"])
+    if not args.skip_restart:
+        summary["restart_over_elaswave"] = summary["restart_mttr_s"] / summary["elaswave_mttr_s"]
+        summary["restart_lost_iterations"] = statistics.median(r["lost_iterations"]
+                                                               for r in runs["restart"])
     breakdowns = [r["breakdown"] for r in runs["elaswave"] if r["breakdown"]]
     summary["elaswave_breakdown_s"] = {
         key: statistics.median(b[key] for b in breakdowns) for key in breakdowns[0]} if breakdowns else {}
@@ -185,10 +188,11 @@ def main() -> None:
     if args.json:
         print(json.dumps(summary))
         return
-    print(f"ElasWave MTTR {summary['elaswave_mttr_s']:.2f} s (median of {args.repetitions}); "
-          f"restart-from-checkpoint {summary['restart_mttr_s']:.2f} s, "
-          f"{summary['restart_over_elaswave']:.1f}x longer "
-          f"({summary['restart_lost_iterations']:.0f} iterations recomputed)")
+    print(f"ElasWave MTTR {summary['elaswave_mttr_s']:.2f} s (median of {args.repetitions})")
+    if not args.skip_restart:
+        print(f"restart-from-checkpoint {summary['restart_mttr_s']:.2f} s, "
+              f"{summary['restart_over_elaswave']:.1f}x longer "
+              f"({summary['restart_lost_iterations']:.0f} iterations recomputed)")
     if summary.get("torchft_mttr_s") is not None:
         print(f"TorchFT (torchft package, DDP replicas): {summary['torchft_mttr_s']:.2f} s")
     if summary["elaswave_breakdown_s"]:

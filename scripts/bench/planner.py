@@ -107,6 +107,22 @@ def migration_rows() -> list[str]:
     return rows
 
 
+def dvfs_rows() -> list[str]:
+    """Step time and energy of each degraded layout at the planned clocks against nominal ones
+    (simulated: the planner's power model)."""
+    rows = markdown_header("grid", "failed instances", "step nominal (s)", "step DVFS (s)",
+                           "energy nominal (kJ)", "energy DVFS (kJ)", "energy saved")
+    for case in paper_cases():
+        cost = cost_of(case)
+        plan = plan_recovery(case.job.initial_layout(), spread_failures(case.job, case.failures), cost)
+        clocks = plan.clocks
+        rows.append(markdown_row([
+            case.name, case.failures, f"{clocks.nominal_step_ns / 1e9:.2f}",
+            f"{clocks.step_ns / 1e9:.2f}", f"{clocks.nominal_energy_j / 1e3:.1f}",
+            f"{clocks.energy_j / 1e3:.1f}", f"{1 - clocks.energy_j / clocks.nominal_energy_j:.1%}"]))
+    return rows
+
+
 def throughput_rows(results: list[dict]) -> list[str]:
     rows = markdown_header(
         "case", "failed", "failure-free", *POLICY_COLUMNS, "x ReCycle", "x TorchFT drop", "x TorchFT accum"
@@ -180,6 +196,7 @@ def main() -> None:
     print(f"machine: {platform.processor() or platform.machine()}, Python {platform.python_version()}\n")
     print("\n".join(replan_times(args.repeats)), "\n")
     print("\n".join(migration_rows()), "\n")
+    print("\n".join(dvfs_rows()), "\n")
     paper = [run_case(case) for case in paper_cases()]
     scale = [run_case(case) for case in scale_cases()]
     print("\n".join(throughput_rows(paper)), "\n")
