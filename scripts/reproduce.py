@@ -256,6 +256,43 @@ def overhead(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
     return lines, {"plugin": plugin, "snapshot": snapshot}
 
 
+def headline_rows(figures: dict) -> list[list]:
+    """One row per headline figure: what, measured or simulated, ours, the paper's (or the
+    target), ours / paper."""
+    rows = []
+
+    def add(what: str, ours: float, paper: float, fmt: str, where: str) -> None:
+        how = "simulated" if what.startswith(("migration", "throughput")) else "measured"
+        rows.append([what, how, format(ours, fmt), format(paper, fmt) + where, f"{ours / paper:.2f}"])
+
+    if "a" in figures:
+        for grid, r in figures["a"].items():
+            add(f"({grid}) full rebuild / in place", r["full_over_inplace"], 82, ".1f", "")
+            add(f"({grid}) partial rebuild / in place", r["partial_over_inplace"], 3.6, ".1f", "")
+            add(f"({grid}) in-place recovery (s)", r["inplace_s"], 1.0, ".2f", " (at most)")
+    if "b" in figures:
+        add("migration time saved by interleaved ZeRO, best case", figures["b"]["max_reduction"],
+            0.51, ".0%", " (up to)")
+    if "c" in figures and "deviation_reduction_vs_megatron_rng" in figures["c"]:
+        add("loss deviation reduction against Megatron's RNG",
+            figures["c"]["deviation_reduction_vs_megatron_rng"], 0.78, ".1%", " (about)")
+    if "d" in figures:
+        summary = figures["d"]["summary"]["96 devices"]
+        add("throughput after failures, ElasWave / ReCycle-style (96 devices)",
+            summary["recycle"], 1.35, ".2f", "")
+        add("throughput after failures, ElasWave / TorchFT-style (96 devices)",
+            summary["torchft_drop"], 1.60, ".2f", "")
+    if "e" in figures and "restart_over_elaswave" in figures["e"]:
+        add("MTTR, restart-from-checkpoint / ElasWave", figures["e"]["restart_over_elaswave"], 10,
+            ".1f", " (target: at least)")
+    if "f" in figures:
+        add("step time with the plugin / plain megatron-core", figures["f"]["plugin"]["ratio"],
+            1.03, ".3f", " (target: at most)")
+        add("step time with K=1 snapshots / without", figures["f"]["snapshot"]["ratio_replicated"],
+            1.05, ".3f", " (target: at most)")
+    return rows
+
+
 EXPERIMENTS = {
     "a": ("Communicator recovery: in place against partial and full rebuild", communicator),
     "b": ("Migration: interleaved against contiguous ZeRO partitions", migration),
@@ -370,7 +407,11 @@ def main() -> int:
         "planner's cost model and discrete-event simulator; they are predictions, not "
         "measurements." + (" **Smoke run: toy sizes, not for quoting.**" if args.smoke else ""), "",
     ]
-    (output / "results.md").write_text("\n".join(header + sections))
+    headline = ["## Headline figures", "",
+                *table(["figure", "how", "ours", "paper (or target)", "ours / paper"],
+                       headline_rows(figures)),
+                ""]
+    (output / "results.md").write_text("\n".join(header + headline + sections))
     (plots / "results.json").write_text(json.dumps(figures, indent=1, default=str))
     print(f"reproduce: report written to {output / 'results.md'}"
           + (f"; experiments that failed: {', '.join(failed)}" if failed else ""))

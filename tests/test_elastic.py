@@ -10,10 +10,13 @@ must finish every iteration on the samples of the failure-free run (identical
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -233,6 +236,45 @@ def test_a_straggler_gets_fewer_microbatches_and_the_trajectory_stays(text_data,
     assert [r["num_microbatches"] for r in iterations[-1]["layout"]] == [3, 1]
     assert_on_trajectory(small_reference, iterations)
     assert "rebalanced after iteration" in output
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_paused_from_outside_again_and_again_is_a_straggler(text_data, small_reference,  # noqa: F811
+                                                                    tmp_path):
+    """Rank 1 is SIGSTOPped for 0.2 s out of every 0.3 s, far below the heartbeat timeout: the
+    job sees a slow replica, not a failure, and re-deals the micro-batches."""
+    metrics = tmp_path / "paused.jsonl"
+
+    def recorded(event: str) -> list[dict]:
+        return read_metrics(str(metrics), event) if metrics.exists() else []
+
+    with launch([PRETRAIN, *small_flags(text_data), "--elastic-metrics-file", str(metrics)], 4,
+                master_port=free_port(), log_path=tmp_path / "paused.log") as job:
+        job.wait_for(lambda: len(recorded("iteration")) >= 2, 120, "iteration 2")
+        pid = job.worker_pids()[1]
+        done = threading.Event()
+
+        def pause_again_and_again() -> None:
+            while not done.is_set():
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.2)
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(0.1)
+
+        pauser = threading.Thread(target=pause_again_and_again, daemon=True)
+        pauser.start()
+        try:
+            job.wait_for(lambda: bool(recorded("rebalance")), 150, "a rebalance")
+        finally:
+            done.set()
+            pauser.join()
+        returncode, output = job.wait(200)
+    assert returncode == 0, output[-3000:]
+    assert not recorded("recovery")
+    first = recorded("rebalance")[0]
+    assert "replica 1 takes" in first["reason"]
+    assert [r["num_microbatches"] for r in first["layout"]] == [3, 1]
+    assert_on_trajectory(small_reference, recorded("iteration"))
 
 
 @pytest.mark.timeout(200)
