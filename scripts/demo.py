@@ -113,7 +113,7 @@ def summarise(results: dict, failure_at: int) -> int:
           f"{record['total_s']:.2f} s = " + " + ".join(
               f"{name.replace('_', ' ')} {record[name + '_s']:.2f}" for name in phases)
           + f"; {record['bytes_moved'] / 1e6:.1f} MB of state moved between ranks")
-    print(f"demo: layout after the failure: " + "; ".join(
+    print("demo: layout after the failure: " + "; ".join(
         f"replica {r['replica']}: " + " | ".join(
             f"ranks {s['ranks']} layers {s['layers'][0]}-{s['layers'][1]}" for s in r["stages"])
         + f" ({r['num_microbatches']} micro-batches)" for r in record["layout"]))

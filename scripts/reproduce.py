@@ -34,15 +34,13 @@ from pathlib import Path
 
 import torch
 
-from megatron_elaswave.planner.replan import plan_recovery
-from megatron_elaswave.planner.zero import contiguous_migration
-from megatron_elaswave.simulate import paper_cases, ratio, run_case, scale_cases, spread_failures
+from megatron_elaswave.simulate import paper_cases, ratio, run_case, scale_cases
 
 SCRIPTS = Path(__file__).resolve().parent
 BENCH = SCRIPTS / "bench"
 REPO = SCRIPTS.parent
 sys.path.insert(0, str(BENCH))
-from planner import cost_of, dvfs_rows, plot as plot_throughput  # noqa: E402  (scripts/bench/planner.py)
+from planner import dvfs_rows, migration_comparison, plot as plot_throughput  # noqa: E402  (scripts/bench/planner.py)
 
 
 @dataclass(frozen=True)
@@ -134,15 +132,10 @@ def communicator(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
 
 def migration(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
     rows, reductions = [], []
-    for case in paper_cases():
-        cost = cost_of(case)
-        failed = frozenset(spread_failures(case.job, case.failures))
-        old = case.job.initial_layout()
-        plan = plan_recovery(old, failed, cost)
-        contiguous = contiguous_migration(old, plan.layout, failed, cost)
-        reduction = 1 - plan.migration.estimated_s / contiguous.estimated_s
+    for case, interleaved, contiguous in migration_comparison():
+        reduction = 1 - interleaved.estimated_s / contiguous.estimated_s
         reductions.append(reduction)
-        rows.append([case.name, case.failures, f"{plan.migration.estimated_s:.3f}",
+        rows.append([case.name, case.failures, f"{interleaved.estimated_s:.3f}",
                      f"{contiguous.estimated_s:.3f}", f"{reduction:.0%}"])
     lines = [
         "Simulated: the planner's migration model (7B-class model, 96 devices), the same "

@@ -313,7 +313,7 @@ class ElasticTrainer(Trainer):
         ``dist_checkpointing`` coordinates on the default process group. When that group still
         counts failed ranks or spares, the active ranks first re-form it among themselves (a
         ``full`` edit) and rebuild their objects on the new groups, from their own state; the
-        spares wait for the save. Afterwards the trainer only saves: its groups are the saver's.
+        spares wait for the save and take no part in the job afterwards.
         """
         actives = sorted(self.layout.active_ranks())
         saved_key = f"rt/gen{self.registry.generation}/saved"
@@ -338,11 +338,18 @@ class ElasticTrainer(Trainer):
         leaving = set(self.layout.known_ranks() - self.layout.active_ranks())
         self.layout = Layout(self.layout.num_layers, self.layout.replicas)
         self.registry.edit(leaving, self.layout, EditMode.FULL)
-        self.objects = build_stage_objects(self.args, self.layout, self.registry, self.vocab_size,
-                                           self.backend.device(), initialize=False)
+        self._build_objects()
         needs = needed_pieces(self.objects, self.tp_rank)
         load_pieces(self.objects, needs, [held[piece.key] for piece in needs], step)
         self.objects.scheduler.load_state_dict(scheduler)
+
+    def _build_objects(self) -> None:
+        """This rank's Megatron objects for ``self.layout`` on the registry's groups, their
+        parameters left for a restore to fill."""
+        self.objects = build_stage_objects(self.args, self.layout, self.registry, self.vocab_size,
+                                           self.backend.device(), initialize=False)
+        self.pg_collection = self.objects.schedule_groups
+        self._bind()
 
     def _announced_at(self, decision: Decision) -> list[float]:
         """When the first rank to notice the failure dates it (a hang: its last heartbeat)."""
@@ -406,10 +413,7 @@ class ElasticTrainer(Trainer):
         self.objects = self.stages = self.p2p = None
         self.layout = layout
         if active:
-            self.objects = build_stage_objects(self.args, layout, self.registry, self.vocab_size,
-                                               self.backend.device(), initialize=False)
-            self.pg_collection = self.objects.schedule_groups
-            self._bind()
+            self._build_objects()
         times.rebuilt_at = time.time()
         needs = needed_pieces(self.objects, self.tp_rank) if active else []
         values, moved = migrate(

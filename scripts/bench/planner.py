@@ -85,6 +85,19 @@ def replan_times(repeats: int) -> list[str]:
     return rows
 
 
+def migration_comparison() -> list[tuple]:
+    """``(case, interleaved, contiguous)`` migration plans of every paper case: the same
+    recovery moved with interleaved per-layer ZeRO ownership and with Megatron's shards."""
+    compared = []
+    for case in paper_cases():
+        cost = cost_of(case)
+        failed = frozenset(spread_failures(case.job, case.failures))
+        old = case.job.initial_layout()
+        plan = plan_recovery(old, failed, cost)
+        compared.append((case, plan.migration, contiguous_migration(old, plan.layout, failed, cost)))
+    return compared
+
+
 def migration_rows() -> list[str]:
     rows = markdown_header(
         "grid",
@@ -92,13 +105,9 @@ def migration_rows() -> list[str]:
         "interleaved: GiB / copies / waves / est. s",
         "Megatron contiguous: GiB / copies / waves / est. s",
     )
-    for case in paper_cases():
-        cost = cost_of(case)
-        failed = frozenset(spread_failures(case.job, case.failures))
-        old = case.job.initial_layout()
-        plan = plan_recovery(old, failed, cost)
+    for case, interleaved, contiguous in migration_comparison():
         cells = []
-        for migration in (plan.migration, contiguous_migration(old, plan.layout, failed, cost)):
+        for migration in (interleaved, contiguous):
             cells.append(
                 f"{migration.total_bytes / 2**30:.1f} / {len(migration.transfers)} / "
                 f"{migration.num_waves} / {migration.estimated_s:.3f}"
