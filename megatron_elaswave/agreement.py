@@ -16,6 +16,10 @@ uses only the job store, which the launcher hosts outside every worker. It guara
   suspects each time, and commits only the set it believes at that moment. A member that has not
   joined within ``agreement_timeout_s`` is declared failed too. A failure that lands after the
   commit is a failure of the next generation and starts the next agreement.
+* **Growth uses the same key.** A decision that adds ranks at a step boundary is committed on the
+  same key with the same ``compare_set``, so a generation ends either with a failure or with a
+  grow, never both; a failure noticed after a grow was committed is a failure of the grown
+  generation.
 * **An excluded rank leaves.** A rank that finds itself among the failed of the committed
   decision (it was stopped or too slow, not dead) raises :class:`Excluded`, which exits the
   process with a message, rather than rejoin a job that has moved on without it.
@@ -65,6 +69,9 @@ class Decision:
     generation's process group."""
     failed: tuple[int, ...]
     """Launch ranks of the ended generation that are excluded, sorted."""
+    joined: tuple[int, ...] = ()
+    """Launch ranks that join the job in the new generation, sorted: a decision that grows the
+    job (:mod:`megatron_elaswave.training.growth`) rather than one that ends a failure."""
 
     @classmethod
     def initial(cls, world_size: int) -> Decision:
@@ -86,7 +93,8 @@ class Decision:
     @classmethod
     def from_json(cls, raw: str | bytes) -> Decision:
         fields = json.loads(raw)
-        return cls(fields["generation"], tuple(fields["survivors"]), tuple(fields["failed"]))
+        return cls(fields["generation"], tuple(fields["survivors"]), tuple(fields["failed"]),
+                   tuple(fields.get("joined", ())))
 
 
 class Excluded(SystemExit):

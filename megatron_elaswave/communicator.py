@@ -298,6 +298,21 @@ class GroupRegistry:
         for members in self._own(member_lists(self._specs)):
             self._groups[members] = self._create_local(members)
 
+    @classmethod
+    def joining(cls, layout: Layout, rank: int, *, store: Store, backend: str = "gloo",
+                timeout: timedelta = timedelta(seconds=30), generation: int) -> GroupRegistry:
+        """The registry of a process that joins a running job in ``generation``, whose members
+        call :meth:`grow` with the same ``layout``. No default group may exist yet."""
+        if rank not in layout.known_ranks():
+            raise ValueError(f"rank {rank} is not part of the layout")
+        registry = cls.__new__(cls)
+        registry._rank, registry._store, registry._backend = rank, store, backend
+        registry._timeout, registry._generation = timeout, generation
+        registry._groups = {}
+        registry._layout, registry._specs = layout, group_specs(layout)
+        registry._rebuild(tuple(sorted(layout.known_ranks())), member_lists(registry._specs))
+        return registry
+
     # ---- lookups ----------------------------------------------------------------------------
 
     @property
@@ -410,6 +425,19 @@ class GroupRegistry:
         self._layout, self._specs = new_layout, group_specs(new_layout)
         return EditReport(mode, self._generation, *counts, time.perf_counter() - started)
 
+    def grow(self, new_layout: Layout, generation: int) -> EditReport:
+        """Turn the groups into those of ``new_layout``, which adds ranks to the job: a ``full``
+        rebuild, since a process cannot enter groups formed without it. The new ranks call
+        :meth:`joining` meanwhile."""
+        if not self._layout.known_ranks() <= new_layout.known_ranks():
+            raise ValueError("a grown layout must keep every rank of the job")
+        started = time.perf_counter()
+        self._generation = generation
+        counts = self._rebuild(tuple(sorted(new_layout.known_ranks())),
+                               member_lists(group_specs(new_layout)))
+        self._layout, self._specs = new_layout, group_specs(new_layout)
+        return EditReport(EditMode.FULL, generation, *counts, time.perf_counter() - started)
+
     def _edit(self, plan: EditPlan, failed: frozenset[int], survivors: tuple[int, ...],
               mode: EditMode) -> tuple[int, int, int]:
         destroyed = 0
@@ -440,7 +468,8 @@ class GroupRegistry:
                  lists: tuple[tuple[int, ...], ...]) -> tuple[int, int, int]:
         destroyed = len(self._groups)
         self._groups.clear()
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
         dist.init_process_group(
             self._backend,
             store=dist.PrefixStore(f"gen{self._generation}/", self._store),

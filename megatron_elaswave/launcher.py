@@ -16,6 +16,12 @@ decide what to do. It guarantees:
   declares a node lost after ``--node-timeout`` seconds of silence and records the deaths of its
   workers. An agent that finds its node declared lost (it was stalled, not dead) kills its
   workers, so a node the job has given up on cannot come back into it.
+* **Replacements join the running job.** With ``--rejoin``, a worker that dies is started again
+  in its slot (same rank) after ``--rejoin-delay`` seconds, at most ``--max-rejoins`` times per
+  slot and never once a worker of the node has finished; and an agent started for a node rank
+  that node 0 declared lost takes the node's place, clears the declaration and starts its
+  workers. Such workers have ``ELASWAVE_REJOIN=1`` in their environment: they ask to join
+  (:mod:`megatron_elaswave.training.growth`) instead of forming the job's first process group.
 * **No orphans.** SIGINT, SIGTERM and SIGHUP are forwarded to the workers; those still running
   ``--shutdown-grace`` seconds later, or at a second signal, are killed with SIGKILL. Whatever
   goes wrong in the agent itself, it kills its workers before it exits.
@@ -52,6 +58,7 @@ from megatron_elaswave.store import (
     SIGNALED,
     STORE_ADDR_ENV,
     STORE_PORT_ENV,
+    REJOIN_ENV,
     NodeRecord,
     WorkerDeath,
     WorkerExit,
@@ -131,6 +138,13 @@ class LaunchConfig:
     """How long to wait for the store and for all node agents to join."""
     node_timeout_s: float = 10.0
     """Heartbeat silence after which node rank 0 declares another node lost."""
+    rejoin: bool = False
+    """Start a dead worker again in its slot, and let this agent take the place of a lost node
+    with the same node rank (module docstring)."""
+    rejoin_delay_s: float = 5.0
+    """With ``rejoin``: seconds between a worker's death and its replacement's start."""
+    max_rejoins: int = 3
+    """With ``rejoin``: how many times one slot is started again."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -145,6 +159,8 @@ class LaunchConfig:
             raise UsageError(f"--master-port must be in 1..65535, got {self.master_port}")
         if self.shutdown_grace_s < 0 or self.join_timeout_s <= 0 or self.node_timeout_s <= 0:
             raise UsageError("timeouts must be positive (and --shutdown-grace not negative)")
+        if self.rejoin_delay_s < 0 or self.max_rejoins < 0:
+            raise UsageError("--rejoin-delay and --max-rejoins must not be negative")
         if not self.run_as_module and not os.path.isfile(self.script):
             raise UsageError(f"no such script: {self.script}")
 
@@ -165,8 +181,10 @@ class LaunchConfig:
         entry = ["-m", self.script] if self.run_as_module else [self.script]
         return [sys.executable, "-u", *entry, *self.script_args]
 
-    def worker_env(self, local_rank: int, base: Mapping[str, str]) -> dict[str, str]:
-        """``base`` plus what torchrun sets, plus where the job store is.
+    def worker_env(self, local_rank: int, base: Mapping[str, str], *,
+                   restart_count: int = 0, rejoining: bool = False) -> dict[str, str]:
+        """``base`` plus what torchrun sets, plus where the job store is and, for a replacement
+        worker, :data:`~megatron_elaswave.store.REJOIN_ENV`.
 
         ``TORCHELASTIC_USE_AGENT_STORE=True`` makes ``init_process_group(init_method="env://")``
         connect to the agent's store as a client instead of hosting a store in rank 0.
@@ -189,11 +207,15 @@ class LaunchConfig:
             MASTER_PORT=str(self.master_port),
             TORCHELASTIC_RUN_ID=self.run_id,
             TORCHELASTIC_USE_AGENT_STORE="True",
-            TORCHELASTIC_RESTART_COUNT="0",
-            TORCHELASTIC_MAX_RESTARTS="0",
+            TORCHELASTIC_RESTART_COUNT=str(restart_count),
+            TORCHELASTIC_MAX_RESTARTS=str(self.max_rejoins if self.rejoin else 0),
         )
         env[STORE_ADDR_ENV] = self.master_addr
         env[STORE_PORT_ENV] = str(self.master_port)
+        if rejoining:
+            env[REJOIN_ENV] = "1"
+        else:
+            env.pop(REJOIN_ENV, None)
         return env
 
 
@@ -224,11 +246,12 @@ def run(config: LaunchConfig) -> int:
     with _SignalLatch() as signals:
         try:
             store = _host_store(config) if config.is_store_host else _connect(config, signals)
-            _join(store, config, signals)
+            replaces_lost_node = _join(store, config, signals)
         except _Interrupted as interrupt:
             _log(f"received {_signal_name(interrupt.signum)} before the workers started")
             return 128 + interrupt.signum
-        return _NodeAgent(config, store, signals, worker_base_env).run()
+        return _NodeAgent(config, store, signals, worker_base_env,
+                          rejoining=replaces_lost_node).run()
 
 
 def _log(message: str) -> None:
@@ -354,8 +377,11 @@ def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
-def _join(store: TCPStore, config: LaunchConfig, signals: _SignalLatch) -> None:
-    """Register this node agent and wait until all ``nnodes`` have, with matching settings."""
+def _join(store: TCPStore, config: LaunchConfig, signals: _SignalLatch) -> bool:
+    """Register this node agent and wait until all ``nnodes`` have, with matching settings.
+
+    Returns whether this agent took the place of a node that was declared lost (``--rejoin``).
+    """
     mine = to_json(
         NodeRecord(
             node_rank=config.node_rank,
@@ -366,12 +392,9 @@ def _join(store: TCPStore, config: LaunchConfig, signals: _SignalLatch) -> None:
         )
     )
     holder = store.compare_set(node_key(config.node_rank), "", mine).decode()
-    if holder != mine:
-        other = from_json(NodeRecord, holder)
-        raise UsageError(
-            f"node rank {config.node_rank} has already joined this job "
-            f"(launcher pid {other.pid} on {other.host})"
-        )
+    replaces_lost_node = holder != mine
+    if replaces_lost_node:
+        _replace_lost_node(store, config, signals, from_json(NodeRecord, holder), mine)
     keys = [node_key(node_rank) for node_rank in range(config.nnodes)]
 
     def missing() -> str:
@@ -390,6 +413,28 @@ def _join(store: TCPStore, config: LaunchConfig, signals: _SignalLatch) -> None:
                 f"node rank {node.node_rank} starts {node.nproc_per_node} workers, this node "
                 f"{config.nproc_per_node}: --nproc-per-node must be the same on every node"
             )
+    return replaces_lost_node
+
+
+def _replace_lost_node(store: TCPStore, config: LaunchConfig, signals: _SignalLatch,
+                       previous: NodeRecord, mine: str) -> None:
+    """Take the place of ``previous``, the agent that held this node rank, once node 0 has
+    declared it lost; without ``--rejoin`` a node rank that is taken is an error."""
+    where = f"launcher pid {previous.pid} on {previous.host}"
+    if not config.rejoin:
+        raise UsageError(f"node rank {config.node_rank} has already joined this job ({where}); "
+                         "to replace a lost node, start its launcher with --rejoin")
+    if config.is_store_host:
+        raise UsageError("node rank 0 hosts the job store: it cannot be replaced")
+    lost = lost_key(config.node_rank)
+    if not store.check([lost]):
+        _log(f"node rank {config.node_rank} is held by {where}: waiting until node rank 0 "
+             "declares it lost")
+    _wait_until(lambda: store.check([lost]), config.join_timeout_s, signals,
+                lambda: f"node rank {config.node_rank} ({where}) to be declared lost")
+    store.set(node_key(config.node_rank), mine)
+    store.delete_key(lost)  # node 0 watches this node again
+    _log(f"replacing lost node rank {config.node_rank}: its workers join the running job")
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -423,14 +468,24 @@ class _NodeAgent:
         store: TCPStore,
         signals: _SignalLatch,
         worker_base_env: Mapping[str, str],
+        *,
+        rejoining: bool = False,
     ) -> None:
         self._config = config
+        self._rejoining = rejoining
+        """The agent replaces a lost node: its first workers join a running job too."""
         self._worker_base_env = worker_base_env
         self._store = store
         self._signals = signals
         self._running: dict[int, _Worker] = {}
         self._returncodes: list[int] = []
         self._peers: dict[int, _PeerWatch] = {}
+        self._lost_nodes: set[int] = set()
+        """On node 0: nodes declared lost, watched again once an agent replaces them."""
+        self._restarts: dict[int, float] = {}
+        """``{local rank: monotonic time}`` of the replacements due (``--rejoin``)."""
+        self._starts: dict[int, int] = {}
+        """How many times each local rank was started."""
         self._heartbeat_interval_s = min(1.0, config.node_timeout_s / 4)
         self._next_heartbeat = 0.0
         self._store_lost = False
@@ -454,18 +509,25 @@ class _NodeAgent:
 
     def _spawn_workers(self) -> None:
         for local_rank in range(self._config.nproc_per_node):
-            worker = self._spawn(local_rank)
-            self._running[worker.record.rank] = worker
-            self._with_store(lambda store: publish_worker(store, worker.record))
+            self._start(local_rank)
+
+    def _start(self, local_rank: int) -> None:
+        worker = self._spawn(local_rank)
+        self._running[worker.record.rank] = worker
+        self._with_store(lambda store: publish_worker(store, worker.record))
 
     def _spawn(self, local_rank: int) -> _Worker:
         config = self._config
         rank = config.global_rank(local_rank)
-        log = self._open_log(rank)
+        restart_count = self._starts.get(local_rank, 0)
+        self._starts[local_rank] = restart_count + 1
+        log = self._open_log(rank, append=restart_count > 0)
         try:
             process = subprocess.Popen(
                 config.worker_command(),
-                env=config.worker_env(local_rank, self._worker_base_env),
+                env=config.worker_env(local_rank, self._worker_base_env,
+                                      restart_count=restart_count,
+                                      rejoining=self._rejoining or restart_count > 0),
                 stdout=log,
                 stderr=None if log is None else subprocess.STDOUT,
                 preexec_fn=functools.partial(_die_with_parent, os.getpid()),
@@ -482,16 +544,17 @@ class _NodeAgent:
         )
         return _Worker(record, process)
 
-    def _open_log(self, rank: int) -> IO[bytes] | None:
+    def _open_log(self, rank: int, append: bool = False) -> IO[bytes] | None:
         if self._config.log_dir is None:
             return None
-        return open(os.path.join(self._config.log_dir, f"rank{rank}.log"), "wb")
+        return open(os.path.join(self._config.log_dir, f"rank{rank}.log"), "ab" if append else "wb")
 
     def _supervise(self) -> int:
         """Run until every local worker has ended and every other node has finished or been
         lost (node 0 must keep the store up until then); returns the exit status."""
-        while self._running or self._peers:
+        while self._running or self._peers or self._restarts:
             self._reap()
+            self._restart_due()
             if self._signals.received:
                 return self._shut_down(self._signals.received[0])
             if time.monotonic() >= self._next_heartbeat:
@@ -511,6 +574,33 @@ class _NodeAgent:
                 del self._running[rank]
                 self._returncodes.append(returncode)
                 self._report_end(worker.record, returncode)
+                if returncode != 0:
+                    self._schedule_restart(worker.record)
+                else:
+                    self._restarts.clear()  # the job is finishing: nothing left to join
+
+    def _schedule_restart(self, worker: WorkerRecord) -> None:
+        config = self._config
+        if not config.rejoin or 0 in self._returncodes:
+            return
+        restarts = self._starts[worker.local_rank] - 1
+        if restarts >= config.max_rejoins:
+            _log(f"worker rank {worker.rank} was started again {_plural(restarts, 'time')} "
+                 f"already (--max-rejoins {config.max_rejoins}); not restarting it")
+            return
+        self._restarts[worker.local_rank] = time.monotonic() + config.rejoin_delay_s
+        _log(f"restarting worker rank {worker.rank} in {config.rejoin_delay_s:g} s to rejoin "
+             "the job")
+
+    def _restart_due(self) -> None:
+        now = time.monotonic()
+        for local_rank, due in list(self._restarts.items()):
+            if now >= due:
+                del self._restarts[local_rank]
+                self._start(local_rank)
+                rank = self._config.global_rank(local_rank)
+                _log(f"started worker rank {rank} (pid {self._running[rank].record.pid}) again; "
+                     "it joins the job at the next step boundary")
 
     def _report_end(self, worker: WorkerRecord, returncode: int) -> None:
         now = time.time()
@@ -586,6 +676,11 @@ class _NodeAgent:
     def _watch_peers(self) -> None:
         """On node 0: settle the nodes that finished, declare lost those that fell silent."""
         now = time.monotonic()
+        for node_rank in list(self._lost_nodes):
+            if not self._store.check([lost_key(node_rank)]):  # an agent took the node's place
+                self._lost_nodes.discard(node_rank)
+                self._peers[node_rank] = _PeerWatch(heartbeat=-1, changed_at=now)
+                _log(f"node {node_rank} rejoined the job")
         for node_rank, peer in list(self._peers.items()):
             if self._store.check([done_key(node_rank)]):
                 del self._peers[node_rank]
@@ -595,6 +690,7 @@ class _NodeAgent:
                 peer.heartbeat, peer.changed_at = heartbeat, now
             elif now - peer.changed_at > self._config.node_timeout_s:
                 del self._peers[node_rank]
+                self._lost_nodes.add(node_rank)
                 self._declare_lost(node_rank, silence_s=now - peer.changed_at)
 
     def _declare_lost(self, node_rank: int, silence_s: float) -> None:
@@ -602,18 +698,19 @@ class _NodeAgent:
         the deaths of its workers that have not already ended."""
         now = time.time()
         self._store.set(lost_key(node_rank), json.dumps({"time": now, "silence_s": silence_s}))
-        already_dead = {death.rank for death in read_deaths(self._store)}
+        already_dead = {(death.rank, death.pid) for death in read_deaths(self._store)}
         recorded = []
         for local_rank in range(self._config.nproc_per_node):
             rank = self._config.global_rank(local_rank, node_rank)
-            if rank in already_dead or read_exit(self._store, rank) is not None:
-                continue
             worker = read_worker(self._store, rank)
+            pid = None if worker is None else worker.pid
+            if (rank, pid) in already_dead or read_exit(self._store, rank) is not None:
+                continue
             death = WorkerDeath(
                 rank=rank,
                 local_rank=local_rank,
                 node_rank=node_rank,
-                pid=None if worker is None else worker.pid,
+                pid=pid,
                 exit_code=None,
                 signal=None,
                 cause=NODE_LOST,

@@ -25,6 +25,8 @@ Runtime keys live under ``rt/`` (the launcher owns ``elaswave/``):
 ``rt/heartbeat/<rank>``      heartbeat counter of launch rank ``rank`` (``store.add``)
 ``rt/gen<g>/round``          :class:`FailureNotice` (JSON) of the first rank that announced a
                              failure in generation ``g``; its presence starts the agreement
+``rt/join/<rank>``           a replacement for launch rank ``rank`` asks to join
+                             (:mod:`megatron_elaswave.training.growth`)
 ===========================  ==============================================================
 
 Ranks are launch ranks (``RANK`` as set by the launcher) throughout: they identify a process for
@@ -68,6 +70,10 @@ def heartbeat_key(rank: int) -> str:
 
 def round_key(generation: int) -> str:
     return f"rt/gen{generation}/round"
+
+
+def join_key(rank: int) -> str:
+    return f"rt/join/{rank}"
 
 
 @dataclass(frozen=True)
@@ -167,9 +173,16 @@ class FailureMonitor:
         config: MonitorConfig = MonitorConfig(),
         *,
         on_failure: Callable[[], None] = abort_collectives,
+        job_size: int | None = None,
+        skip_recorded_deaths: bool = False,
     ) -> None:
         """Watch the survivors of ``decision`` (the members of its generation) from
-        :meth:`start` on; ``rank`` is this process's launch rank."""
+        :meth:`start` on; ``rank`` is this process's launch rank.
+
+        ``job_size`` (default: one more than the highest member) bounds the launch ranks whose
+        requests to join are watched. A rank that joins a running job passes
+        ``skip_recorded_deaths``: deaths recorded before it started were the members' business.
+        """
         self.rank = rank
         self.config = config
         self.failure_detected = threading.Event()
@@ -183,7 +196,9 @@ class FailureMonitor:
         self._failure: FailureNotice | None = None
         self._suspects: dict[int, Suspicion] = {}
         self._dead: dict[int, Suspicion] = {}
-        self._death_cursor = 0
+        self._death_cursor = len(read_deaths(self._store)) if skip_recorded_deaths else 0
+        self._job_size = max(decision.survivors) + 1 if job_size is None else job_size
+        self._waiting: frozenset[int] = frozenset()
         self._beats = self._fresh_beats()
         self._stopping = threading.Event()
         self._thread = threading.Thread(
@@ -214,6 +229,17 @@ class FailureMonitor:
         with self._lock:
             return dict(self._suspects)
 
+    @property
+    def job_size(self) -> int:
+        """Launch ranks are ``0 .. job_size - 1``."""
+        return self._job_size
+
+    def waiting_to_join(self) -> frozenset[int]:
+        """Launch ranks, not members, that asked to join the job (as of the last heartbeat
+        check)."""
+        with self._lock:
+            return self._waiting
+
     def raise_if_failed(self) -> None:
         """Raise :class:`FailureDetected` once a failure has been noticed in this generation."""
         notice = self.failure
@@ -225,7 +251,8 @@ class FailureMonitor:
         self._trigger(COLLECTIVE_ERROR, f"{type(error).__name__}: {error}")
 
     def advance(self, decision: Decision) -> None:
-        """Watch the survivors of ``decision`` from now on, as its generation."""
+        """Watch the survivors of ``decision`` from now on, as its generation. The deaths
+        recorded for ranks that ``decision`` takes back in are forgotten."""
         if self.rank not in decision.survivors:
             raise ValueError(f"rank {self.rank} is not a survivor of {decision}")
         with self._lock:
@@ -238,9 +265,15 @@ class FailureMonitor:
             self._failure = None
             self._suspects = {}
             self._beats = self._fresh_beats()
+            self._waiting = frozenset()
+            for rank in decision.joined:
+                self._dead.pop(rank, None)
         self.failure_detected.clear()
 
     def start(self) -> None:
+        """Start watching (once; later calls do nothing)."""
+        if self._thread.is_alive() or self._stopping.is_set():
+            return
         self._beat()  # visible before the first check of any peer
         self._thread.start()
 
@@ -266,6 +299,7 @@ class FailureMonitor:
                 if now >= next_beat:
                     self._beat()
                     self._check_heartbeats()
+                    self._check_join_requests()
                     next_beat = now + self.config.heartbeat_interval_s
                 self._read_deaths()
                 self._check_announcement()
@@ -298,6 +332,14 @@ class FailureMonitor:
         for rank, silence in silent:
             detail = f"no heartbeat for {silence:.1f} s"
             self._suspect(Suspicion(rank, HEARTBEAT, time.time(), detail), generation=generation)
+
+    def _check_join_requests(self) -> None:
+        members = set(self.members)
+        waiting = frozenset(rank for rank in range(self._job_size)
+                            if rank not in members and self._store.check([join_key(rank)]))
+        with self._lock:
+            if set(self._members) == members:  # not a generation behind
+                self._waiting = waiting
 
     def _read_deaths(self) -> None:
         for death in read_deaths(self._store, start=self._death_cursor):

@@ -3,7 +3,8 @@
 Usage (flags as in torchrun; each also accepts its ``snake_case`` spelling)::
 
     elaswave-run [--nproc-per-node N] [--nnodes K] [--node-rank R] [--master-addr A]
-                 [--master-port P] [--run-id ID] [--log-dir DIR] [-m] script_or_module [args...]
+                 [--master-port P] [--run-id ID] [--log-dir DIR]
+                 [--rejoin [--rejoin-delay S] [--max-rejoins N]] [-m] script_or_module [args...]
 
 Also ``python -m megatron_elaswave.run``. What the launcher guarantees, and its exit status,
 are described in :mod:`megatron_elaswave.launcher`. Errors in the command line are reported as
@@ -92,6 +93,26 @@ def build_parser() -> argparse.ArgumentParser:
         help="heartbeat silence after which node rank 0 declares a node lost",
     )
     parser.add_argument(
+        "--rejoin",
+        action="store_true",
+        help="start a dead worker again in its slot, to rejoin the running job; with a node "
+        "rank that was declared lost, take that node's place",
+    )
+    parser.add_argument(
+        *_flag("rejoin-delay"),
+        type=float,
+        default=_default("rejoin_delay_s"),
+        metavar="SECONDS",
+        help="with --rejoin: wait this long after a worker's death before starting it again",
+    )
+    parser.add_argument(
+        *_flag("max-rejoins"),
+        type=int,
+        default=_default("max_rejoins"),
+        metavar="N",
+        help="with --rejoin: start one slot again at most N times",
+    )
+    parser.add_argument(
         "-m", "--module", action="store_true", help="run the entry point as a Python module"
     )
     parser.add_argument(
@@ -122,6 +143,9 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         shutdown_grace_s=args.shutdown_grace,
         join_timeout_s=args.join_timeout,
         node_timeout_s=args.node_timeout,
+        rejoin=args.rejoin,
+        rejoin_delay_s=args.rejoin_delay,
+        max_rejoins=args.max_rejoins,
     )
 
 

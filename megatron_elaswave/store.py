@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 STORE_ADDR_ENV = "ELASWAVE_STORE_ADDR"
 STORE_PORT_ENV = "ELASWAVE_STORE_PORT"
+REJOIN_ENV = "ELASWAVE_REJOIN"
+"""Set to ``1`` in a worker that replaces a dead one in a running job: it joins the job at a step
+boundary instead of forming generation 0 with the others."""
 
 DEATH_COUNT_KEY = "elaswave/deaths/count"
 

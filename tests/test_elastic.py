@@ -39,8 +39,8 @@ def elastic_flags(data_prefix: str, **overrides) -> list[str]:
 
 
 def run(tmp_path: Path, name: str, flags: list[str], nproc: int = 8, kills=(),
-        stop: int | None = None, timeout: float = 240,
-        resumed_at: int = 0) -> tuple[list[dict], list[dict], str]:
+        stop: int | None = None, timeout: float = 240, resumed_at: int = 0,
+        launcher_args: tuple[str, ...] = ()) -> tuple[list[dict], list[dict], str]:
     """Train; ``kills`` are ``(rank, after_iteration)``: SIGKILL ``rank`` once the metrics file
     holds that iteration. ``stop`` SIGSTOPs that rank after iteration 3 and wakes it once the
     survivors have recovered. ``resumed_at`` is the iteration a ``--load`` starts from.
@@ -52,7 +52,8 @@ def run(tmp_path: Path, name: str, flags: list[str], nproc: int = 8, kills=(),
             r["iteration"] >= iteration for r in read_metrics(str(metrics), "iteration"))
 
     with launch([PRETRAIN, *flags, "--elastic-metrics-file", str(metrics)], nproc,
-                master_port=free_port(), log_path=tmp_path / f"{name}.log") as job:
+                master_port=free_port(), log_path=tmp_path / f"{name}.log",
+                launcher_args=launcher_args) as job:
         for rank, after in kills:
             job.wait_for(lambda: reached(after), 120, f"iteration {after}")
             job.kill_worker(rank)

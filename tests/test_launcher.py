@@ -20,7 +20,7 @@ import psutil
 import pytest
 from harness import free_port, is_gone, launch, wait_until, worker_script
 
-from megatron_elaswave.launcher import LaunchConfig, job_exit_status
+from megatron_elaswave.launcher import LaunchConfig, accepts_connections, job_exit_status
 from megatron_elaswave.run import parse_config
 from megatron_elaswave.store import WorkerDeath, death_key, read_deaths, read_exit, record_death
 
@@ -302,6 +302,74 @@ def test_a_killed_node_launcher_takes_its_workers_down_and_node_0_reports_them(t
     assert (death["cause"], death["signal"], death["exit_code"]) == ("node_lost", None, None)
 
 
+# --- --rejoin -------------------------------------------------------------------------------
+
+
+def starts(directory: Path) -> list[dict]:
+    with open(directory / "starts.jsonl") as handle:
+        return [json.loads(line) for line in handle]
+
+
+@multiprocess
+@pytest.mark.timeout(60)
+def test_rejoin_starts_a_killed_worker_again_in_its_slot(tmp_path):
+    plan = [worker_script("rejoin_plan.py"), str(tmp_path), "1:SIGKILL,0"]
+    with launch(plan, 2, master_port=free_port(),
+                launcher_args=["--rejoin", "--rejoin-delay=0.5"]) as job:
+        returncode, output = job.wait(timeout=30)
+    assert returncode == 0, output
+    first, again = [s for s in starts(tmp_path) if s["rank"] == 1]
+    assert (first["rejoin"], first["restart_count"]) == (None, 0)
+    assert (again["rejoin"], again["restart_count"]) == ("1", 1)
+    assert first["pid"] != again["pid"]
+    assert "restarting worker rank 1 in 0.5 s" in output
+
+
+@multiprocess
+@pytest.mark.timeout(60)
+def test_rejoin_gives_up_after_max_rejoins(tmp_path):
+    plan = [worker_script("rejoin_plan.py"), str(tmp_path), "1:3"]
+    with launch(plan, 2, master_port=free_port(),
+                launcher_args=["--rejoin", "--rejoin-delay=0", "--max-rejoins=2"]) as job:
+        returncode, output = job.wait(timeout=30)
+    assert [s["restart_count"] for s in starts(tmp_path) if s["rank"] == 1] == [0, 1, 2]
+    assert "not restarting it" in output
+    assert returncode == 0, output  # rank 0 finished after the failures: they were survived
+
+
+@multiprocess
+@pytest.mark.timeout(60)
+def test_no_worker_is_restarted_once_one_has_finished(tmp_path):
+    plan = [worker_script("rejoin_plan.py"), str(tmp_path), "0:0", "1:5@1.5"]
+    with launch(plan, 2, master_port=free_port(),
+                launcher_args=["--rejoin", "--rejoin-delay=0"]) as job:
+        returncode, output = job.wait(timeout=30)
+    assert [s["rank"] for s in starts(tmp_path)].count(1) == 1
+    assert returncode == 5, output
+
+
+@multiprocess
+@pytest.mark.timeout(90)
+def test_a_taken_node_rank_needs_rejoin_and_a_lost_node(tmp_path):
+    """A second launcher for a node rank that is alive: refused in one line without
+    ``--rejoin``; with it, it waits for the node to be declared lost, and times out here."""
+    port = free_port()
+    survivor = [worker_script("survivor.py"), str(tmp_path), "1"]
+    with contextlib.ExitStack() as stack:
+        for node in (0, 1):
+            stack.enter_context(launch(survivor, nproc_per_node=1, nnodes=2, node_rank=node,
+                                       master_port=port))
+        common = ["--nnodes=2", "--node-rank=1", f"--master-port={port}", "--nproc-per-node=1"]
+        wait_until(lambda: accepts_connections(("127.0.0.1", port)), 30, "the job store")
+        refused = run_launcher(*common, *survivor)
+        waited = run_launcher(*common, "--rejoin", "--join-timeout=2", *survivor)
+    assert_one_line_error(refused, 2, "node rank 1 has already joined this job")
+    assert "--rejoin" in refused.stderr
+    assert waited.returncode == 1
+    assert "waiting until node rank 0 declares it lost" in waited.stderr
+    assert "to be declared lost" in waited.stderr.strip().splitlines()[-1]
+
+
 # --- bad input ------------------------------------------------------------------------------
 
 
@@ -333,6 +401,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess, status: int, frag
         (["--nnodes=2", "--node-rank=2", "SCRIPT"], "--node-rank 2 is out of range"),
         (["--master-port=70000", "SCRIPT"], "--master-port must be in"),
         (["--no-such-flag", "SCRIPT"], "unrecognized arguments"),
+        (["--rejoin-delay=-1", "SCRIPT"], "--rejoin-delay and --max-rejoins must not be negative"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(args, fragment):

@@ -144,6 +144,7 @@ def test_sigkill_during_training_is_survived(tmp_path, victim):
             "generation": 1,
             "survivors": sorted(set(range(WORLD_SIZE)) - {victim}),
             "failed": [victim],
+            "joined": [],
         }
     ]
     for rank, report in reports.items():
@@ -231,7 +232,7 @@ def test_failure_during_agreement_enlarges_the_decision(tmp_path, second):
         returncode, output = job.wait(timeout=30)
     assert returncode == 0, output
     survivors = sorted(set(range(WORLD_SIZE)) - victims)
-    expected = {"generation": 1, "survivors": survivors, "failed": sorted(victims)}
+    expected = {"generation": 1, "survivors": survivors, "failed": sorted(victims), "joined": []}
     assert check_outcome(reports, victims) == [expected]
 
 
@@ -253,8 +254,8 @@ def test_failure_after_the_decision_starts_the_next_agreement(tmp_path):
         returncode, output = job.wait(timeout=30)
     assert returncode == 0, output
     assert check_outcome(reports, victims) == [
-        {"generation": 1, "survivors": [0, 1, 2], "failed": [first]},
-        {"generation": 2, "survivors": [0, 2], "failed": [second]},
+        {"generation": 1, "survivors": [0, 1, 2], "failed": [first], "joined": []},
+        {"generation": 2, "survivors": [0, 2], "failed": [second], "joined": []},
     ]
     for rank, report in reports.items():
         second_round = report["rounds"][1]

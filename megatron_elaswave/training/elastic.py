@@ -23,6 +23,8 @@ layout does not use (a spare) serves its snapshots and waits, taking part in lat
 
 Without a failure, a replica that runs persistently slower gets fewer of the global batch's
 micro-batches (:mod:`.stragglers`; a ``rebalance`` record says why and the predicted gain).
+Replacement ranks join at a step boundary (:mod:`.growth`; a ``grow`` record), and a job whose
+lost ranks are all back runs at its failure-free layout again.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -40,7 +43,7 @@ from megatron_elaswave.agreement import Decision, agree
 from megatron_elaswave.communicator import EditMode, GroupRegistry, Role, group_specs, member_lists
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.dvfs import DvfsGovernor, clock_backend
-from megatron_elaswave.faults import FaultInjector, InjectedFailure, InjectedSlowdown, slow_down
+from megatron_elaswave.faults import FaultInjector, InjectedSlowdown, slow_down
 from megatron_elaswave.layout import Layout, Replica
 from megatron_elaswave.metrics import MetricsWriter
 from megatron_elaswave.monitor import (
@@ -64,8 +67,10 @@ from megatron_elaswave.planner.replan import (
 from megatron_elaswave.snapshot import SnapshotConfig
 from megatron_elaswave.store import connect_store, read_deaths
 
+from . import growth
 from .checkpoint import TrainingProgress, save_checkpoint
 from .data import MicrobatchSource
+from .growth import GrowPlan
 from .layer_groups import build_stage_objects
 from .loop import Trainer, log
 from .model import seed_random_generators
@@ -143,7 +148,8 @@ class ElasticTrainer(Trainer):
 
     def __post_init__(self) -> None:
         self._step_started = self._pipeline_done = 0.0
-        super().__post_init__()
+        if self.rank in self.layout.active_ranks():  # a replacement has no stage before it joins
+            super().__post_init__()
         self.state_layout = self.layout
         """The layout whose snapshots the ranks hold: the last one restored."""
         self.lost: set[int] = set()
@@ -190,13 +196,27 @@ class ElasticTrainer(Trainer):
         self.injector.at("forward", self.iteration + 1)
         return super().train_step()
 
-    def step_report(self) -> torch.Tensor | None:
-        if self.detector is None:
-            return None
-        times = torch.zeros(max(self.layout.known_ranks()) + 1, dtype=torch.float64)
-        if self.tp_rank == 0:
-            times[self.rank] = self._pipeline_done - self._step_started
-        return times
+    def step_report(self) -> torch.Tensor:
+        """Per launch rank: the ranks asking to join, then (with a straggler detector) each
+        stage's time to the gradient reduction."""
+        size = self.monitor.job_size
+        report = torch.zeros(2 * size if self.detector is not None else size, dtype=torch.float64)
+        report[list(self.monitor.waiting_to_join())] = 1.0
+        if self.detector is not None and self.tp_rank == 0:
+            report[size + self.rank] = self._pipeline_done - self._step_started
+        return report
+
+    def _follow_report(self, report: torch.Tensor) -> None:
+        """Act on the step's summed reports: the same on every stage holder."""
+        size = self.monitor.job_size
+        if self.detector is not None:
+            self._follow_stragglers(report[size:])
+        joined = frozenset(int(rank) for rank in torch.nonzero(report[:size]).flatten())
+        if joined and self.iteration < self.args.train_iters:
+            try:
+                self._grow(joined)
+            except (RuntimeError, FailureDetected) as error:
+                self.recover(error)
 
     def _follow_stragglers(self, pipeline_s: torch.Tensor) -> None:
         """Re-deal the micro-batches when a replica is persistently slow (:mod:`.stragglers`)."""
@@ -234,8 +254,7 @@ class ElasticTrainer(Trainer):
             if self._pending is not None:
                 self._record_recovery(result.step_time_s)
             self._record(result, gbs, energy_j=self.governor.energy_j(result.step_time_s))
-            if result.reported is not None:
-                self._follow_stragglers(result.reported)
+            self._follow_report(result.reported)
             if on_iteration is not None:
                 on_iteration(self)
 
@@ -266,6 +285,9 @@ class ElasticTrainer(Trainer):
         times = self._pending or RecoveryTimes(failure_at=min(evidence + [noticed]),
                                                noticed_at=noticed)
         decision = agree(self.store, self.monitor)
+        if decision.joined:  # a grow was committed before the failure: it is the next one's
+            self._follow_grow(self._published_plan(decision))
+            return
         self.monitor.advance(decision)
         times.agreed_at = time.time()
         failed = set(self.layout.known_ranks()) - set(decision.survivors)
@@ -278,7 +300,7 @@ class ElasticTrainer(Trainer):
         # of the new layout, each by its own members only.
         old_lists = member_lists(group_specs(self.layout))
         try:
-            new_layout, clocks = self._plan(failed)
+            new_layout, clocks = self._plan(self.layout, failed)
         except PlanError as plan_error:
             self._stop_with_checkpoint(str(plan_error), failed, decision, old_lists, times)
         times.planned_at = time.time()
@@ -360,20 +382,97 @@ class ElasticTrainer(Trainer):
         timeout_s = self.monitor.config.heartbeat_timeout_s
         return [notice["time"] - (timeout_s if notice["cause"] == HEARTBEAT else 0.0)]
 
-    def _plan(self, failed: set[int]) -> tuple[Layout, ClockPlan]:
+    def _plan(self, base: Layout, failed: set[int]) -> tuple[Layout, ClockPlan]:
+        """The layout (and clocks) that continues ``base`` without ``failed``."""
         # Plans start from a deal of the micro-batches fixed by the replicas alone: a failure
         # in the all-reduce of the step that re-dealt them may leave ranks on either deal.
-        total = self.layout.global_num_microbatches
-        count = len(self.layout.replicas)
-        old = Layout(self.layout.num_layers, tuple(
+        total = base.global_num_microbatches
+        count = len(base.replicas)
+        old = Layout(base.num_layers, tuple(
             Replica(r.index, r.stages, tuple(range(k, total, count)))
-            for k, r in enumerate(self.layout.replicas)), self.layout.spares)
+            for k, r in enumerate(base.replicas)), base.spares)
         policy = self.args.elastic_policy
         if policy == "elaswave":
             plan = plan_recovery(old, failed, self.cost, PlanOptions(dvfs=True))
             return plan.layout, plan.clocks
         layout = plan_replica_drop(old, failed, keep_global_batch=policy == "reroute")
         return layout, nominal_clock_plan(self.cost, layout, len(layout.spares), PowerModel())
+
+    # -- growth ---------------------------------------------------------------------------------
+
+    def _grow(self, joined: frozenset[int]) -> None:
+        """Take ``joined`` in after this iteration (every stage holder calls this alike)."""
+        generation = self.monitor.generation
+        if self.is_logger:
+            layout, clocks = self._plan_growth(joined)
+            members = tuple(sorted(set(self.monitor.members) | joined))
+            decision = Decision(generation + 1, members, (), tuple(sorted(joined)))
+            growth.commit(self.store, GrowPlan(decision, layout, self.state_layout,
+                                               self.iteration, clocks, time.time()))
+        plan = growth.wait_for_plan(self.store, generation + 1, self.monitor.failure_detected)
+        if plan is None:  # a failure's decision ended the generation instead
+            self.monitor.raise_if_failed()
+        self._follow_grow(plan)
+
+    def _plan_growth(self, joined: frozenset[int]) -> tuple[Layout, ClockPlan]:
+        """The failure-free layout when every rank it uses is back, else a plan for it without
+        the ranks still missing."""
+        args = self.args
+        complete = Layout.megatron(tp=args.tensor_model_parallel_size,
+                                   pp=args.pipeline_model_parallel_size,
+                                   dp=args.data_parallel_size, num_layers=args.num_layers,
+                                   num_microbatches=args.global_batch_size // args.micro_batch_size)
+        missing = set(complete.known_ranks() - self.layout.known_ranks() - joined)
+        if not missing:
+            return complete, nominal_clock_plan(self.cost, complete, 0, PowerModel())
+        try:
+            return self._plan(complete, missing)
+        except PlanError:  # the joiners wait as spares until more ranks are back
+            layout = self.layout
+            return Layout(layout.num_layers, layout.replicas,
+                          tuple(sorted({*layout.spares, *joined}))), self.governor.plan
+
+    def _published_plan(self, decision: Decision) -> GrowPlan:
+        """The plan of a grow ``decision``: its committer publishes it right after the commit."""
+        key = growth.plan_key(decision.generation)
+        self.store.wait([key], timedelta(seconds=self.monitor.config.agreement_timeout_s))
+        return GrowPlan.from_json(self.store.get(key))
+
+    def _follow_grow(self, plan: GrowPlan) -> None:
+        """A member's part in a grow: the next generation's groups, then the common part."""
+        self.monitor.advance(plan.decision)
+        self.registry.grow(plan.layout, plan.decision.generation)
+        self.complete_grow(plan)
+
+    def complete_grow(self, plan: GrowPlan) -> None:
+        """Restore the state of the step boundary into ``plan``'s layout and carry on; members
+        and joiners alike, once the groups of ``plan`` exist."""
+        edited = time.time()
+        times = RecoveryTimes(failure_at=plan.announced_at, noticed_at=plan.announced_at,
+                              agreed_at=plan.announced_at, planned_at=plan.announced_at,
+                              edited_at=edited)
+        self.state_layout = plan.state_layout
+        self._restore(plan.decision, plan.layout, times)
+        self.governor.apply(plan.clocks, plan.layout)
+        self.state_layout, self.lost = plan.layout, set()
+        if self.detector is not None:
+            self.detector.reset()
+        total = times.migrated_at - plan.announced_at
+        self.metrics.write(
+            "grow", iteration=self.iteration, joined_ranks=list(plan.decision.joined),
+            total_s=total, comm_s=edited - plan.announced_at,
+            rebuild_s=times.rebuilt_at - edited, migrate_s=times.migrated_at - times.rebuilt_at,
+            bytes_moved=times.bytes_moved, layout=plan.layout.to_json(),
+            clocks=[list(replica) for replica in plan.clocks.clocks])
+        if self.is_logger:
+            log(f" ranks {list(plan.decision.joined)} joined after iteration {self.iteration} in "
+                f"{total:.2f} s (groups {edited - plan.announced_at:.2f}, rebuild "
+                f"{times.rebuilt_at - edited:.2f}, migrate {times.migrated_at - times.rebuilt_at:.2f}; "
+                f"{times.bytes_moved / 1e6:.1f} MB moved); {len(plan.layout.active_ranks())} ranks "
+                f"hold stages, micro-batches per replica "
+                f"{[r.num_microbatches for r in plan.layout.replicas]}")
+
+    # -- state ----------------------------------------------------------------------------------
 
     def _rollback_iteration(self, prefix: str, members: list[int]) -> int:
         """The newest iteration whose state survives whole: every surviving stage holder has
@@ -407,6 +506,7 @@ class ElasticTrainer(Trainer):
                 held.update(tensors)
                 state = snapshot_state if rank == self.rank or state is None else state
         active = self.rank in layout.active_ranks()
+        state = self._share_state(prefix, layout, state)
         if active and state is None:
             raise CannotContinue(f"rank {self.rank} holds no snapshot of iteration {iteration}")
         # Drop the old objects before building new ones: their groups are gone.
@@ -434,6 +534,27 @@ class ElasticTrainer(Trainer):
         times.migrated_at = time.time()
         if self.is_logger and self.metrics.path is None:
             self.metrics = MetricsWriter(self.args.elastic_metrics_file)
+        elif not self.is_logger and self.metrics.path is not None:  # a lower rank is back
+            self.metrics.close()
+            self.metrics = MetricsWriter(None)
+
+    def _share_state(self, prefix: str, layout: Layout, state: dict | None) -> dict | None:
+        """The small state (iteration, schedule, Adam step, RNG) for a rank that held no stage
+        when it was taken (a replacement, or a spare back at work): the lowest holder of each
+        TP rank publishes its own when the new layout has such ranks."""
+        newcomers = layout.active_ranks() - self.state_layout.active_ranks()
+        if not newcomers:
+            return state
+        holders = sorted(self.state_layout.active_ranks() - self.lost)
+        position = self.state_layout.position(self.rank)
+        if position is not None and self.rank == min(
+                r for r in holders if self.state_layout.position(r)[2] == position[2]):
+            self.store.set(f"{prefix}/state/tp{position[2]}", pickle.dumps(state))
+        if state is not None or self.rank not in newcomers:
+            return state
+        key = f"{prefix}/state/tp{layout.position(self.rank)[2]}"
+        self.store.wait([key], timedelta(seconds=self.monitor.config.agreement_timeout_s))
+        return pickle.loads(self.store.get(key))
 
     def _record_recovery(self, first_step_s: float) -> None:
         times, self._pending = self._pending, None
@@ -470,8 +591,7 @@ class ElasticTrainer(Trainer):
 
 def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int,
                           world_size: int, vocab_size: int, train_source: MicrobatchSource,
-                          valid_source: MicrobatchSource | None,
-                          failures: list[InjectedFailure]) -> ElasticTrainer:
+                          valid_source: MicrobatchSource | None) -> ElasticTrainer:
     """Groups from the registry, the stage objects of the failure-free layout, the monitor."""
     store = connect_store(timeout=timedelta(minutes=args.distributed_timeout_minutes))
     config = MonitorConfig(heartbeat_timeout_s=args.elastic_heartbeat_timeout)
@@ -482,7 +602,7 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
     registry = GroupRegistry(layout, rank, store=store, backend=backend.dist_backend, timeout=timeout)
     seed_random_generators(args.seed, registry.process_group_collection())
     objects = build_stage_objects(args, layout, registry, vocab_size, backend.device())
-    monitor = FailureMonitor(store, rank, Decision.initial(world_size), config)
+    monitor = FailureMonitor(store, rank, Decision.initial(world_size), config, job_size=world_size)
     snapshots = StepSnapshots(layout, rank, SnapshotConfig(replicas=args.elastic_snapshot_replicas),
                               group=registry.group(Role.WORLD))
     cost = cost_model(args, vocab_size, backend)
@@ -495,7 +615,14 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
         metrics=MetricsWriter(args.elastic_metrics_file if rank == 0 else None), rank=rank,
         snapshots=snapshots, registry=registry, monitor=monitor, store=store,
         cost=cost, governor=governor, vocab_size=vocab_size,
-        injector=FaultInjector(failures, rank, hang_s=3 * config.heartbeat_timeout_s),
+        **_runtime_parts(args, rank, config))
+
+
+def _runtime_parts(args: argparse.Namespace, rank: int, config: MonitorConfig) -> dict:
+    """The trainer's fault injection and straggler handling, from the flags."""
+    return dict(
+        injector=FaultInjector(args.elastic_inject_failure, rank,
+                               hang_s=3 * config.heartbeat_timeout_s),
         slowdowns=tuple(args.elastic_inject_slowdown),
         detector=(StragglerDetector(RebalanceConfig(window=args.elastic_rebalance_window,
                                                     min_gain=args.elastic_rebalance_min_gain))
@@ -503,29 +630,75 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
     )
 
 
+def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int,
+                     world_size: int, vocab_size: int, train_source: MicrobatchSource,
+                     valid_source: MicrobatchSource | None) -> ElasticTrainer:
+    """A replacement's trainer: ask to join, wait until the job takes this rank in at a step
+    boundary, form the grown generation's groups with the members and receive the state.
+    Raises :class:`~.growth.JobFinished` if the job ends first."""
+    store = connect_store(timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    config = MonitorConfig(heartbeat_timeout_s=args.elastic_heartbeat_timeout)
+    log(f" rank {rank} asks to rejoin the running job")
+    growth.request_join(store, rank)
+    plan = growth.wait_for_acceptance(store, rank)
+    monitor = FailureMonitor(store, rank, plan.decision, config, job_size=world_size,
+                             skip_recorded_deaths=True)
+    monitor.start()  # the members watch this rank's heartbeat from the plan on
+    registry = GroupRegistry.joining(plan.layout, rank, store=store,
+                                     backend=backend.dist_backend,
+                                     timeout=timedelta(seconds=config.collective_timeout_s),
+                                     generation=plan.decision.generation)
+    if rank in plan.layout.active_ranks():
+        seed_random_generators(args.seed, registry.process_group_collection())
+    trainer = ElasticTrainer(
+        args=args, objects=None, pg_collection=None, backend=backend, layout=plan.state_layout,
+        train_source=train_source, valid_source=valid_source, metrics=MetricsWriter(None),
+        rank=rank, iteration=plan.iteration,
+        snapshots=StepSnapshots(plan.state_layout, rank,
+                                SnapshotConfig(replicas=args.elastic_snapshot_replicas)),
+        registry=registry, monitor=monitor, store=store, cost=cost_model(args, vocab_size, backend),
+        governor=DvfsGovernor(clock_backend(args.elastic_dvfs, backend.device().index or 0,
+                                            args.elastic_dvfs_command), rank),
+        vocab_size=vocab_size, **_runtime_parts(args, rank, config))
+    trainer.complete_grow(plan)
+    return trainer
+
+
 
 def run_elastic(trainer: ElasticTrainer) -> None:
-    """Train to the end through failures; a spare serves recoveries meanwhile. No rank leaves
-    before every member of the job is done, since any of them may still need its state."""
+    """Train to the end through failures; a spare serves recoveries and takes part in grows
+    meanwhile. No rank leaves before every member of the job is done, since any of them may
+    still need its state."""
     while True:
         if trainer.rank in trainer.layout.active_ranks():
             trainer.train()
-        if _everyone_done(trainer):
+        outcome = _wait_for_the_others(trainer)
+        if outcome is None:
             if trainer.args.save:
                 directory = trainer.save_checkpoint(trainer.args.save)
                 if trainer.is_logger:
                     log(f" saved checkpoint at iteration {trainer.iteration} to {directory}")
             return
-        trainer.recover(RuntimeError("a rank failed while this one waited for the others"))
+        try:
+            if isinstance(outcome, GrowPlan):
+                trainer._follow_grow(outcome)
+                continue
+        except (RuntimeError, FailureDetected) as error:
+            outcome = error
+        trainer.recover(outcome)
 
 
-def _everyone_done(trainer: ElasticTrainer) -> bool:
-    """Wait until every member has finished (True) or a failure is noticed (False)."""
+def _wait_for_the_others(trainer: ElasticTrainer) -> GrowPlan | RuntimeError | None:
+    """Wait until every member has finished (``None``), ranks join (their plan) or a failure is
+    noticed (an error to recover from)."""
     generation = trainer.monitor.generation
     trainer.store.set(f"rt/gen{generation}/done/{trainer.rank}", "")
     done = [f"rt/gen{generation}/done/{member}" for member in sorted(trainer.layout.known_ranks())]
     while not trainer.store.check(done):
         if trainer.monitor.failure_detected.is_set():
-            return False
+            return RuntimeError("a rank failed while this one waited for the others")
+        if (plan := growth.published_plan(trainer.store, generation + 1)) is not None:
+            return plan
         time.sleep(0.05)
-    return True
+    trainer.store.set(growth.FINISHED_KEY, "")
+    return None

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from megatron_elaswave import dropout_rng, patches
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter
 from megatron_elaswave.snapshot import SnapshotConfig
+from megatron_elaswave.store import REJOIN_ENV
 
 from .checkpoint import TrainingProgress, load_checkpoint, save_checkpoint
 from .data import MicrobatchSource, build_datasets, load_tokenizer, padded_vocab_size
 from .distributed import init_default_group, init_model_parallel, shutdown
-from .elastic import build_elastic_trainer, run_elastic
+from .elastic import build_elastic_trainer, join_elastic_job, run_elastic
+from .growth import JobFinished
 from .loop import Trainer, log
 from .model import (
     batched_p2p_is_safe,
@@ -24,6 +27,10 @@ from .model import (
 )
 from .profiling import CostProfiler, device_description, write_profile
 from .snapshots import StepSnapshots
+
+
+class CannotRejoin(RuntimeError):
+    """A replacement worker was started for a job that cannot take it in."""
 
 
 def build_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int, tokenizer) -> Trainer:
@@ -64,18 +71,24 @@ def resume(trainer: Trainer, root: str) -> None:
 
 
 def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: int,
-                      world_size: int, tokenizer) -> None:
-    """``--elastic``: train to ``--train-iters`` through failures of other ranks."""
+                      world_size: int, tokenizer, *, rejoining: bool = False) -> None:
+    """``--elastic``: train to ``--train-iters`` through failures of other ranks; a replacement
+    (``rejoining``) first joins the running job."""
     vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                    args.tensor_model_parallel_size)
     train_set, valid_set = build_datasets(args, tokenizer)
-    trainer = build_elastic_trainer(
-        args, backend, rank, world_size, vocab_size,
-        MicrobatchSource(train_set, args.micro_batch_size),
-        MicrobatchSource(valid_set, args.micro_batch_size) if valid_set else None,
-        args.elastic_inject_failure)
-    if args.load:
-        resume(trainer, args.load)
+    sources = (MicrobatchSource(train_set, args.micro_batch_size),
+               MicrobatchSource(valid_set, args.micro_batch_size) if valid_set else None)
+    if rejoining:
+        try:
+            trainer = join_elastic_job(args, backend, rank, world_size, vocab_size, *sources)
+        except JobFinished as finished:
+            log(f" {finished}; exiting")
+            return
+    else:
+        trainer = build_elastic_trainer(args, backend, rank, world_size, vocab_size, *sources)
+        if args.load:
+            resume(trainer, args.load)
     with trainer.monitor:
         try:
             run_elastic(trainer)
@@ -90,10 +103,17 @@ def train_job(args: argparse.Namespace, backend: DeviceBackend, rank: int, local
     patches.install(backend, layout_invariant_rng=args.elastic_rng == "invariant")
     dropout_rng.set_seed(args.seed)
     tokenizer = load_tokenizer(args)
-    init_default_group(rank, world_size, local_rank, backend, args.distributed_timeout_minutes)
+    rejoining = os.environ.get(REJOIN_ENV) == "1"
+    if rejoining and not args.elastic:
+        raise CannotRejoin("this worker was started again to rejoin the job, but the job does "
+                           "not run with --elastic: its survivors stopped with the failure")
+    if rejoining:
+        backend.set_device(local_rank)  # the default group is formed with the members
+    else:
+        init_default_group(rank, world_size, local_rank, backend, args.distributed_timeout_minutes)
     if args.elastic:
         try:
-            elastic_train_job(args, backend, rank, world_size, tokenizer)
+            elastic_train_job(args, backend, rank, world_size, tokenizer, rejoining=rejoining)
         finally:
             shutdown(destroy_default_group=False)
         return

@@ -81,13 +81,16 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
     from .checkpoint import CheckpointError
     from .data import DataError
     from .elastic import CannotContinue
-    from .job import train_job
+    from .job import CannotRejoin, train_job
     from .migration import StateLost
 
     try:
         train_job(args, backend, info.rank, info.local_rank, info.world_size)
     except (UnsupportedMegatronVersion, CheckpointError, DataError, DvfsError) as error:
         report_error(str(error), info.rank)
+        return EXIT_BAD_INPUT
+    except CannotRejoin as error:
+        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except (CannotContinue, StateLost) as error:
         # Every survivor reaches the same verdict; each says it, since rank 0 may be gone.

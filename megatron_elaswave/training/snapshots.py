@@ -79,7 +79,8 @@ class StepSnapshots:
         self.store = SnapshotStore(rank, config)
         self.group = group
         members = [r for replica in layout.replicas for stage in replica.stages for r in stage.ranks]
-        self.send_to = buddy_ranks(layout, rank, config.replicas) if config.replicas else []
+        holds_stage = layout.position(rank) is not None
+        self.send_to = buddy_ranks(layout, rank, config.replicas) if config.replicas and holds_stage else []
         self.receive_from = [r for r in members
                              if config.replicas and rank in buddy_ranks(layout, r, config.replicas)]
 

@@ -1,0 +1,160 @@
+"""Growing back: replacement ranks join a running job at a step boundary.
+
+A worker that ``elaswave-run --rejoin`` starts in a dead worker's slot (or that an agent replacing
+a lost node starts) asks to join in the store and waits. The members see the request through
+their failure monitors and add it to the next iteration's all-reduce, so every stage holder
+learns of it after the same iteration. Then, at that step boundary:
+
+1. the lowest active rank plans the grown layout (the failure-free one when every lost rank is
+   back) and commits a :class:`~megatron_elaswave.agreement.Decision` with ``joined`` set on the
+   generation's decision key. The key takes one decision per generation: if a failure's
+   agreement committed first, the grow is abandoned and the failure recovered as usual;
+2. it publishes the :class:`GrowPlan` and accepts the joiners;
+3. members and joiners form the next generation's default group and every group of the grown
+   layout (a ``full`` edit: a new process cannot enter groups formed without it), restore the
+   state of the iteration just finished from the members' snapshots (the joiners receive their
+   parameters and optimizer shards from their peers), and continue with the next iteration.
+
+The grow changes nothing in the training trajectory: the state is that of the step boundary, and
+the global batch, micro-batch ids and layout-invariant RNG do not depend on the layout.
+
+Keys (under ``rt/``):
+
+===============================  ==================================================================
+``rt/join/<rank>``               a replacement for launch rank ``rank`` asks to join (JSON)
+``rt/join/<rank>/accepted``      the generation it joins, set when accepted
+``rt/gen<g>/grow``               the :class:`GrowPlan` of generation ``g`` (the grown one)
+``rt/finished``                  every member is done: a replacement still waiting leaves
+===============================  ==================================================================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megatron_elaswave.agreement import Decision, decision_key
+from megatron_elaswave.layout import Layout
+from megatron_elaswave.monitor import join_key
+from megatron_elaswave.planner.frequency import ClockPlan
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+FINISHED_KEY = "rt/finished"
+_POLL_INTERVAL_S = 0.05
+
+
+def accepted_key(rank: int) -> str:
+    return f"rt/join/{rank}/accepted"
+
+
+def plan_key(generation: int) -> str:
+    return f"rt/gen{generation}/grow"
+
+
+class JobFinished(Exception):
+    """The job ended before this replacement could join."""
+
+
+@dataclass(frozen=True)
+class GrowPlan:
+    """What every rank of a grown generation needs to know."""
+
+    decision: Decision
+    """The generation's membership; ``decision.joined`` are the joining ranks."""
+    layout: Layout
+    """The layout from the grow on."""
+    state_layout: Layout
+    """The layout whose snapshots hold the state: the one before the grow."""
+    iteration: int
+    """The iteration after which the ranks join."""
+    clocks: ClockPlan
+    """The clocks of ``layout`` (:mod:`megatron_elaswave.dvfs`)."""
+    announced_at: float
+    """Unix time of the commit, where the grow's ``total_s`` starts."""
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "decision": json.loads(self.decision.to_json()),
+            "layout": _layout_json(self.layout),
+            "state_layout": _layout_json(self.state_layout),
+            "iteration": self.iteration,
+            "clocks": {**vars(self.clocks), "clocks": [list(c) for c in self.clocks.clocks]},
+            "announced_at": self.announced_at,
+        })
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> GrowPlan:
+        fields = json.loads(raw)
+        clocks = fields["clocks"]
+        return cls(
+            decision=Decision.from_json(json.dumps(fields["decision"])),
+            layout=_layout_from_json(fields["layout"]),
+            state_layout=_layout_from_json(fields["state_layout"]),
+            iteration=fields["iteration"],
+            clocks=ClockPlan(**{**clocks, "clocks": tuple(tuple(c) for c in clocks["clocks"])}),
+            announced_at=fields["announced_at"],
+        )
+
+
+def _layout_json(layout: Layout) -> dict:
+    return {"replicas": layout.to_json(with_microbatch_ids=True), "spares": list(layout.spares)}
+
+
+def _layout_from_json(fields: dict) -> Layout:
+    return Layout.from_json(fields["replicas"], fields["spares"])
+
+
+# -- the joining rank ----------------------------------------------------------------------------
+
+def request_join(store: Store, rank: int) -> None:
+    """Ask the job to take launch rank ``rank`` in (an acceptance left by an earlier incarnation
+    of the rank is cleared first)."""
+    store.delete_key(accepted_key(rank))
+    store.set(join_key(rank), json.dumps({"pid": os.getpid(), "time": time.time()}))
+
+
+def wait_for_acceptance(store: Store, rank: int) -> GrowPlan:
+    """Block until the job accepts ``rank``; raises :class:`JobFinished` if it ends first."""
+    while not store.check([accepted_key(rank)]):
+        if store.check([FINISHED_KEY]):
+            raise JobFinished(f"the job finished before rank {rank} could rejoin it")
+        time.sleep(_POLL_INTERVAL_S)
+    generation = int(store.get(accepted_key(rank)))
+    return GrowPlan.from_json(store.get(plan_key(generation)))
+
+
+# -- the members ---------------------------------------------------------------------------------
+
+def commit(store: Store, plan: GrowPlan) -> bool:
+    """Commit ``plan``'s decision for the generation it ends, publish the plan and accept the
+    joiners; ``False`` (nothing published) when another decision, a failure's, came first."""
+    ended = plan.decision.generation - 1
+    mine = plan.decision.to_json()
+    if store.compare_set(decision_key(ended), "", mine).decode() != mine:
+        return False
+    store.set(plan_key(plan.decision.generation), plan.to_json())
+    for rank in plan.decision.joined:
+        store.set(accepted_key(rank), str(plan.decision.generation))
+        store.delete_key(join_key(rank))
+    return True
+
+
+def published_plan(store: Store, generation: int) -> GrowPlan | None:
+    """The plan of ``generation`` if one was published."""
+    key = plan_key(generation)
+    return GrowPlan.from_json(store.get(key)) if store.check([key]) else None
+
+
+def wait_for_plan(store: Store, generation: int, failure: threading.Event) -> GrowPlan | None:
+    """The plan of ``generation``; ``None`` as soon as ``failure`` is set."""
+    while (plan := published_plan(store, generation)) is None:
+        if failure.is_set():
+            return None
+        time.sleep(_POLL_INTERVAL_S)
+    return plan

@@ -1,0 +1,188 @@
+"""Replacement ranks rejoin a running ``--elastic`` job at a step boundary.
+
+A worker SIGKILLed from outside is started again in its slot by ``elaswave-run --rejoin``; a node
+whose launcher was SIGKILLed with its workers is replaced by a new launcher. Either way the
+survivors recover, take the replacements in at a step boundary, run at the failure-free layout
+again, and the whole run stays on the failure-free trajectory (same samples, losses within
+1e-4).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from torch.distributed import TCPStore
+
+from harness import free_port, launch
+from megatron_elaswave.agreement import Decision, decision_key
+from megatron_elaswave.layout import Layout, Replica
+from megatron_elaswave.metrics import read_metrics
+from megatron_elaswave.monitor import FailureMonitor, MonitorConfig, join_key
+from megatron_elaswave.planner.frequency import ClockPlan
+from megatron_elaswave.store import REJOIN_ENV, WorkerDeath, record_death
+from megatron_elaswave.training import growth
+from test_elastic import (
+    PRETRAIN,
+    TRAIN_ITERS,
+    assert_on_trajectory,
+    run,
+    small_flags,
+    small_reference,
+)
+from test_pretrain_gpt import BASE, run_single, text_data  # noqa: F401  (fixture)
+
+__all__ = ["small_reference", "text_data"]  # fixtures
+
+
+SLOW_SURVIVOR = ["--elastic-inject-slowdown", "rank=0,factor=10,iteration=3",
+                 "--elastic-rebalance-window", "0"]
+"""Steps of about half a second from iteration 3 on, so that the job outlasts a replacement's
+start (seconds of imports); the slowdown does not change what is computed."""
+
+
+def stage_ranks(layout: list[dict]) -> list[list[list[int]]]:
+    return [[stage["ranks"] for stage in replica["stages"]] for replica in layout]
+
+
+@pytest.fixture
+def store():
+    return TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=10))
+
+
+def grow_plan(generation: int = 2) -> growth.GrowPlan:
+    complete = Layout.megatron(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=4)
+    degraded = Layout(4, (Replica(0, complete.replicas[0].stages, (0, 1, 2, 3)),), spares=(1,))
+    clocks = ClockPlan(((1.0, 1.0), (1.0, 0.9)), 10, 2.0, 11, 2.5)
+    decision = Decision(generation, (0, 1, 2, 3), (), joined=(3,))
+    return growth.GrowPlan(decision, complete, degraded, 7, clocks, 123.5)
+
+
+def test_a_grow_plan_round_trips_through_json():
+    plan = grow_plan()
+    assert growth.GrowPlan.from_json(plan.to_json()) == plan
+
+
+def test_a_grow_loses_to_a_failure_decision_committed_first(store):
+    plan = grow_plan()
+    failure = Decision(2, (0, 1, 2), (3,))
+    store.compare_set(decision_key(1), "", failure.to_json())
+    store.set(join_key(3), "{}")
+    assert not growth.commit(store, plan)
+    assert growth.published_plan(store, 2) is None and store.check([join_key(3)])
+
+
+def test_a_committed_grow_accepts_its_joiners(store):
+    plan = grow_plan()
+    growth.request_join(store, 3)
+    assert growth.commit(store, plan)
+    assert Decision.from_json(store.get(decision_key(1))) == plan.decision
+    assert not store.check([join_key(3)])
+    assert growth.wait_for_acceptance(store, 3) == plan
+    growth.request_join(store, 3)  # a later incarnation of rank 3 is not accepted by this one
+    assert not store.check([growth.accepted_key(3)])
+
+
+def test_a_replacement_leaves_when_the_job_has_finished(store):
+    growth.request_join(store, 3)
+    threading.Timer(0.2, lambda: store.set(growth.FINISHED_KEY, "")).start()
+    with pytest.raises(growth.JobFinished, match="finished before rank 3 could rejoin"):
+        growth.wait_for_acceptance(store, 3)
+
+
+def test_the_monitor_sees_join_requests_and_forgets_the_deaths_of_ranks_taken_back(store):
+    config = MonitorConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=5.0)
+    detected = []
+    with FailureMonitor(store, 0, Decision.initial(2), config, job_size=3,
+                        on_failure=lambda: detected.append(time.time())) as monitor:
+        record_death(store, WorkerDeath(rank=1, local_rank=1, node_rank=0, pid=11, exit_code=None,
+                                        signal="SIGKILL", cause="signal", time=time.time()))
+        deadline = time.monotonic() + 5
+        while monitor.failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert list(monitor.suspects()) == [1]
+        monitor.advance(Decision(1, (0,), (1,)))
+        growth.request_join(store, 1)
+        while monitor.waiting_to_join() != {1} and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert monitor.waiting_to_join() == {1}  # rank 2 never asked
+        monitor.advance(Decision(2, (0, 1), (), joined=(1,)))
+        store.add("rt/heartbeat/1", 1)
+        time.sleep(0.3)  # several polls of the death records
+        assert monitor.failure is None and len(detected) == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_killed_worker_is_started_again_and_rejoins(text_data, small_reference, tmp_path):  # noqa: F811
+    iterations, recoveries, output = run(
+        tmp_path, "rejoin", [*small_flags(text_data), *SLOW_SURVIVOR], nproc=4, kills=[(3, 3)],
+        launcher_args=("--rejoin", "--rejoin-delay=0.5"))
+    assert_on_trajectory(small_reference, iterations)
+    assert [r["failed_ranks"] for r in recoveries] == [[3]]
+    [grow] = read_metrics(str(tmp_path / "rejoin.jsonl"), "grow")
+    assert grow["joined_ranks"] == [3]
+    assert grow["iteration"] >= recoveries[0]["iteration"]
+    assert grow["bytes_moved"] > 0 and grow["total_s"] > 0
+    # Back at the failure-free layout.
+    assert grow["layout"] == small_reference[-1]["layout"]
+    after = [r for r in iterations if r["iteration"] > grow["iteration"]]
+    assert after and all(r["world_size"] == 4 and r["layout"] == grow["layout"] for r in after)
+    degraded = [r for r in iterations
+                if recoveries[0]["iteration"] <= r["iteration"] <= grow["iteration"]]
+    assert degraded and all(r["world_size"] == 3 for r in degraded)
+    assert "restarting worker rank 3" in output and "ranks [3] joined after iteration" in output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_new_launcher_replaces_a_lost_node(text_data, small_reference, tmp_path):  # noqa: F811
+    """Two launchers of two workers (node 1 holds the last stage of both replicas). Node 1's
+    launcher is SIGKILLed with its workers; each replica re-partitions onto its first stage.
+    A new launcher for node rank 1 with ``--rejoin`` takes the node's place: its workers join
+    and the job runs on two stages again."""
+    metrics = tmp_path / "node.jsonl"
+    flags = [PRETRAIN, *small_flags(text_data), *SLOW_SURVIVOR, "--elastic-metrics-file",
+             str(metrics)]
+    port = free_port()
+
+    def node(rank: int, name: str, *extra: str):
+        return launch(flags, 2, nnodes=2, node_rank=rank, master_port=port,
+                      launcher_args=["--node-timeout=1", *extra], log_path=tmp_path / name)
+
+    def recorded(event: str) -> list[dict]:
+        return read_metrics(str(metrics), event) if metrics.exists() else []
+
+    with contextlib.ExitStack() as stack:
+        node0 = stack.enter_context(node(0, "node0.log"))
+        node1 = stack.enter_context(node(1, "node1.log"))
+        node0.wait_for(lambda: len(recorded("iteration")) >= 3, 120, "iteration 3")
+        node1.send_signal(signal.SIGKILL)
+        node0.wait_for(lambda: bool(recorded("recovery")), 120, "the recovery")
+        replacement = stack.enter_context(node(1, "replacement.log", "--rejoin"))
+        returncode, output = node0.wait(240)
+        replacement_code, replacement_output = replacement.wait(60)
+    assert returncode == 0 and replacement_code == 0, output[-3000:] + replacement_output[-3000:]
+    iterations = recorded("iteration")
+    assert [r["iteration"] for r in iterations] == list(range(1, TRAIN_ITERS + 1)), output[-4000:]
+    assert_on_trajectory(small_reference, iterations)
+    [recovery], [grow] = recorded("recovery"), recorded("grow")
+    assert recovery["failed_ranks"] == [2, 3]
+    assert stage_ranks(recovery["layout"]) == [[[0]], [[1]]]
+    assert grow["joined_ranks"] == [2, 3]
+    assert stage_ranks(grow["layout"]) == [[[0], [2]], [[1], [3]]]
+    assert iterations[-1]["layout"] == small_reference[-1]["layout"]
+    assert "replacing lost node rank 1" in replacement_output
+    assert "node 1 rejoined the job" in output
+
+
+def test_a_replacement_for_a_job_without_elastic_is_refused_in_one_line():
+    result = run_single([*BASE, "--mock-data", "--vocab-size", "64", "--global-batch-size", "2"],
+                        env={REJOIN_ENV: "1"})
+    assert result.returncode == 2, result.stderr
+    [line] = [ln for ln in result.stderr.splitlines() if ln.startswith("pretrain_gpt.py")]
+    assert "does not run with --elastic" in line
