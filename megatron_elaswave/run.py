@@ -37,6 +37,11 @@ def _default(field_name: str) -> object:
     return LaunchConfig.__dataclass_fields__[field_name].default
 
 
+def _seconds(parser: argparse.ArgumentParser, name: str, field_name: str, help: str) -> None:
+    parser.add_argument(*_flag(name), type=float, default=_default(field_name), metavar="SECONDS",
+                        help=help)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
@@ -71,40 +76,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         *_flag("log-dir"), default=None, help="write each worker's output to DIR/rank<r>.log"
     )
-    parser.add_argument(
-        *_flag("shutdown-grace"),
-        type=float,
-        default=_default("shutdown_grace_s"),
-        metavar="SECONDS",
-        help="after forwarding SIGINT/SIGTERM, how long to wait before SIGKILL",
-    )
-    parser.add_argument(
-        *_flag("join-timeout"),
-        type=float,
-        default=_default("join_timeout_s"),
-        metavar="SECONDS",
-        help="how long to wait for the job store and for all node launchers to join",
-    )
-    parser.add_argument(
-        *_flag("node-timeout"),
-        type=float,
-        default=_default("node_timeout_s"),
-        metavar="SECONDS",
-        help="heartbeat silence after which node rank 0 declares a node lost",
-    )
+    _seconds(parser, "shutdown-grace", "shutdown_grace_s",
+             "after forwarding SIGINT/SIGTERM, how long to wait before SIGKILL")
+    _seconds(parser, "join-timeout", "join_timeout_s",
+             "how long to wait for the job store and for all node launchers to join")
+    _seconds(parser, "node-timeout", "node_timeout_s",
+             "heartbeat silence after which node rank 0 declares a node lost")
     parser.add_argument(
         "--rejoin",
         action="store_true",
         help="start a dead worker again in its slot, to rejoin the running job; with a node "
         "rank that was declared lost, take that node's place",
     )
-    parser.add_argument(
-        *_flag("rejoin-delay"),
-        type=float,
-        default=_default("rejoin_delay_s"),
-        metavar="SECONDS",
-        help="with --rejoin: wait this long after a worker's death before starting it again",
-    )
+    _seconds(parser, "rejoin-delay", "rejoin_delay_s",
+             "with --rejoin: wait this long after a worker's death before starting it again")
     parser.add_argument(
         *_flag("max-rejoins"),
         type=int,
