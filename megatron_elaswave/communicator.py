@@ -284,6 +284,23 @@ class GroupRegistry:
                  timeout: timedelta = timedelta(seconds=30), generation: int = 0) -> None:
         if dist.get_rank() != rank:
             raise ValueError(f"rank {rank} is rank {dist.get_rank()} of the default group")
+        self._configure(layout, rank, store, backend, timeout, generation)
+        self._world_ranks = {r: r for r in layout.known_ranks()}
+        for members in self._own(member_lists(self._specs)):
+            self._groups[members] = self._create_local(members)
+
+    @classmethod
+    def joining(cls, layout: Layout, rank: int, *, store: Store, backend: str = "gloo",
+                timeout: timedelta = timedelta(seconds=30), generation: int) -> GroupRegistry:
+        """The registry of a process that joins a running job in ``generation``, whose members
+        call :meth:`grow` with the same ``layout``. No default group may exist yet."""
+        registry = cls.__new__(cls)
+        registry._configure(layout, rank, store, backend, timeout, generation)
+        registry._rebuild(layout)
+        return registry
+
+    def _configure(self, layout: Layout, rank: int, store: Store, backend: str,
+                   timeout: timedelta, generation: int) -> None:
         if rank not in layout.known_ranks():
             raise ValueError(f"rank {rank} is not part of the layout")
         self._rank = rank
@@ -293,25 +310,7 @@ class GroupRegistry:
         self._generation = generation
         self._layout = layout
         self._specs = group_specs(layout)
-        self._world_ranks = {r: r for r in layout.known_ranks()}
         self._groups: dict[tuple[int, ...], ProcessGroup] = {}
-        for members in self._own(member_lists(self._specs)):
-            self._groups[members] = self._create_local(members)
-
-    @classmethod
-    def joining(cls, layout: Layout, rank: int, *, store: Store, backend: str = "gloo",
-                timeout: timedelta = timedelta(seconds=30), generation: int) -> GroupRegistry:
-        """The registry of a process that joins a running job in ``generation``, whose members
-        call :meth:`grow` with the same ``layout``. No default group may exist yet."""
-        if rank not in layout.known_ranks():
-            raise ValueError(f"rank {rank} is not part of the layout")
-        registry = cls.__new__(cls)
-        registry._rank, registry._store, registry._backend = rank, store, backend
-        registry._timeout, registry._generation = timeout, generation
-        registry._groups = {}
-        registry._layout, registry._specs = layout, group_specs(layout)
-        registry._rebuild(tuple(sorted(layout.known_ranks())), member_lists(registry._specs))
-        return registry
 
     # ---- lookups ----------------------------------------------------------------------------
 
@@ -419,7 +418,7 @@ class GroupRegistry:
         self._generation = self._generation + 1 if generation is None else generation
         survivors = tuple(sorted(new_layout.known_ranks()))
         if mode == EditMode.FULL:
-            counts = self._rebuild(survivors, member_lists(group_specs(new_layout)))
+            counts = self._rebuild(new_layout)
         else:
             counts = self._edit(plan, failed, survivors, mode)
         self._layout, self._specs = new_layout, group_specs(new_layout)
@@ -433,8 +432,7 @@ class GroupRegistry:
             raise ValueError("a grown layout must keep every rank of the job")
         started = time.perf_counter()
         self._generation = generation
-        counts = self._rebuild(tuple(sorted(new_layout.known_ranks())),
-                               member_lists(group_specs(new_layout)))
+        counts = self._rebuild(new_layout)
         self._layout, self._specs = new_layout, group_specs(new_layout)
         return EditReport(EditMode.FULL, generation, *counts, time.perf_counter() - started)
 
@@ -464,8 +462,9 @@ class GroupRegistry:
         self._groups.update(created)
         return len(created), len(self._own(plan.keep)), destroyed
 
-    def _rebuild(self, survivors: tuple[int, ...],
-                 lists: tuple[tuple[int, ...], ...]) -> tuple[int, int, int]:
+    def _rebuild(self, layout: Layout) -> tuple[int, int, int]:
+        """A new default group over ``layout``'s ranks, then all its groups, the ``partial`` way."""
+        survivors, lists = tuple(sorted(layout.known_ranks())), member_lists(group_specs(layout))
         destroyed = len(self._groups)
         self._groups.clear()
         if dist.is_initialized():

@@ -679,7 +679,7 @@ class _NodeAgent:
         for node_rank in list(self._lost_nodes):
             if not self._store.check([lost_key(node_rank)]):  # an agent took the node's place
                 self._lost_nodes.discard(node_rank)
-                self._peers[node_rank] = _PeerWatch(heartbeat=-1, changed_at=now)
+                self._peers[node_rank] = _PeerWatch()
                 _log(f"node {node_rank} rejoined the job")
         for node_rank, peer in list(self._peers.items()):
             if self._store.check([done_key(node_rank)]):

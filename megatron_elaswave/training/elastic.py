@@ -286,7 +286,8 @@ class ElasticTrainer(Trainer):
                                                noticed_at=noticed)
         decision = agree(self.store, self.monitor)
         if decision.joined:  # a grow was committed before the failure: it is the next one's
-            self._follow_grow(self._published_plan(decision))
+            timeout = timedelta(seconds=self.monitor.config.agreement_timeout_s)
+            self._follow_grow(growth.committed_plan(self.store, decision.generation, timeout))
             return
         self.monitor.advance(decision)
         times.agreed_at = time.time()
@@ -417,11 +418,7 @@ class ElasticTrainer(Trainer):
     def _plan_growth(self, joined: frozenset[int]) -> tuple[Layout, ClockPlan]:
         """The failure-free layout when every rank it uses is back, else a plan for it without
         the ranks still missing."""
-        args = self.args
-        complete = Layout.megatron(tp=args.tensor_model_parallel_size,
-                                   pp=args.pipeline_model_parallel_size,
-                                   dp=args.data_parallel_size, num_layers=args.num_layers,
-                                   num_microbatches=args.global_batch_size // args.micro_batch_size)
+        complete = failure_free_layout(self.args)
         missing = set(complete.known_ranks() - self.layout.known_ranks() - joined)
         if not missing:
             return complete, nominal_clock_plan(self.cost, complete, 0, PowerModel())
@@ -431,12 +428,6 @@ class ElasticTrainer(Trainer):
             layout = self.layout
             return Layout(layout.num_layers, layout.replicas,
                           tuple(sorted({*layout.spares, *joined}))), self.governor.plan
-
-    def _published_plan(self, decision: Decision) -> GrowPlan:
-        """The plan of a grow ``decision``: its committer publishes it right after the commit."""
-        key = growth.plan_key(decision.generation)
-        self.store.wait([key], timedelta(seconds=self.monitor.config.agreement_timeout_s))
-        return GrowPlan.from_json(self.store.get(key))
 
     def _follow_grow(self, plan: GrowPlan) -> None:
         """A member's part in a grow: the next generation's groups, then the common part."""
@@ -451,7 +442,6 @@ class ElasticTrainer(Trainer):
         times = RecoveryTimes(failure_at=plan.announced_at, noticed_at=plan.announced_at,
                               agreed_at=plan.announced_at, planned_at=plan.announced_at,
                               edited_at=edited)
-        self.state_layout = plan.state_layout
         self._restore(plan.decision, plan.layout, times)
         self.governor.apply(plan.clocks, plan.layout)
         self.state_layout, self.lost = plan.layout, set()
@@ -596,31 +586,39 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
     store = connect_store(timeout=timedelta(minutes=args.distributed_timeout_minutes))
     config = MonitorConfig(heartbeat_timeout_s=args.elastic_heartbeat_timeout)
     timeout = timedelta(seconds=config.collective_timeout_s)
-    layout = Layout.megatron(tp=args.tensor_model_parallel_size, pp=args.pipeline_model_parallel_size,
-                             dp=args.data_parallel_size, num_layers=args.num_layers,
-                             num_microbatches=args.global_batch_size // args.micro_batch_size)
+    layout = failure_free_layout(args)
     registry = GroupRegistry(layout, rank, store=store, backend=backend.dist_backend, timeout=timeout)
     seed_random_generators(args.seed, registry.process_group_collection())
     objects = build_stage_objects(args, layout, registry, vocab_size, backend.device())
     monitor = FailureMonitor(store, rank, Decision.initial(world_size), config, job_size=world_size)
     snapshots = StepSnapshots(layout, rank, SnapshotConfig(replicas=args.elastic_snapshot_replicas),
                               group=registry.group(Role.WORLD))
-    cost = cost_model(args, vocab_size, backend)
-    governor = DvfsGovernor(clock_backend(args.elastic_dvfs, backend.device().index or 0,
-                                          args.elastic_dvfs_command), rank)
-    governor.apply(nominal_clock_plan(cost, layout, 0, PowerModel()), layout)
+    parts = _runtime_parts(args, backend, rank, vocab_size, config)
+    parts["governor"].apply(nominal_clock_plan(parts["cost"], layout, 0, PowerModel()), layout)
     return ElasticTrainer(
         args=args, objects=objects, pg_collection=objects.schedule_groups, backend=backend,
         layout=layout, train_source=train_source, valid_source=valid_source,
         metrics=MetricsWriter(args.elastic_metrics_file if rank == 0 else None), rank=rank,
-        snapshots=snapshots, registry=registry, monitor=monitor, store=store,
-        cost=cost, governor=governor, vocab_size=vocab_size,
-        **_runtime_parts(args, rank, config))
+        snapshots=snapshots, registry=registry, monitor=monitor, store=store, **parts)
 
 
-def _runtime_parts(args: argparse.Namespace, rank: int, config: MonitorConfig) -> dict:
-    """The trainer's fault injection and straggler handling, from the flags."""
+def failure_free_layout(args: argparse.Namespace) -> Layout:
+    """The layout Megatron builds for the job's flags."""
+    return Layout.megatron(tp=args.tensor_model_parallel_size,
+                           pp=args.pipeline_model_parallel_size, dp=args.data_parallel_size,
+                           num_layers=args.num_layers,
+                           num_microbatches=args.global_batch_size // args.micro_batch_size)
+
+
+def _runtime_parts(args: argparse.Namespace, backend: DeviceBackend, rank: int, vocab_size: int,
+                   config: MonitorConfig) -> dict:
+    """The trainer's planner costs, clock governor, fault injection and straggler handling,
+    from the flags."""
     return dict(
+        vocab_size=vocab_size,
+        cost=cost_model(args, vocab_size, backend),
+        governor=DvfsGovernor(clock_backend(args.elastic_dvfs, backend.device().index or 0,
+                                            args.elastic_dvfs_command), rank),
         injector=FaultInjector(args.elastic_inject_failure, rank,
                                hang_s=3 * config.heartbeat_timeout_s),
         slowdowns=tuple(args.elastic_inject_slowdown),
@@ -656,10 +654,8 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
         rank=rank, iteration=plan.iteration,
         snapshots=StepSnapshots(plan.state_layout, rank,
                                 SnapshotConfig(replicas=args.elastic_snapshot_replicas)),
-        registry=registry, monitor=monitor, store=store, cost=cost_model(args, vocab_size, backend),
-        governor=DvfsGovernor(clock_backend(args.elastic_dvfs, backend.device().index or 0,
-                                            args.elastic_dvfs_command), rank),
-        vocab_size=vocab_size, **_runtime_parts(args, rank, config))
+        registry=registry, monitor=monitor, store=store,
+        **_runtime_parts(args, backend, rank, vocab_size, config))
     trainer.complete_grow(plan)
     return trainer
 
@@ -679,12 +675,12 @@ def run_elastic(trainer: ElasticTrainer) -> None:
                 if trainer.is_logger:
                     log(f" saved checkpoint at iteration {trainer.iteration} to {directory}")
             return
-        try:
-            if isinstance(outcome, GrowPlan):
+        if isinstance(outcome, GrowPlan):
+            try:
                 trainer._follow_grow(outcome)
                 continue
-        except (RuntimeError, FailureDetected) as error:
-            outcome = error
+            except (RuntimeError, FailureDetected) as error:
+                outcome = error
         trainer.recover(outcome)
 
 

@@ -35,6 +35,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from megatron_elaswave.agreement import Decision, decision_key
@@ -149,6 +150,14 @@ def published_plan(store: Store, generation: int) -> GrowPlan | None:
     """The plan of ``generation`` if one was published."""
     key = plan_key(generation)
     return GrowPlan.from_json(store.get(key)) if store.check([key]) else None
+
+
+def committed_plan(store: Store, generation: int, timeout: timedelta) -> GrowPlan:
+    """The plan of ``generation``, whose decision is known to be committed: its committer
+    publishes the plan right after."""
+    key = plan_key(generation)
+    store.wait([key], timeout)
+    return GrowPlan.from_json(store.get(key))
 
 
 def wait_for_plan(store: Store, generation: int, failure: threading.Event) -> GrowPlan | None:

@@ -7,7 +7,6 @@ import os
 
 from megatron_elaswave import dropout_rng, patches
 from megatron_elaswave.device import DeviceBackend
-from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter
 from megatron_elaswave.snapshot import SnapshotConfig
 from megatron_elaswave.store import REJOIN_ENV
@@ -15,7 +14,7 @@ from megatron_elaswave.store import REJOIN_ENV
 from .checkpoint import TrainingProgress, load_checkpoint, save_checkpoint
 from .data import MicrobatchSource, build_datasets, load_tokenizer, padded_vocab_size
 from .distributed import init_default_group, init_model_parallel, shutdown
-from .elastic import build_elastic_trainer, join_elastic_job, run_elastic
+from .elastic import build_elastic_trainer, failure_free_layout, join_elastic_job, run_elastic
 from .growth import JobFinished
 from .loop import Trainer, log
 from .model import (
@@ -44,8 +43,7 @@ def build_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int, t
     chunks = build_model_chunks(args, config, vocab_size, pg_collection, backend.device())
     objects = wrap_and_optimize(args, config, chunks, pg_collection)
     train_set, valid_set = build_datasets(args, tokenizer)
-    layout = Layout.megatron(tp=tp, pp=pp, dp=args.data_parallel_size, num_layers=args.num_layers,
-                             num_microbatches=args.global_batch_size // args.micro_batch_size)
+    layout = failure_free_layout(args)
     snapshots = (StepSnapshots(layout, rank, SnapshotConfig(replicas=args.elastic_snapshot_replicas))
                  if args.elastic_snapshots else None)
     return Trainer(
