@@ -49,6 +49,11 @@ def stage_ranks(layout: list[dict]) -> list[list[list[int]]]:
     return [[stage["ranks"] for stage in replica["stages"]] for replica in layout]
 
 
+def stages(layout: list[dict]) -> list[list[dict]]:
+    """Ranks and layers of each stage: the failure-free run may have re-dealt micro-batches."""
+    return [replica["stages"] for replica in layout]
+
+
 @pytest.fixture
 def store():
     return TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=10))
@@ -129,7 +134,7 @@ def test_a_killed_worker_is_started_again_and_rejoins(text_data, small_reference
     assert grow["iteration"] >= recoveries[0]["iteration"]
     assert grow["bytes_moved"] > 0 and grow["total_s"] > 0
     # Back at the failure-free layout.
-    assert grow["layout"] == small_reference[-1]["layout"]
+    assert stages(grow["layout"]) == stages(small_reference[-1]["layout"])
     after = [r for r in iterations if r["iteration"] > grow["iteration"]]
     assert after and all(r["world_size"] == 4 and r["layout"] == grow["layout"] for r in after)
     degraded = [r for r in iterations
@@ -170,12 +175,15 @@ def test_a_new_launcher_replaces_a_lost_node(text_data, small_reference, tmp_pat
     iterations = recorded("iteration")
     assert [r["iteration"] for r in iterations] == list(range(1, TRAIN_ITERS + 1)), output[-4000:]
     assert_on_trajectory(small_reference, iterations)
-    [recovery], [grow] = recorded("recovery"), recorded("grow")
+    recoveries, grows = recorded("recovery"), recorded("grow")
+    assert len(recoveries) == 1, output[-4000:] + replacement_output[-3000:]
+    [recovery] = recoveries
     assert recovery["failed_ranks"] == [2, 3]
     assert stage_ranks(recovery["layout"]) == [[[0]], [[1]]]
-    assert grow["joined_ranks"] == [2, 3]
-    assert stage_ranks(grow["layout"]) == [[[0], [2]], [[1], [3]]]
-    assert iterations[-1]["layout"] == small_reference[-1]["layout"]
+    # the two replacements may ask to join at different iterations: one grow each then
+    assert sorted(rank for grow in grows for rank in grow["joined_ranks"]) == [2, 3]
+    assert stage_ranks(grows[-1]["layout"]) == [[[0], [2]], [[1], [3]]]
+    assert stages(iterations[-1]["layout"]) == stages(small_reference[-1]["layout"])
     assert "replacing lost node rank 1" in replacement_output
     assert "node 1 rejoined the job" in output
 
