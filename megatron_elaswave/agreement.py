@@ -71,7 +71,7 @@ class Decision:
     """Launch ranks of the ended generation that are excluded, sorted."""
     joined: tuple[int, ...] = ()
     """Launch ranks that join the job in the new generation, sorted: a decision that grows the
-    job (:mod:`megatron_elaswave.training.growth`) rather than one that ends a failure."""
+    job (:mod:`megatron_elaswave.training.relayout`) rather than one that ends a failure."""
 
     @classmethod
     def initial(cls, world_size: int) -> Decision:

@@ -15,9 +15,10 @@ optimizer step), ``snapshot`` (between capturing the snapshot and replicating it
 ``recovery`` (on entering a recovery during iteration ``I``).
 
 ``--elastic-inject-slowdown rank=R,factor=F[,iteration=I]`` makes rank ``R`` a straggler from
-iteration ``I`` on: after each micro-batch's forward it sleeps ``(F - 1)`` times the forward and
-backward compute (the backward taken as twice the forward), so its compute takes about ``F``
-times as long, as on a throttled or shared device.
+iteration ``I`` on: after each transformer layer's forward it sleeps ``(F - 1)`` times that
+forward's compute, and as the layer's backward starts ``(F - 1)`` times twice that (the backward
+taken as twice the forward), so its layers take about ``F`` times as long, as on a throttled or
+shared device.
 """
 
 from __future__ import annotations
@@ -117,9 +118,9 @@ class InjectedSlowdown:
         return cls(rank, factor, iteration)
 
 
-def slow_down(chunks: Iterable[torch.nn.Module], slowdown: InjectedSlowdown,
+def slow_down(layers: Iterable[torch.nn.Module], slowdown: InjectedSlowdown,
               iteration: Callable[[], int]) -> None:
-    """Hook ``chunks`` so that their compute takes ``slowdown.factor`` times as long from
+    """Hook ``layers`` so that their compute takes ``slowdown.factor`` times as long from
     ``slowdown.iteration`` on; ``iteration()`` is the iteration running."""
     started: list[float] = []
 
@@ -128,12 +129,16 @@ def slow_down(chunks: Iterable[torch.nn.Module], slowdown: InjectedSlowdown,
 
     def after(module, inputs, output) -> None:
         forward_s = time.perf_counter() - started.pop()
-        if iteration() >= slowdown.iteration:
-            time.sleep((slowdown.factor - 1) * 3 * forward_s)
+        if iteration() < slowdown.iteration:
+            return
+        time.sleep((slowdown.factor - 1) * forward_s)
+        hidden = output[0] if isinstance(output, tuple) else output
+        if torch.is_tensor(hidden) and hidden.requires_grad:
+            hidden.register_hook(lambda grad: time.sleep((slowdown.factor - 1) * 2 * forward_s))
 
-    for chunk in chunks:
-        chunk.register_forward_pre_hook(before)
-        chunk.register_forward_hook(after)
+    for layer in layers:
+        layer.register_forward_pre_hook(before)
+        layer.register_forward_hook(after)
 
 
 class FaultInjector:

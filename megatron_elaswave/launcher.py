@@ -21,7 +21,7 @@ decide what to do. It guarantees:
   slot and never once a worker of the node has finished; and an agent started for a node rank
   that node 0 declared lost takes the node's place, clears the declaration and starts its
   workers. Such workers have ``ELASWAVE_REJOIN=1`` in their environment: they ask to join
-  (:mod:`megatron_elaswave.training.growth`) instead of forming the job's first process group.
+  (:mod:`megatron_elaswave.training.relayout`) instead of forming the job's first process group.
 * **No orphans.** SIGINT, SIGTERM and SIGHUP are forwarded to the workers; those still running
   ``--shutdown-grace`` seconds later, or at a second signal, are killed with SIGKILL. Whatever
   goes wrong in the agent itself, it kills its workers before it exits.

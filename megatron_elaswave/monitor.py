@@ -26,7 +26,7 @@ Runtime keys live under ``rt/`` (the launcher owns ``elaswave/``):
 ``rt/gen<g>/round``          :class:`FailureNotice` (JSON) of the first rank that announced a
                              failure in generation ``g``; its presence starts the agreement
 ``rt/join/<rank>``           a replacement for launch rank ``rank`` asks to join
-                             (:mod:`megatron_elaswave.training.growth`)
+                             (:mod:`megatron_elaswave.training.relayout`)
 ===========================  ==============================================================
 
 Ranks are launch ranks (``RANK`` as set by the launcher) throughout: they identify a process for

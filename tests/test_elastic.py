@@ -219,12 +219,17 @@ def test_reroute_keeps_the_batch_and_drop_replica_shrinks_it(text_data, small_re
     assert dropped[4]["samples_digest"] != small_reference[4]["samples_digest"]
 
 
+def layer_counts(layout: list[dict]) -> list[list[int]]:
+    return [[stage["layers"][1] - stage["layers"][0] + 1 for stage in replica["stages"]]
+            for replica in layout]
+
+
 @pytest.mark.timeout(300)
 def test_a_straggler_gets_fewer_microbatches_and_the_trajectory_stays(text_data, small_reference,  # noqa: F811
                                                                      tmp_path):
     """Rank 1 (stage 0 of replica 1) computes three times as slowly from iteration 3: replica 1
-    gets one micro-batch of the four, without a failure, and the samples and losses stay those
-    of the failure-free run."""
+    gets one micro-batch of the four, without a failure, then (where it pays) layers move off
+    rank 1's stage; the samples and losses stay those of the failure-free run."""
     flags = [*small_flags(text_data), "--elastic-inject-slowdown", "rank=1,factor=3,iteration=3"]
     iterations, recoveries, output = run(tmp_path, "straggler", flags, nproc=4)
     assert not recoveries
@@ -234,8 +239,36 @@ def test_a_straggler_gets_fewer_microbatches_and_the_trajectory_stays(text_data,
     assert "replica 1 takes" in first["reason"] and first["predicted_gain"] >= 1.2
     assert [r["num_microbatches"] for r in first["layout"]] == [3, 1]
     assert 5 <= first["iteration"] <= 12  # the median of five needs three slow iterations
-    assert [r["num_microbatches"] for r in iterations[-1]["layout"]] == [3, 1]
+    for later in rebalances[1:]:
+        if "per layer" in later["reason"]:  # rank 1's stage gives layers away
+            assert layer_counts(later["layout"])[1][0] < 4
+    last = iterations[-1]["layout"]
+    assert last[1]["num_microbatches"] <= last[0]["num_microbatches"]
     assert_on_trajectory(small_reference, iterations)
+    assert "rebalanced after iteration" in output
+
+
+@pytest.mark.timeout(300)
+def test_layers_move_off_a_slow_stage_of_a_lone_replica(text_data, tmp_path):  # noqa: F811
+    """TP1 x PP2 x DP1: re-dealing micro-batches cannot help one replica, so when rank 1 (its
+    second stage) computes three times as slowly, layers move to the first stage at a step
+    boundary, and samples and losses stay those of the failure-free run."""
+    flags = small_flags(text_data)
+    reference, _, _ = run(tmp_path, "reference", flags, nproc=2)
+    slow = [*flags, "--elastic-inject-slowdown", "rank=1,factor=3,iteration=3"]
+    iterations, recoveries, output = run(tmp_path, "slow-stage", slow, nproc=2)
+    assert not recoveries
+    assert not read_metrics(str(tmp_path / "reference.jsonl"), "rebalance")  # even stages stay
+    moves = read_metrics(str(tmp_path / "slow-stage.jsonl"), "rebalance")
+    assert moves, output[-3000:]
+    assert moves[0]["iteration"] >= 5  # the medians of a window: 3 of its 5 iterations slow
+    for moved in moves:  # the first move may be followed by a finer one, measured again
+        [(first, second)] = layer_counts(moved["layout"])
+        assert first > second
+        assert moved["predicted_gain"] >= 1.2 and moved["bytes_moved"] > 0
+        assert "as long per layer" in moved["reason"]
+    assert iterations[-1]["layout"] == moves[-1]["layout"]
+    assert_on_trajectory(reference, iterations)
     assert "rebalanced after iteration" in output
 
 

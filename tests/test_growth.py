@@ -25,7 +25,7 @@ from megatron_elaswave.metrics import read_metrics
 from megatron_elaswave.monitor import FailureMonitor, MonitorConfig, join_key
 from megatron_elaswave.planner.frequency import ClockPlan
 from megatron_elaswave.store import REJOIN_ENV, WorkerDeath, record_death
-from megatron_elaswave.training import growth
+from megatron_elaswave.training import relayout
 from test_elastic import (
     PRETRAIN,
     TRAIN_ITERS,
@@ -59,17 +59,17 @@ def store():
     return TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=10))
 
 
-def grow_plan(generation: int = 2) -> growth.GrowPlan:
+def grow_plan(generation: int = 2) -> relayout.LayoutChange:
     complete = Layout.megatron(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=4)
     degraded = Layout(4, (Replica(0, complete.replicas[0].stages, (0, 1, 2, 3)),), spares=(1,))
     clocks = ClockPlan(((1.0, 1.0), (1.0, 0.9)), 10, 2.0, 11, 2.5)
     decision = Decision(generation, (0, 1, 2, 3), (), joined=(3,))
-    return growth.GrowPlan(decision, complete, degraded, 7, clocks, 123.5)
+    return relayout.LayoutChange(decision, complete, degraded, 7, clocks, 123.5)
 
 
 def test_a_grow_plan_round_trips_through_json():
     plan = grow_plan()
-    assert growth.GrowPlan.from_json(plan.to_json()) == plan
+    assert relayout.LayoutChange.from_json(plan.to_json()) == plan
 
 
 def test_a_grow_loses_to_a_failure_decision_committed_first(store):
@@ -77,26 +77,26 @@ def test_a_grow_loses_to_a_failure_decision_committed_first(store):
     failure = Decision(2, (0, 1, 2), (3,))
     store.compare_set(decision_key(1), "", failure.to_json())
     store.set(join_key(3), "{}")
-    assert not growth.commit(store, plan)
-    assert growth.published_plan(store, 2) is None and store.check([join_key(3)])
+    assert not relayout.commit(store, plan)
+    assert relayout.published_plan(store, 2) is None and store.check([join_key(3)])
 
 
 def test_a_committed_grow_accepts_its_joiners(store):
     plan = grow_plan()
-    growth.request_join(store, 3)
-    assert growth.commit(store, plan)
+    relayout.request_join(store, 3)
+    assert relayout.commit(store, plan)
     assert Decision.from_json(store.get(decision_key(1))) == plan.decision
     assert not store.check([join_key(3)])
-    assert growth.wait_for_acceptance(store, 3) == plan
-    growth.request_join(store, 3)  # a later incarnation of rank 3 is not accepted by this one
-    assert not store.check([growth.accepted_key(3)])
+    assert relayout.wait_for_acceptance(store, 3) == plan
+    relayout.request_join(store, 3)  # a later incarnation of rank 3 is not accepted by this one
+    assert not store.check([relayout.accepted_key(3)])
 
 
 def test_a_replacement_leaves_when_the_job_has_finished(store):
-    growth.request_join(store, 3)
-    threading.Timer(0.2, lambda: store.set(growth.FINISHED_KEY, "")).start()
-    with pytest.raises(growth.JobFinished, match="finished before rank 3 could rejoin"):
-        growth.wait_for_acceptance(store, 3)
+    relayout.request_join(store, 3)
+    threading.Timer(0.2, lambda: store.set(relayout.FINISHED_KEY, "")).start()
+    with pytest.raises(relayout.JobFinished, match="finished before rank 3 could rejoin"):
+        relayout.wait_for_acceptance(store, 3)
 
 
 def test_the_monitor_sees_join_requests_and_forgets_the_deaths_of_ranks_taken_back(store):
@@ -111,7 +111,7 @@ def test_the_monitor_sees_join_requests_and_forgets_the_deaths_of_ranks_taken_ba
             time.sleep(0.01)
         assert list(monitor.suspects()) == [1]
         monitor.advance(Decision(1, (0,), (1,)))
-        growth.request_join(store, 1)
+        relayout.request_join(store, 1)
         while monitor.waiting_to_join() != {1} and time.monotonic() < deadline:
             time.sleep(0.01)
         assert monitor.waiting_to_join() == {1}  # rank 2 never asked

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from megatron_elaswave.layout import Layout
-from megatron_elaswave.training.stragglers import RebalanceConfig, StragglerDetector
+from megatron_elaswave.training.stragglers import (
+    RebalanceConfig,
+    StageCompute,
+    StragglerDetector,
+    balanced_layer_counts,
+)
 
 
 def grid() -> Layout:
@@ -73,3 +78,90 @@ def test_bad_settings_are_refused():
         RebalanceConfig(window=0)
     with pytest.raises(ValueError, match="min_gain"):
         RebalanceConfig(min_gain=0.5)
+    with pytest.raises(ValueError, match="slow_stage_factor"):
+        RebalanceConfig(slow_stage_factor=1.0)
+
+
+# --- moving layers off a slow stage ----------------------------------------------------------
+
+
+def layer_ranges(layout: Layout) -> list[list[tuple[int, int]]]:
+    return [[(s.first_layer, s.last_layer) for s in r.stages] for r in layout.replicas]
+
+
+def lone_replica() -> Layout:
+    return Layout.megatron(tp=1, pp=2, dp=1, num_layers=8, num_microbatches=4)
+
+
+def observe_compute(detector: StragglerDetector, layout: Layout,
+                    compute: dict[int, tuple[float, float]], iterations: int) -> None:
+    """``compute``: stage leader -> (time in its transformer layers, time in the rest)."""
+    for _ in range(iterations):
+        detector.observe(layout, {rank: 1.0 for rank in compute},
+                         {rank: StageCompute(*times) for rank, times in compute.items()})
+
+
+@pytest.mark.parametrize("per_layer, rest, counts", [
+    ([1.0, 3.0], [0.0, 0.0], (6, 2)),
+    ([1.0, 1.0], [0.0, 0.0], (4, 4)),
+    ([1.0, 1.0], [0.0, 2.0], (5, 3)),  # the output layer's cost stays on the last stage
+    ([2.0, 1.0, 1.0], [0.0, 0.0, 0.0], (2, 3, 3)),
+])
+def test_layers_go_where_they_finish_soonest(per_layer, rest, counts):
+    assert balanced_layer_counts(per_layer, rest, 8) == counts
+
+
+def test_a_slow_stage_of_a_lone_replica_gives_layers_away():
+    """One replica (re-dealing micro-batches cannot help): its second stage takes three times
+    as long per layer, so it keeps two of eight layers; predicted twice as fast."""
+    layout = lone_replica()
+    detector = StragglerDetector(RebalanceConfig(window=3, min_gain=1.2))
+    detector.reset(planned=layout)
+    observe_compute(detector, layout, {0: (4.0, 0.0), 1: (12.0, 0.0)}, iterations=2)
+    assert detector.proposal(layout) is None and detector.layer_proposal(layout) is None
+    observe_compute(detector, layout, {0: (4.0, 0.0), 1: (12.0, 0.0)}, iterations=1)
+    moved = detector.layer_proposal(layout)
+    assert layer_ranges(moved.layout) == [[(0, 5), (6, 7)]]
+    assert moved.predicted_gain == pytest.approx(2.0)
+    assert "3.00x as long per layer" in moved.reason
+    moved.layout.validate()
+
+
+def test_stages_that_differ_by_construction_keep_the_planned_layers():
+    """Even devices, but the last stage also runs the output layer: that is the planner's
+    business, not a straggler's, so no layer moves however much it would gain."""
+    layout = lone_replica()
+    detector = StragglerDetector(RebalanceConfig(window=3, min_gain=1.2))
+    detector.reset(planned=layout)
+    observe_compute(detector, layout, {0: (4.0, 0.2), 1: (4.2, 4.0)}, iterations=3)
+    assert detector.layer_proposal(layout) is None
+
+
+def test_a_stage_below_the_slow_stage_factor_keeps_its_layers():
+    layout = lone_replica()
+    detector = StragglerDetector(RebalanceConfig(window=3, min_gain=1.1, slow_stage_factor=1.5))
+    detector.reset(planned=layout)
+    observe_compute(detector, layout, {0: (4.0, 0.0), 1: (5.6, 0.0)}, iterations=3)
+    assert detector.layer_proposal(layout) is None
+
+
+def test_layers_go_back_to_the_planned_counts_once_the_stage_recovers():
+    layout = lone_replica()
+    detector = StragglerDetector(RebalanceConfig(window=3, min_gain=1.2))
+    detector.reset(planned=layout)
+    observe_compute(detector, layout, {0: (4.0, 0.0), 1: (12.0, 0.0)}, iterations=3)
+    moved = detector.layer_proposal(layout).layout
+    detector.reset()  # a layer move keeps the planned counts
+    observe_compute(detector, moved, {0: (6.0, 0.0), 1: (2.0, 0.0)}, iterations=3)
+    back = detector.layer_proposal(moved)
+    assert layer_ranges(back.layout) == layer_ranges(layout)
+    assert back.predicted_gain == pytest.approx(1.5)
+    assert "even again" in back.reason
+
+
+def test_a_stage_that_measured_nothing_moves_no_layers():
+    layout = lone_replica()
+    detector = StragglerDetector(RebalanceConfig(window=2))
+    detector.reset(planned=layout)
+    observe_compute(detector, layout, {0: (0.0, 0.0), 1: (4.0, 0.0)}, iterations=2)
+    assert detector.layer_proposal(layout) is None

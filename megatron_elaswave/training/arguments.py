@@ -131,7 +131,11 @@ def _add_elastic_args(parser: argparse.ArgumentParser) -> None:
                             "micro-batches to follow a straggler (0: never re-deal)")
     group.add_argument("--elastic-rebalance-min-gain", type=float, default=1.2,
                        help="smallest predicted step speed-up that makes the job re-deal its "
-                            "micro-batches (default 1.2)")
+                            "micro-batches or move layers (default 1.2)")
+    group.add_argument("--elastic-slow-stage-factor", type=float, default=1.5,
+                       help="a pipeline stage whose time per transformer layer is this many "
+                            "times the fastest stage's of its replica runs on a slow device: "
+                            "layers move off it (default 1.5)")
     group.add_argument("--elastic-dvfs", choices=BACKENDS, default="sim",
                        help="how the planner's per-stage clocks are applied: sim (logged, energy "
                             "from the power model; default), nvml (locked GPU clocks), npu "
@@ -229,6 +233,7 @@ def _validate_elastic(args: argparse.Namespace, world_size: int) -> None:
     _fail_unless(args.elastic_rebalance_window >= 0,
                  "--elastic-rebalance-window must not be negative")
     _fail_unless(args.elastic_rebalance_min_gain >= 1, "--elastic-rebalance-min-gain must be >= 1")
+    _fail_unless(args.elastic_slow_stage_factor > 1, "--elastic-slow-stage-factor must be > 1")
     _fail_unless(args.elastic_heartbeat_timeout > 0, "--elastic-heartbeat-timeout must be positive")
     if not args.elastic:
         return

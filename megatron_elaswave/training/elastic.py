@@ -22,9 +22,10 @@ A ``recovery`` record with the time of each phase goes into the metrics file. A 
 layout does not use (a spare) serves its snapshots and waits, taking part in later recoveries.
 
 Without a failure, a replica that runs persistently slower gets fewer of the global batch's
-micro-batches (:mod:`.stragglers`; a ``rebalance`` record says why and the predicted gain).
-Replacement ranks join at a step boundary (:mod:`.growth`; a ``grow`` record), and a job whose
-lost ranks are all back runs at its failure-free layout again.
+micro-batches, or layers move off a stage on a slow device (:mod:`.stragglers`; a ``rebalance``
+record says why and the predicted gain). Replacement ranks join at a step boundary
+(:mod:`.relayout`; a ``grow`` record), and a job whose lost ranks are all back runs at its
+failure-free layout again.
 """
 
 from __future__ import annotations
@@ -67,17 +68,17 @@ from megatron_elaswave.planner.replan import (
 from megatron_elaswave.snapshot import SnapshotConfig
 from megatron_elaswave.store import connect_store, read_deaths
 
-from . import growth
+from . import relayout
 from .checkpoint import TrainingProgress, save_checkpoint
 from .data import MicrobatchSource
-from .growth import GrowPlan
+from .relayout import LayoutChange
 from .layer_groups import build_stage_objects
 from .loop import Trainer, log
-from .model import seed_random_generators
+from .model import seed_random_generators, transformer_layers
 from .migration import adam_step, load_pieces, migrate, named_shard, needed_pieces
 from .rescue import checkpoint_layout
 from .snapshots import StepSnapshots, restore_rng_states
-from .stragglers import RebalanceConfig, StragglerDetector
+from .stragglers import ForwardTimer, RebalanceConfig, StageCompute, StragglerDetector
 
 class CannotContinue(RuntimeError):
     """The survivors cannot hold the model any more."""
@@ -148,12 +149,15 @@ class ElasticTrainer(Trainer):
 
     def __post_init__(self) -> None:
         self._step_started = self._pipeline_done = 0.0
+        self._stage_timer = self._layers_timer = None
         if self.rank in self.layout.active_ranks():  # a replacement has no stage before it joins
             super().__post_init__()
         self.state_layout = self.layout
         """The layout whose snapshots the ranks hold: the last one restored."""
         self.lost: set[int] = set()
         """Ranks failed since the state was last restored; their replicas must serve it."""
+        if self.detector is not None:
+            self.detector.reset(planned=self.layout)
 
     def _bind(self) -> None:
         super()._bind()
@@ -170,10 +174,13 @@ class ElasticTrainer(Trainer):
         self.objects.config.finalize_model_grads_func = timed_finalize
         if self.injector.armed:  # hooks only where a failure is to be injected
             self.objects.model[-1].module.register_forward_hook(self._arm_backward_fault)
+        chunks = [ddp.module for ddp in self.objects.model]
+        layers = transformer_layers(chunks)
         for slowdown in self.slowdowns:
             if slowdown.rank == self.rank:
-                slow_down([ddp.module for ddp in self.objects.model], slowdown,
-                          lambda: self.iteration + 1)
+                slow_down(layers, slowdown, lambda: self.iteration + 1)
+        if self.detector is not None:  # after the slowdown's hooks, so that they count
+            self._stage_timer, self._layers_timer = ForwardTimer(chunks), ForwardTimer(layers)
 
     def _arm_backward_fault(self, module, inputs, output) -> None:
         if torch.is_tensor(output) and output.requires_grad:
@@ -193,37 +200,54 @@ class ElasticTrainer(Trainer):
 
     def train_step(self):
         self._step_started = time.perf_counter()
+        if self.detector is not None:
+            self._stage_timer.restart()
+            self._layers_timer.restart()
         self.injector.at("forward", self.iteration + 1)
         return super().train_step()
 
     def step_report(self) -> torch.Tensor:
-        """Per launch rank: the ranks asking to join, then (with a straggler detector) each
-        stage's time to the gradient reduction."""
+        """Blocks of one value per launch rank: the ranks asking to join, then (with a straggler
+        detector) each stage's time to the gradient reduction, its forward time and the part of
+        it spent in transformer layers."""
         size = self.monitor.job_size
-        report = torch.zeros(2 * size if self.detector is not None else size, dtype=torch.float64)
+        report = torch.zeros(size if self.detector is None else 4 * size, dtype=torch.float64)
         report[list(self.monitor.waiting_to_join())] = 1.0
         if self.detector is not None and self.tp_rank == 0:
             report[size + self.rank] = self._pipeline_done - self._step_started
+            report[2 * size + self.rank] = self._stage_timer.total_s
+            report[3 * size + self.rank] = self._layers_timer.total_s
         return report
 
     def _follow_report(self, report: torch.Tensor) -> None:
         """Act on the step's summed reports: the same on every stage holder."""
-        size = self.monitor.job_size
-        if self.detector is not None:
-            self._follow_stragglers(report[size:])
-        joined = frozenset(int(rank) for rank in torch.nonzero(report[:size]).flatten())
-        if joined and self.iteration < self.args.train_iters:
-            try:
-                self._grow(joined)
-            except (RuntimeError, FailureDetected) as error:
-                self.recover(error)
+        joined_flags, *stage_times = report.view(-1, self.monitor.job_size)
+        joined = frozenset(int(rank) for rank in torch.nonzero(joined_flags).flatten())
+        if self.iteration >= self.args.train_iters:
+            return
+        try:
+            if joined:
+                self._change_layout(*self._plan_growth(joined), joined=joined)
+            elif self.detector is not None:
+                self._follow_stragglers(*stage_times)
+        except (RuntimeError, FailureDetected) as error:
+            self.recover(error)
 
-    def _follow_stragglers(self, pipeline_s: torch.Tensor) -> None:
-        """Re-deal the micro-batches when a replica is persistently slow (:mod:`.stragglers`)."""
+    def _follow_stragglers(self, pipeline_s: torch.Tensor, forward_s: torch.Tensor,
+                           layers_s: torch.Tensor) -> None:
+        """Re-deal the micro-batches when a replica is persistently slow, or move layers off a
+        slow stage where that pays instead (:mod:`.stragglers`)."""
         leaders = {stage.ranks[0] for r in self.layout.replicas for stage in r.stages}
-        self.detector.observe(self.layout, {rank: float(pipeline_s[rank]) for rank in leaders})
+        self.detector.observe(
+            self.layout, {rank: float(pipeline_s[rank]) for rank in leaders},
+            {rank: StageCompute(float(layers_s[rank]), float(forward_s[rank] - layers_s[rank]))
+             for rank in leaders})
         decision = self.detector.proposal(self.layout)
         if decision is None:
+            moved = self.detector.layer_proposal(self.layout)
+            if moved is not None:
+                self._change_layout(moved.layout, self.governor.plan, reason=moved.reason,
+                                    predicted_gain=moved.predicted_gain)
             return
         self.detector.reset()
         self.layout = decision.layout
@@ -287,7 +311,7 @@ class ElasticTrainer(Trainer):
         decision = agree(self.store, self.monitor)
         if decision.joined:  # a grow was committed before the failure: it is the next one's
             timeout = timedelta(seconds=self.monitor.config.agreement_timeout_s)
-            self._follow_grow(growth.committed_plan(self.store, decision.generation, timeout))
+            self._follow_change(relayout.committed_plan(self.store, decision.generation, timeout))
             return
         self.monitor.advance(decision)
         times.agreed_at = time.time()
@@ -313,7 +337,7 @@ class ElasticTrainer(Trainer):
         self._pending = times
         self.state_layout, self.lost = new_layout, set()
         if self.detector is not None:
-            self.detector.reset()
+            self.detector.reset(planned=new_layout)
 
     def _stop_with_checkpoint(self, reason: str, failed: set[int], decision: Decision,
                               old_lists, times: RecoveryTimes) -> None:
@@ -399,21 +423,24 @@ class ElasticTrainer(Trainer):
         layout = plan_replica_drop(old, failed, keep_global_batch=policy == "reroute")
         return layout, nominal_clock_plan(self.cost, layout, len(layout.spares), PowerModel())
 
-    # -- growth ---------------------------------------------------------------------------------
+    # -- layout changes at a step boundary ------------------------------------------------------
 
-    def _grow(self, joined: frozenset[int]) -> None:
-        """Take ``joined`` in after this iteration (every stage holder calls this alike)."""
+    def _change_layout(self, layout: Layout, clocks: ClockPlan, *,
+                       joined: frozenset[int] = frozenset(), reason: str = "",
+                       predicted_gain: float = 1.0) -> None:
+        """Switch to ``layout`` after this iteration, taking ``joined`` in (every stage holder
+        calls this alike; the lowest commits the change, :mod:`.relayout`)."""
         generation = self.monitor.generation
         if self.is_logger:
-            layout, clocks = self._plan_growth(joined)
             members = tuple(sorted(set(self.monitor.members) | joined))
             decision = Decision(generation + 1, members, (), tuple(sorted(joined)))
-            growth.commit(self.store, GrowPlan(decision, layout, self.state_layout,
-                                               self.iteration, clocks, time.time()))
-        plan = growth.wait_for_plan(self.store, generation + 1, self.monitor.failure_detected)
+            relayout.commit(self.store, LayoutChange(decision, layout, self.state_layout,
+                                                     self.iteration, clocks, time.time(),
+                                                     reason, predicted_gain))
+        plan = relayout.wait_for_plan(self.store, generation + 1, self.monitor.failure_detected)
         if plan is None:  # a failure's decision ended the generation instead
             self.monitor.raise_if_failed()
-        self._follow_grow(plan)
+        self._follow_change(plan)
 
     def _plan_growth(self, joined: frozenset[int]) -> tuple[Layout, ClockPlan]:
         """The failure-free layout when every rank it uses is back, else a plan for it without
@@ -429,13 +456,18 @@ class ElasticTrainer(Trainer):
             return Layout(layout.num_layers, layout.replicas,
                           tuple(sorted({*layout.spares, *joined}))), self.governor.plan
 
-    def _follow_grow(self, plan: GrowPlan) -> None:
-        """A member's part in a grow: the next generation's groups, then the common part."""
+    def _follow_change(self, plan: LayoutChange) -> None:
+        """A member's part in a layout change: the next generation's groups (all of them anew
+        when ranks join, else only those that change), then the common part."""
         self.monitor.advance(plan.decision)
-        self.registry.grow(plan.layout, plan.decision.generation)
-        self.complete_grow(plan)
+        if plan.decision.joined:
+            self.registry.grow(plan.layout, plan.decision.generation)
+        else:
+            self.registry.edit((), plan.layout, EditMode.INPLACE,
+                               generation=plan.decision.generation)
+        self.complete_change(plan)
 
-    def complete_grow(self, plan: GrowPlan) -> None:
+    def complete_change(self, plan: LayoutChange) -> None:
         """Restore the state of the step boundary into ``plan``'s layout and carry on; members
         and joiners alike, once the groups of ``plan`` exist."""
         edited = time.time()
@@ -445,15 +477,23 @@ class ElasticTrainer(Trainer):
         self._restore(plan.decision, plan.layout, times)
         self.governor.apply(plan.clocks, plan.layout)
         self.state_layout, self.lost = plan.layout, set()
-        if self.detector is not None:
-            self.detector.reset()
+        if self.detector is not None:  # a grow is planned; moved layers keep the planned counts
+            self.detector.reset(planned=plan.layout if plan.decision.joined else None)
         total = times.migrated_at - plan.announced_at
-        self.metrics.write(
-            "grow", iteration=self.iteration, joined_ranks=list(plan.decision.joined),
-            total_s=total, comm_s=edited - plan.announced_at,
-            rebuild_s=times.rebuilt_at - edited, migrate_s=times.migrated_at - times.rebuilt_at,
-            bytes_moved=times.bytes_moved, layout=plan.layout.to_json(),
-            clocks=[list(replica) for replica in plan.clocks.clocks])
+        phases = dict(total_s=total, comm_s=edited - plan.announced_at,
+                      rebuild_s=times.rebuilt_at - edited,
+                      migrate_s=times.migrated_at - times.rebuilt_at,
+                      bytes_moved=times.bytes_moved, layout=plan.layout.to_json())
+        if not plan.decision.joined:
+            self.metrics.write("rebalance", iteration=self.iteration, reason=plan.reason,
+                               predicted_gain=plan.predicted_gain, **phases)
+            if self.is_logger:
+                log(f" rebalanced after iteration {self.iteration}: {plan.reason}; predicted "
+                    f"{plan.predicted_gain:.2f}x faster ({total:.2f} s, "
+                    f"{times.bytes_moved / 1e6:.1f} MB moved)")
+            return
+        self.metrics.write("grow", iteration=self.iteration, joined_ranks=list(plan.decision.joined),
+                           clocks=[list(replica) for replica in plan.clocks.clocks], **phases)
         if self.is_logger:
             log(f" ranks {list(plan.decision.joined)} joined after iteration {self.iteration} in "
                 f"{total:.2f} s (groups {edited - plan.announced_at:.2f}, rebuild "
@@ -622,8 +662,9 @@ def _runtime_parts(args: argparse.Namespace, backend: DeviceBackend, rank: int, 
         injector=FaultInjector(args.elastic_inject_failure, rank,
                                hang_s=3 * config.heartbeat_timeout_s),
         slowdowns=tuple(args.elastic_inject_slowdown),
-        detector=(StragglerDetector(RebalanceConfig(window=args.elastic_rebalance_window,
-                                                    min_gain=args.elastic_rebalance_min_gain))
+        detector=(StragglerDetector(RebalanceConfig(
+            window=args.elastic_rebalance_window, min_gain=args.elastic_rebalance_min_gain,
+            slow_stage_factor=args.elastic_slow_stage_factor))
                   if args.elastic_rebalance_window else None),
     )
 
@@ -633,12 +674,12 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
                      valid_source: MicrobatchSource | None) -> ElasticTrainer:
     """A replacement's trainer: ask to join, wait until the job takes this rank in at a step
     boundary, form the grown generation's groups with the members and receive the state.
-    Raises :class:`~.growth.JobFinished` if the job ends first."""
+    Raises :class:`~.relayout.JobFinished` if the job ends first."""
     store = connect_store(timeout=timedelta(minutes=args.distributed_timeout_minutes))
     config = MonitorConfig(heartbeat_timeout_s=args.elastic_heartbeat_timeout)
     log(f" rank {rank} asks to rejoin the running job")
-    growth.request_join(store, rank)
-    plan = growth.wait_for_acceptance(store, rank)
+    relayout.request_join(store, rank)
+    plan = relayout.wait_for_acceptance(store, rank)
     monitor = FailureMonitor(store, rank, plan.decision, config, job_size=world_size,
                              skip_recorded_deaths=True)
     monitor.start()  # the members watch this rank's heartbeat from the plan on
@@ -656,7 +697,7 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
                                 SnapshotConfig(replicas=args.elastic_snapshot_replicas)),
         registry=registry, monitor=monitor, store=store,
         **_runtime_parts(args, backend, rank, vocab_size, config))
-    trainer.complete_grow(plan)
+    trainer.complete_change(plan)
     return trainer
 
 
@@ -675,16 +716,16 @@ def run_elastic(trainer: ElasticTrainer) -> None:
                 if trainer.is_logger:
                     log(f" saved checkpoint at iteration {trainer.iteration} to {directory}")
             return
-        if isinstance(outcome, GrowPlan):
+        if isinstance(outcome, LayoutChange):
             try:
-                trainer._follow_grow(outcome)
+                trainer._follow_change(outcome)
                 continue
             except (RuntimeError, FailureDetected) as error:
                 outcome = error
         trainer.recover(outcome)
 
 
-def _wait_for_the_others(trainer: ElasticTrainer) -> GrowPlan | RuntimeError | None:
+def _wait_for_the_others(trainer: ElasticTrainer) -> LayoutChange | RuntimeError | None:
     """Wait until every member has finished (``None``), ranks join (their plan) or a failure is
     noticed (an error to recover from)."""
     generation = trainer.monitor.generation
@@ -693,8 +734,8 @@ def _wait_for_the_others(trainer: ElasticTrainer) -> GrowPlan | RuntimeError | N
     while not trainer.store.check(done):
         if trainer.monitor.failure_detected.is_set():
             return RuntimeError("a rank failed while this one waited for the others")
-        if (plan := growth.published_plan(trainer.store, generation + 1)) is not None:
+        if (plan := relayout.published_plan(trainer.store, generation + 1)) is not None:
             return plan
         time.sleep(0.05)
-    trainer.store.set(growth.FINISHED_KEY, "")
+    trainer.store.set(relayout.FINISHED_KEY, "")
     return None

@@ -15,7 +15,7 @@ from .checkpoint import TrainingProgress, load_checkpoint, save_checkpoint
 from .data import MicrobatchSource, build_datasets, load_tokenizer, padded_vocab_size
 from .distributed import init_default_group, init_model_parallel, shutdown
 from .elastic import build_elastic_trainer, failure_free_layout, join_elastic_job, run_elastic
-from .growth import JobFinished
+from .relayout import JobFinished
 from .loop import Trainer, log
 from .model import (
     batched_p2p_is_safe,

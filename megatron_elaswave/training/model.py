@@ -15,6 +15,7 @@ import hashlib
 import math
 import random
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy
@@ -124,6 +125,11 @@ def global_parameter_names(chunk: GPTModel) -> dict[str, str]:
             lambda m: f"decoder.layers.{layer_numbers[m.group(1)]}.", name
         )
     return names
+
+
+def transformer_layers(chunks: Iterable[GPTModel]) -> list[torch.nn.Module]:
+    """The transformer layers of ``chunks``, in model order."""
+    return [layer for chunk in chunks for layer in chunk.decoder.layers]
 
 
 def _initial_value(name: str, shape: tuple[int, ...], std: float, num_layers: int, seed: int):

@@ -1,10 +1,12 @@
-"""Throughput with one rank slowed down, with and without re-dealing micro-batches.
+"""Throughput with one rank slowed down, with and without following the straggler.
 
-Both arms train the same GPT with ``--elastic`` on TP1 x PP2 x DP2 while rank 1 (stage 0 of
-replica 1) computes ``--factor`` times as slowly from the first iteration
-(``--elastic-inject-slowdown``): ``rebalance`` follows the straggler (the default), ``static``
-keeps the even deal (``--elastic-rebalance-window 0``). Runs alternate; the first
-``--warmup-iters`` iterations of each run (the rebalance window included) are dropped. Prints
+Both arms train the same GPT with ``--elastic`` while rank 1 computes ``--factor`` times as
+slowly from the first iteration (``--elastic-inject-slowdown``): ``follow`` lets the job react
+(the default), ``static`` keeps the planned layout (``--elastic-rebalance-window 0``). With
+``--data-parallel 2`` (TP1 x PP2 x DP2, rank 1 is stage 0 of replica 1) the job re-deals the
+micro-batches; with ``--data-parallel 1`` (TP1 x PP2, rank 1 is the last stage of the lone
+replica) re-dealing cannot help and layers move off the slow stage. Runs alternate; the first
+``--warmup-iters`` iterations of each run (the rebalance windows included) are dropped. Prints
 the median iteration time of each arm and the throughput ratio.
 """
 
@@ -20,6 +22,8 @@ from common import alternate, pretrain_records
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--factor", type=float, default=2.0)
+    parser.add_argument("--data-parallel", type=int, choices=(1, 2), default=2)
+    parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--global-batch-size", type=int, default=16)
     parser.add_argument("--train-iters", type=int, default=25)
@@ -28,7 +32,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     base = [
-        "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+        "--pipeline-model-parallel-size", "2", "--num-layers", str(args.num_layers),
         "--hidden-size", str(args.hidden_size), "--num-attention-heads", "4", "--seq-length", "128",
         "--micro-batch-size", "2", "--global-batch-size", str(args.global_batch_size),
         "--train-iters", str(args.train_iters), "--lr", "1e-3", "--mock-data", "--vocab-size", "511",
@@ -36,30 +40,34 @@ def main() -> None:
         "--log-interval", "1000", "--eval-interval", "100000",
         "--elastic-inject-slowdown", f"rank=1,factor={args.factor}",
     ]
-    deals: dict[str, list[int]] = {}
+    layouts: dict[str, dict] = {}
 
     def arm(name: str, flags: list[str]):
         def run() -> list[float]:
-            records = pretrain_records(base + flags, 4)
-            deals[name] = [r["num_microbatches"] for r in records[-1]["layout"]]
+            records = pretrain_records(base + flags, 2 * args.data_parallel)
+            layouts[name] = {
+                "microbatches_per_replica": [r["num_microbatches"] for r in records[-1]["layout"]],
+                "layers_per_stage": [[s["layers"][1] - s["layers"][0] + 1 for s in r["stages"]]
+                                     for r in records[-1]["layout"]]}
             return [r["step_time_s"] for r in records]
         return run
 
-    times = alternate({"rebalance": arm("rebalance", []),
+    times = alternate({"follow": arm("follow", []),
                        "static": arm("static", ["--elastic-rebalance-window", "0"])},
                       args.rounds, args.warmup_iters,
                       report=(lambda line: None) if args.json else print)
     medians = {name: statistics.median(values) for name, values in times.items()}
-    summary = {"median_s": medians, "speedup": medians["static"] / medians["rebalance"],
-               "microbatches_per_replica": deals, "factor": args.factor,
+    summary = {"median_s": medians, "speedup": medians["static"] / medians["follow"],
+               "layouts": layouts, "factor": args.factor, "data_parallel": args.data_parallel,
                "iterations_per_arm": len(times["static"])}
     if args.json:
         print(json.dumps(summary))
         return
-    print(f"rank 1 {args.factor:g}x slower, TP1xPP2xDP2, {summary['iterations_per_arm']} iterations "
-          f"per arm: static deal {deals['static']} {medians['static'] * 1e3:.1f} ms, re-dealt "
-          f"{deals['rebalance']} {medians['rebalance'] * 1e3:.1f} ms: throughput "
-          f"x{summary['speedup']:.2f} with rebalancing")
+    grid = f"TP1xPP2xDP{args.data_parallel}"
+    print(f"rank 1 {args.factor:g}x slower, {grid}, {summary['iterations_per_arm']} iterations per "
+          f"arm: static {layouts['static']} {medians['static'] * 1e3:.1f} ms, following the "
+          f"straggler {layouts['follow']} {medians['follow'] * 1e3:.1f} ms: throughput "
+          f"x{summary['speedup']:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,10 @@
-"""Growing back: replacement ranks join a running job at a step boundary.
+"""Layout changes at a step boundary, without a failure: replacement ranks join (a grow), or
+layers move off a slow stage (a rebalance, :mod:`.stragglers`).
+
+Both run the same way: the lowest active rank commits the change, every member (and joiner)
+follows it, the groups change, and the state of the iteration just finished is restored into the
+new layout from the snapshots. What follows is the grow; a rebalance skips the requests and
+acceptances and edits the groups in place.
 
 A worker that ``elaswave-run --rejoin`` starts in a dead worker's slot (or that an agent replacing
 a lost node starts) asks to join in the store and waits. The members see the request through
@@ -9,7 +15,7 @@ learns of it after the same iteration. Then, at that step boundary:
    back) and commits a :class:`~megatron_elaswave.agreement.Decision` with ``joined`` set on the
    generation's decision key. The key takes one decision per generation: if a failure's
    agreement committed first, the grow is abandoned and the failure recovered as usual;
-2. it publishes the :class:`GrowPlan` and accepts the joiners;
+2. it publishes the :class:`LayoutChange` and accepts the joiners;
 3. members and joiners form the next generation's default group and every group of the grown
    layout (a ``full`` edit: a new process cannot enter groups formed without it), restore the
    state of the iteration just finished from the members' snapshots (the joiners receive their
@@ -23,7 +29,7 @@ Keys (under ``rt/``):
 ===============================  ==================================================================
 ``rt/join/<rank>``               a replacement for launch rank ``rank`` asks to join (JSON)
 ``rt/join/<rank>/accepted``      the generation it joins, set when accepted
-``rt/gen<g>/grow``               the :class:`GrowPlan` of generation ``g`` (the grown one)
+``rt/gen<g>/change``             the :class:`LayoutChange` that starts generation ``g``
 ``rt/finished``                  every member is done: a replacement still waiting leaves
 ===============================  ==================================================================
 """
@@ -55,7 +61,7 @@ def accepted_key(rank: int) -> str:
 
 
 def plan_key(generation: int) -> str:
-    return f"rt/gen{generation}/grow"
+    return f"rt/gen{generation}/change"
 
 
 class JobFinished(Exception):
@@ -63,21 +69,26 @@ class JobFinished(Exception):
 
 
 @dataclass(frozen=True)
-class GrowPlan:
-    """What every rank of a grown generation needs to know."""
+class LayoutChange:
+    """What every rank of the changed generation needs to know."""
 
     decision: Decision
-    """The generation's membership; ``decision.joined`` are the joining ranks."""
+    """The generation's membership; ``decision.joined`` are the joining ranks (none for a
+    rebalance)."""
     layout: Layout
-    """The layout from the grow on."""
+    """The layout from the change on."""
     state_layout: Layout
-    """The layout whose snapshots hold the state: the one before the grow."""
+    """The layout whose snapshots hold the state: the one before the change."""
     iteration: int
-    """The iteration after which the ranks join."""
+    """The iteration after which the layout changes."""
     clocks: ClockPlan
     """The clocks of ``layout`` (:mod:`megatron_elaswave.dvfs`)."""
     announced_at: float
-    """Unix time of the commit, where the grow's ``total_s`` starts."""
+    """Unix time of the commit, where the change's ``total_s`` starts."""
+    reason: str = ""
+    """Why a rebalance moves layers (empty for a grow)."""
+    predicted_gain: float = 1.0
+    """A rebalance's predicted step speed-up."""
 
     def to_json(self) -> str:
         return json.dumps({
@@ -87,10 +98,12 @@ class GrowPlan:
             "iteration": self.iteration,
             "clocks": {**vars(self.clocks), "clocks": [list(c) for c in self.clocks.clocks]},
             "announced_at": self.announced_at,
+            "reason": self.reason,
+            "predicted_gain": self.predicted_gain,
         })
 
     @classmethod
-    def from_json(cls, raw: str | bytes) -> GrowPlan:
+    def from_json(cls, raw: str | bytes) -> LayoutChange:
         fields = json.loads(raw)
         clocks = fields["clocks"]
         return cls(
@@ -100,6 +113,8 @@ class GrowPlan:
             iteration=fields["iteration"],
             clocks=ClockPlan(**{**clocks, "clocks": tuple(tuple(c) for c in clocks["clocks"])}),
             announced_at=fields["announced_at"],
+            reason=fields["reason"],
+            predicted_gain=fields["predicted_gain"],
         )
 
 
@@ -120,19 +135,19 @@ def request_join(store: Store, rank: int) -> None:
     store.set(join_key(rank), json.dumps({"pid": os.getpid(), "time": time.time()}))
 
 
-def wait_for_acceptance(store: Store, rank: int) -> GrowPlan:
+def wait_for_acceptance(store: Store, rank: int) -> LayoutChange:
     """Block until the job accepts ``rank``; raises :class:`JobFinished` if it ends first."""
     while not store.check([accepted_key(rank)]):
         if store.check([FINISHED_KEY]):
             raise JobFinished(f"the job finished before rank {rank} could rejoin it")
         time.sleep(_POLL_INTERVAL_S)
     generation = int(store.get(accepted_key(rank)))
-    return GrowPlan.from_json(store.get(plan_key(generation)))
+    return LayoutChange.from_json(store.get(plan_key(generation)))
 
 
 # -- the members ---------------------------------------------------------------------------------
 
-def commit(store: Store, plan: GrowPlan) -> bool:
+def commit(store: Store, plan: LayoutChange) -> bool:
     """Commit ``plan``'s decision for the generation it ends, publish the plan and accept the
     joiners; ``False`` (nothing published) when another decision, a failure's, came first."""
     ended = plan.decision.generation - 1
@@ -146,21 +161,21 @@ def commit(store: Store, plan: GrowPlan) -> bool:
     return True
 
 
-def published_plan(store: Store, generation: int) -> GrowPlan | None:
+def published_plan(store: Store, generation: int) -> LayoutChange | None:
     """The plan of ``generation`` if one was published."""
     key = plan_key(generation)
-    return GrowPlan.from_json(store.get(key)) if store.check([key]) else None
+    return LayoutChange.from_json(store.get(key)) if store.check([key]) else None
 
 
-def committed_plan(store: Store, generation: int, timeout: timedelta) -> GrowPlan:
+def committed_plan(store: Store, generation: int, timeout: timedelta) -> LayoutChange:
     """The plan of ``generation``, whose decision is known to be committed: its committer
     publishes the plan right after."""
     key = plan_key(generation)
     store.wait([key], timeout)
-    return GrowPlan.from_json(store.get(key))
+    return LayoutChange.from_json(store.get(key))
 
 
-def wait_for_plan(store: Store, generation: int, failure: threading.Event) -> GrowPlan | None:
+def wait_for_plan(store: Store, generation: int, failure: threading.Event) -> LayoutChange | None:
     """The plan of ``generation``; ``None`` as soon as ``failure`` is set."""
     while (plan := published_plan(store, generation)) is None:
         if failure.is_set():
