@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import types
 
 import pytest
 
@@ -64,4 +65,54 @@ def test_a_failing_command_and_a_missing_one_are_clear_errors():
 def test_nvml_refuses_clearly_where_clocks_cannot_be_set():
     # No NVIDIA GPU here (or no nvidia-ml-py): refused at start-up, with the reason.
     with pytest.raises(DvfsError, match="--elastic-dvfs nvml"):
+        clock_backend("nvml", 0)
+
+
+class FakeNvml(types.ModuleType):
+    """Stands in for ``pynvml`` (no GPU here): records the calls the backend makes of the NVML
+    API, and refuses clock locking like a driver without the permission when told to."""
+
+    NVML_CLOCK_GRAPHICS = 0
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, max_mhz: int, permitted: bool) -> None:
+        super().__init__("pynvml")
+        self.max_mhz, self.permitted, self.calls = max_mhz, permitted, []
+
+    def nvmlInit(self) -> None:
+        self.calls.append(("init",))
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
+        return f"gpu{index}"
+
+    def nvmlDeviceGetMaxClockInfo(self, handle: str, clock_type: int) -> int:
+        assert clock_type == self.NVML_CLOCK_GRAPHICS
+        return self.max_mhz
+
+    def nvmlDeviceSetGpuLockedClocks(self, handle: str, low: int, high: int) -> None:
+        if not self.permitted:
+            raise self.NVMLError("Insufficient Permissions")
+        self.calls.append(("lock", handle, low, high))
+
+    def nvmlDeviceResetGpuLockedClocks(self, handle: str) -> None:
+        self.calls.append(("reset", handle))
+
+
+def test_nvml_locks_the_graphics_clock_to_the_planned_fraction(monkeypatch):
+    nvml = FakeNvml(max_mhz=1980, permitted=True)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    clocks = clock_backend("nvml", 3)
+    assert nvml.calls == [("init",), ("lock", "gpu3", 1980, 1980), ("reset", "gpu3")]
+    clocks.set_clock(0.8)
+    clocks.set_clock(1.2)  # never above the maximum
+    clocks.close()
+    assert nvml.calls[3:] == [("lock", "gpu3", 1584, 1584), ("lock", "gpu3", 1980, 1980),
+                              ("reset", "gpu3")]
+
+
+def test_nvml_without_the_permission_is_refused_at_start_up(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml(max_mhz=1980, permitted=False))
+    with pytest.raises(DvfsError, match="cannot set the clocks of GPU 0: Insufficient Permissions"):
         clock_backend("nvml", 0)

@@ -29,6 +29,7 @@ group's flat buffer sharded in equal contiguous slices over its holders), for co
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -310,24 +311,34 @@ def interleaved_migration(old: Layout, new: Layout, failed: frozenset[int], cost
     return schedule_waves(copies, cost)
 
 
-def schedule_waves(copies: list[tuple[int, int, int, str]], cost: CostModel) -> MigrationPlan:
-    """Greedy wave assignment, largest copies first: each copy goes to the first wave in which
-    neither its source nor its destination is busy."""
-    ordered = sorted(copies, key=lambda c: (-c[2], c[0], c[1], c[3]))
+def assign_waves(copies: Sequence[tuple[int, int, int]]) -> list[int]:
+    """The wave of each ``(source, destination, bytes)`` copy, largest copies first: each goes to
+    the first wave in which neither its source nor its destination is busy, so that every rank
+    takes part in at most one copy per wave (the waves are disjoint rank-to-rank transfers)."""
     busy: dict[int, set[int]] = defaultdict(set)
-    largest: list[int] = []
-    transfers = []
-    for src, dst, size, what in ordered:
+    waves = [0] * len(copies)
+    for index in sorted(range(len(copies)), key=lambda i: (-copies[i][2], copies[i][:2], i)):
+        src, dst, _ = copies[index]
         wave = 0
         while wave in busy[src] or wave in busy[dst]:
             wave += 1
         busy[src].add(wave)
         busy[dst].add(wave)
-        if wave == len(largest):
-            largest.append(0)
+        waves[index] = wave
+    return waves
+
+
+def schedule_waves(copies: list[tuple[int, int, int, str]], cost: CostModel) -> MigrationPlan:
+    """The copies in disjoint waves (:func:`assign_waves`), with the time they are predicted to
+    take: each wave as long as its largest copy."""
+    copies = sorted(copies, key=lambda c: (c[0], c[1], c[3]))
+    waves = assign_waves([(src, dst, size) for src, dst, size, _ in copies])
+    largest = [0] * (max(waves) + 1 if waves else 0)
+    for (_, _, size, _), wave in zip(copies, waves):
         largest[wave] = max(largest[wave], size)
-        transfers.append(Transfer(wave, src, dst, size, what))
-    transfers.sort(key=lambda t: (t.wave, t.src, t.dst, t.what))
+    transfers = sorted((Transfer(wave, src, dst, size, what)
+                        for (src, dst, size, what), wave in zip(copies, waves)),
+                       key=lambda t: (t.wave, t.src, t.dst, t.what))
     latency = cost.p2p_latency_ns / 1e9
     return MigrationPlan(
         transfers=tuple(transfers),

@@ -132,6 +132,11 @@ def _add_elastic_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--elastic-rebalance-min-gain", type=float, default=1.2,
                        help="smallest predicted step speed-up that makes the job re-deal its "
                             "micro-batches or move layers (default 1.2)")
+    group.add_argument("--elastic-zero", choices=("contiguous", "interleaved"), default="contiguous",
+                       help="how the distributed optimizer shards its state: one contiguous shard "
+                            "per rank of each layer group (contiguous, Megatron's, default), or "
+                            "each layer's state over that layer's holders (interleaved: less to "
+                            "move after a failure, one reduce-scatter per layer)")
     group.add_argument("--elastic-slow-stage-factor", type=float, default=1.5,
                        help="a pipeline stage whose time per transformer layer is this many "
                             "times the fastest stage's of its replica runs on a slow device: "
@@ -235,6 +240,9 @@ def _validate_elastic(args: argparse.Namespace, world_size: int) -> None:
     _fail_unless(args.elastic_rebalance_min_gain >= 1, "--elastic-rebalance-min-gain must be >= 1")
     _fail_unless(args.elastic_slow_stage_factor > 1, "--elastic-slow-stage-factor must be > 1")
     _fail_unless(args.elastic_heartbeat_timeout > 0, "--elastic-heartbeat-timeout must be positive")
+    _fail_unless(args.elastic or args.elastic_zero == "contiguous",
+                 "--elastic-zero interleaved needs --elastic (without it Megatron shards the "
+                 "optimizer as usual)")
     if not args.elastic:
         return
     _fail_unless(args.use_distributed_optimizer,

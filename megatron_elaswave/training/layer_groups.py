@@ -9,6 +9,13 @@ data-parallel group (its holders at this TP rank, one per replica) with its own
 groups and run back to back as one pipeline stage (:class:`ChunkSequence`), so the stock 1F1B and
 no-pipelining schedules drive every replica, whatever its depth.
 
+With interleaved ZeRO (``--elastic-zero interleaved``) a rank builds one chunk per *layer* instead,
+each over the data-parallel group of the layer group it belongs to: every layer's optimizer state
+is then sharded over that layer's holders alone, so a layer whose holders did not change keeps its
+shards where they are after a re-partition, and moving a layer or recovering a lost shard is a set
+of rank-to-rank copies of that layer's state only. The price is one gradient reduce-scatter and
+parameter all-gather per layer instead of per layer group.
+
 Gradients are normalised by the token count of the whole global batch (one all-reduce over
 every active rank), and the gradient norm is reduced over the same group, so any split of the
 global batch over replicas and micro-batches gives the same update. With the failure-free grid
@@ -51,8 +58,8 @@ from .model import (
 
 
 class LayerGroupStage:
-    """What a chunk's model code sees as its pipeline group: the chunk's place among the layer
-    groups. Megatron's model code asks it only for ``rank()`` and ``size()`` (layer offset and
+    """What a chunk's model code sees as its pipeline group: the chunk's place among the model's
+    chunks. Megatron's model code asks it only for ``rank()`` and ``size()`` (layer offset and
     count, first/last stage); it never issues a collective on it."""
 
     def __init__(self, index: int, count: int) -> None:
@@ -93,7 +100,7 @@ class ChunkSequence(torch.nn.Module):
 
 
 def pipeline_layout_string(groups: list[tuple[int, int]]) -> str:
-    """Megatron's ``pipeline_model_parallel_layout`` with one pipeline stage per layer group."""
+    """Megatron's ``pipeline_model_parallel_layout`` with one pipeline stage per model chunk."""
     stages = []
     for index, (first, last) in enumerate(groups):
         stage = "t" * (last - first + 1)
@@ -123,8 +130,31 @@ class StageObjects(TrainingObjects):
         return [self.stage]
 
 
-def _chunk_config(args: argparse.Namespace, layout: Layout):
-    groups = layout.layer_groups()
+@dataclass(frozen=True)
+class ChunkRange:
+    """The layers of one model chunk and the layer group whose data-parallel group it uses."""
+
+    first_layer: int
+    last_layer: int
+    layer_group: int
+
+
+def chunk_ranges(layout: Layout, zero: str) -> list[ChunkRange]:
+    """The model chunks of ``layout``, in layer order: one per layer group (``contiguous``) or
+    one per layer (``interleaved``)."""
+    ranges = []
+    for g, (first, last) in enumerate(layout.layer_groups()):
+        if zero == "interleaved":
+            ranges += [ChunkRange(layer, layer, g) for layer in range(first, last + 1)]
+        elif zero == "contiguous":
+            ranges.append(ChunkRange(first, last, g))
+        else:
+            raise ValueError(f"unknown ZeRO sharding {zero!r}: interleaved or contiguous")
+    return ranges
+
+
+def _chunk_config(args: argparse.Namespace, ranges: list[ChunkRange]):
+    groups = [(r.first_layer, r.last_layer) for r in ranges]
     config = transformer_config(args, batch_p2p_comm=True)
     config.pipeline_model_parallel_size = len(groups)
     if len(groups) > 1:
@@ -146,32 +176,32 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
     Collective over the holders of each of this rank's layer groups. With ``initialize`` the
     parameters are set layout-invariantly; without it they are left for a restore to fill.
     """
-    config = _chunk_config(args, layout)
-    groups = layout.layer_groups()
+    ranges = chunk_ranges(layout, args.elastic_zero)
+    config = _chunk_config(args, ranges)
     rank = registry.rank
     replica_index, stage_index, tp_rank = layout.position(rank)
     replica = layout.replica_by_index()[replica_index]
     stage = replica.stages[stage_index]
-    held = [g for g, (first, _) in enumerate(groups)
-            if stage.first_layer <= first <= stage.last_layer]
+    held = [c for c, chunk_range in enumerate(ranges)
+            if stage.first_layer <= chunk_range.first_layer <= stage.last_layer]
     tp, pp, world = registry.group(Role.TP), registry.group(Role.PP), registry.group(Role.WORLD)
     cp = registry.group(Role.CP)
-    install_process_groups(registry.process_group_collection(held[0]))
+    install_process_groups(registry.process_group_collection(ranges[held[0]].layer_group))
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True)
     opt_config = optimizer_config(args)
     chunks, chunk_groups, optimizers = [], [], []
-    for g in held:
-        dp = registry.group(Role.DP, (g, tp_rank))
-        model_groups = ProcessGroupCollection(tp=tp, cp=cp, pp=LayerGroupStage(g, len(groups)),
+    for c in held:
+        dp = registry.group(Role.DP, (ranges[c].layer_group, tp_rank))
+        model_groups = ProcessGroupCollection(tp=tp, cp=cp, pp=LayerGroupStage(c, len(ranges)),
                                               embd=None, pos_embd=None)
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=get_gpt_layer_local_spec(),
             vocab_size=vocab_size,
             max_sequence_length=args.max_position_embeddings,
-            pre_process=g == 0,
-            post_process=g == len(groups) - 1,
+            pre_process=c == 0,
+            post_process=c == len(ranges) - 1,
             share_embeddings_and_output_weights=False,
             position_embedding_type=args.position_embedding_type,
             pg_collection=model_groups,
@@ -184,7 +214,7 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
         # this rank alone (``None`` would make Megatron read the global ones).
         groups_of_chunk = ProcessGroupCollection(
             tp=tp, cp=cp, pp=pp, ep=cp, embd=cp, pos_embd=cp, dp=dp, dp_cp=dp,
-            intra_dp_cp=dp, expt_dp=cp, intra_dist_opt=world, mp=LayerGroupStage(g, len(groups)),
+            intra_dp_cp=dp, expt_dp=cp, intra_dist_opt=world, mp=LayerGroupStage(c, len(ranges)),
             tp_ep_pp=None,
         )
         ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,

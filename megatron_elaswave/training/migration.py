@@ -9,8 +9,10 @@ the flattened parameter this rank owns, and ``param`` (fp32 main parameter), ``e
 every chunk it now holds and the Adam state of its new shard, taken from the snapshots of one
 iteration: its own, those of the other survivors, and the replicas of the failed ranks' snapshots
 their buddies hold. Each survivor publishes what it holds and what it needs in the store; every
-survivor derives the same transfer plan from those; each pair of ranks then exchanges one packed
-buffer per direction, all pairs at once, and the receiver checks a CRC-32 of every buffer.
+survivor derives the same transfer plan from those. Each pair of ranks then exchanges one packed
+buffer per direction, in disjoint waves (:func:`~megatron_elaswave.planner.zero.assign_waves`:
+in a wave every rank sends or receives one buffer at most, so no link carries two at once), and
+the receiver checks a CRC-32 of every buffer.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from megatron_elaswave.planner.zero import assign_waves
 
 from .model import global_parameter_names
 
@@ -193,32 +197,46 @@ def migrate(held: Mapping[str, torch.Tensor], needs: Sequence[Piece], *, rank: i
         elif transfer.target == rank:
             incoming[transfer.source].append(transfer)
 
-    requests, sent = [], []
-    for peer, items in sorted(outgoing.items()):
-        buffer = torch.cat([_slice(held, t).float().reshape(-1) for t in items])
-        checksum = torch.tensor([zlib.crc32(buffer.numpy().tobytes())], dtype=torch.int64)
-        sent += [buffer, checksum]
-        requests.append(dist.isend(buffer, peer, group=group, tag=1))
-        requests.append(dist.isend(checksum, peer, group=group, tag=2))
-    received = {}
-    for peer, items in sorted(incoming.items()):
-        buffer = torch.empty(sum(t.end - t.start for t in items), dtype=torch.float32)
-        checksum = torch.empty(1, dtype=torch.int64)
-        requests.append(dist.irecv(buffer, peer, group=group, tag=1))
-        requests.append(dist.irecv(checksum, peer, group=group, tag=2))
-        received[peer] = (buffer, checksum)
+    sizes: dict[tuple[int, int], int] = defaultdict(int)
+    for transfer in transfers:
+        if transfer.source != transfer.target:
+            sizes[(transfer.source, transfer.target)] += transfer.end - transfer.start
+    pairs = sorted(sizes)
+    waves = assign_waves([(source, target, sizes[(source, target)]) for source, target in pairs])
+    mine = sorted((wave, pair) for wave, pair in zip(waves, pairs) if rank in pair)
+    for _, (source, target) in mine:  # one exchange per wave, in wave order on both sides
+        if source == rank:
+            _send(held, outgoing[target], target, group)
+        else:
+            _place_received(results, needs, incoming[source], source, group)
+    return results, sum(sizes.values()) * torch.float32.itemsize
+
+
+def _send(held: Mapping[str, torch.Tensor], items: list[Transfer], peer: int,
+          group: dist.ProcessGroup | None) -> None:
+    buffer = torch.cat([_slice(held, t).float().reshape(-1) for t in items])
+    checksum = torch.tensor([zlib.crc32(buffer.numpy().tobytes())], dtype=torch.int64)
+    requests = [dist.isend(buffer, peer, group=group, tag=1),
+                dist.isend(checksum, peer, group=group, tag=2)]
     for request in requests:
         request.wait()
-    for peer, (buffer, checksum) in received.items():
-        if zlib.crc32(buffer.numpy().tobytes()) != int(checksum):
-            raise TransferCorrupted(f"state received from rank {peer} fails its CRC-32")
-        offset = 0
-        for transfer in incoming[peer]:
-            length = transfer.end - transfer.start
-            _place(results, needs, transfer, buffer[offset:offset + length])
-            offset += length
-    moved = sum(t.end - t.start for t in transfers if t.source != t.target)
-    return results, moved * torch.float32.itemsize
+
+
+def _place_received(results: list[torch.Tensor], needs: Sequence[Piece], items: list[Transfer],
+                    peer: int, group: dist.ProcessGroup | None) -> None:
+    buffer = torch.empty(sum(t.end - t.start for t in items), dtype=torch.float32)
+    checksum = torch.empty(1, dtype=torch.int64)
+    requests = [dist.irecv(buffer, peer, group=group, tag=1),
+                dist.irecv(checksum, peer, group=group, tag=2)]
+    for request in requests:
+        request.wait()
+    if zlib.crc32(buffer.numpy().tobytes()) != int(checksum):
+        raise TransferCorrupted(f"state received from rank {peer} fails its CRC-32")
+    offset = 0
+    for transfer in items:
+        length = transfer.end - transfer.start
+        _place(results, needs, transfer, buffer[offset:offset + length])
+        offset += length
 
 
 def _slice(held: Mapping[str, torch.Tensor], transfer: Transfer) -> torch.Tensor:

@@ -28,6 +28,20 @@ def demo_corpus(workdir: Path) -> str:
     return prepare_data(workdir)
 
 
+def mock_gpt_flags(*, pipeline: int, num_layers: int, hidden_size: int, micro_batch_size: int,
+                   global_batch_size: int, train_iters: int, seq_length: int = 128) -> list[str]:
+    """The benchmarks' model: a small GPT on mock data with the distributed optimizer, logging
+    only in the metrics file."""
+    return [
+        "--pipeline-model-parallel-size", str(pipeline), "--num-layers", str(num_layers),
+        "--hidden-size", str(hidden_size), "--num-attention-heads", "4",
+        "--seq-length", str(seq_length), "--micro-batch-size", str(micro_batch_size),
+        "--global-batch-size", str(global_batch_size), "--train-iters", str(train_iters),
+        "--lr", "1e-3", "--mock-data", "--vocab-size", "511", "--use-distributed-optimizer",
+        "--log-interval", "1000", "--eval-interval", "100000",
+    ]
+
+
 def launch(script: Path, script_args: Sequence[str], nproc: int) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nproc`` ranks through elaswave-run; exit with its stderr on failure."""
     command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={nproc}",
@@ -39,14 +53,18 @@ def launch(script: Path, script_args: Sequence[str], nproc: int) -> subprocess.C
     return result
 
 
-def pretrain_records(flags: Sequence[str], nproc: int) -> list[dict]:
-    """The iteration records of one ``pretrain_gpt.py`` run."""
+def pretrain_metrics(flags: Sequence[str], nproc: int) -> list[dict]:
+    """Every record of one ``pretrain_gpt.py`` run's metrics file."""
     with tempfile.TemporaryDirectory() as workdir:
         metrics = Path(workdir) / "metrics.jsonl"
         launch(SCRIPTS / "pretrain_gpt.py", [*flags, "--elastic-metrics-file", str(metrics)],
                nproc)
-        records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return [r for r in records if r["event"] == "iteration"]
+        return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def pretrain_records(flags: Sequence[str], nproc: int) -> list[dict]:
+    """The iteration records of one ``pretrain_gpt.py`` run."""
+    return [r for r in pretrain_metrics(flags, nproc) if r["event"] == "iteration"]
 
 
 def alternate(arms: dict[str, Callable[[], list[float]]], rounds: int, warmup: int,

@@ -12,7 +12,7 @@ import argparse
 import json
 import statistics
 
-from common import alternate, pretrain_records
+from common import alternate, mock_gpt_flags, pretrain_records
 
 
 def main() -> None:
@@ -27,14 +27,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs per arm")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    base = [
-        "--pipeline-model-parallel-size", str(args.pp), "--num-layers", str(args.num_layers),
-        "--hidden-size", str(args.hidden_size), "--num-attention-heads", "4",
-        "--seq-length", str(args.seq_length), "--micro-batch-size", "2",
-        "--global-batch-size", "16", "--train-iters", str(args.train_iters), "--lr", "1e-3",
-        "--mock-data", "--vocab-size", "511", "--use-distributed-optimizer",
-        "--log-interval", "1000", "--eval-interval", "100000",
-    ]
+    base = mock_gpt_flags(pipeline=args.pp, num_layers=args.num_layers,
+                          hidden_size=args.hidden_size, micro_batch_size=2, global_batch_size=16,
+                          train_iters=args.train_iters, seq_length=args.seq_length)
     arms_flags = {
         "none": [],
         "local": ["--elastic-snapshots", "--elastic-snapshot-replicas", "0"],

@@ -16,7 +16,7 @@ import argparse
 import json
 import statistics
 
-from common import alternate, pretrain_records
+from common import alternate, mock_gpt_flags, pretrain_records
 
 
 def main() -> None:
@@ -32,12 +32,10 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     base = [
-        "--pipeline-model-parallel-size", "2", "--num-layers", str(args.num_layers),
-        "--hidden-size", str(args.hidden_size), "--num-attention-heads", "4", "--seq-length", "128",
-        "--micro-batch-size", "2", "--global-batch-size", str(args.global_batch_size),
-        "--train-iters", str(args.train_iters), "--lr", "1e-3", "--mock-data", "--vocab-size", "511",
-        "--use-distributed-optimizer", "--untie-embeddings-and-output-weights", "--elastic",
-        "--log-interval", "1000", "--eval-interval", "100000",
+        *mock_gpt_flags(pipeline=2, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                        micro_batch_size=2, global_batch_size=args.global_batch_size,
+                        train_iters=args.train_iters),
+        "--untie-embeddings-and-output-weights", "--elastic",
         "--elastic-inject-slowdown", f"rank=1,factor={args.factor}",
     ]
     layouts: dict[str, dict] = {}
