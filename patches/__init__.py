@@ -7,6 +7,8 @@ megatron-core outside :data:`SUPPORTED_MEGATRON_CORE` with a clear message.
 
 from __future__ import annotations
 
+from packaging.version import Version
+
 from megatron_elaswave.device import DeviceBackend
 
 from . import (
@@ -32,14 +34,16 @@ __all__ = [
 ]
 
 
-def compatibility_registry(backend: DeviceBackend, *,
-                           layout_invariant_rng: bool = False) -> PatchRegistry:
+def compatibility_registry(backend: DeviceBackend, *, layout_invariant_rng: bool = False,
+                           megatron_core_version: Version | None = None) -> PatchRegistry:
     """The patches any run on ``backend`` needs: device compatibility (off CUDA) and fixes.
 
     ``layout_invariant_rng`` adds the layout-invariant dropout RNG (:mod:`.transformer_layer`,
     :mod:`.language_model_embedding`; see ``megatron_elaswave.dropout_rng``). Off by default.
+    ``megatron_core_version``: the version of the megatron-core that will be patched, when it is
+    not the installed package (a Megatron-LM checkout); checked like the installed one.
     """
-    check_megatron_core_version()
+    check_megatron_core_version(megatron_core_version)
     registry = PatchRegistry()
     if backend.name != "cuda":
         device_compat.register(registry, backend)

@@ -77,7 +77,7 @@ def _device_mapped(factory: Callable, device: torch.device) -> Callable:
     return create
 
 
-def _device_mapped_torch(device: torch.device) -> types.ModuleType:
+def device_mapped_torch(device: torch.device) -> types.ModuleType:
     """A stand-in for the ``torch`` module whose factories map ``device="cuda"`` to ``device``."""
     proxy = types.ModuleType("torch", torch.__doc__)
     proxy.__dict__.update(vars(torch))
@@ -147,7 +147,9 @@ def _cuda_facade(backend: DeviceBackend) -> dict[str, Any]:
         "stream": module.stream,
         "current_stream": module.current_stream,
         "default_stream": module.current_stream,
-        "synchronize": module.synchronize,
+        # A function of its own: torch.compile keeps one handler per function, and the
+        # backend's synchronize already has one.
+        "synchronize": lambda device=None: module.synchronize(),
         "device_count": module.device_count,
         "current_device": lambda: device,
         "set_device": lambda *args, **kwargs: None,
@@ -171,7 +173,7 @@ def register(registry: PatchRegistry, backend: DeviceBackend) -> None:
         raise ValueError("CUDA needs no device compatibility patches")
     for name, replacement in _cuda_facade(backend).items():
         registry.register(f"torch.cuda.{name}", replacement)
-    mapped_torch = _device_mapped_torch(backend.device())
+    mapped_torch = device_mapped_torch(backend.device())
     for module_name in LITERAL_CUDA_MODULES:
         registry.register(f"{module_name}.torch", mapped_torch)
     registry.register("torch.Tensor.cuda", _stay_on_device)

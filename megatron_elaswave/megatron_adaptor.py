@@ -1,0 +1,71 @@
+"""Megatron-LM's own training loop, adapted: importing this module is the whole setup.
+
+Add ``import megatron_elaswave.megatron_adaptor`` at the top of a Megatron-LM
+``pretrain_gpt.py``, or leave the script untouched and run it through the adaptor::
+
+    elaswave-run --nproc-per-node 4 -m megatron_elaswave.run_megatron_lm \\
+        /path/to/Megatron-LM/pretrain_gpt.py <its usual flags>
+
+On import the adaptor finds Megatron-LM (``megatron.training``, from a checkout on ``PYTHONPATH``
+or beside the script), checks that its megatron-core is a version this project was checked
+against, and on a machine without CUDA applies the device compatibility patches
+(``patches.device_compat`` for megatron-core, ``patches.megatron_lm`` for the training loop), so
+the same command trains on CPU with ``--distributed-backend gloo``. Anything missing or
+unsupported ends the process with a one-line message, before training starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from packaging.version import InvalidVersion, Version
+
+from megatron_elaswave import patches
+from megatron_elaswave.device import DeviceUnavailableError, resolve_device_backend
+from megatron_elaswave.patches import megatron_lm
+
+CHECKED_CHECKOUT = "core_v0.16.1"
+"""The Megatron-LM tag the adaptor was read and tested against."""
+
+
+class AdaptorError(SystemExit):
+    """Megatron-LM cannot be adapted: the process ends with this message (no traceback)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"megatron_elaswave.megatron_adaptor: {message}")
+
+
+def megatron_lm_version() -> Version:
+    """The version of the megatron-core inside the Megatron-LM that ``import megatron`` finds."""
+    try:
+        importlib.import_module("megatron.training")
+    except ImportError as error:
+        raise AdaptorError(
+            f"Megatron-LM's training package is not importable ({error}): put a Megatron-LM "
+            f"checkout ({CHECKED_CHECKOUT}) on PYTHONPATH, with its own requirements installed"
+        ) from None
+    package_info = importlib.import_module("megatron.core.package_info")
+    try:
+        return Version(package_info.__version__)
+    except InvalidVersion:
+        raise AdaptorError(f"cannot read Megatron-LM's version ({package_info.__version__!r})") from None
+
+
+def adapt() -> patches.PatchRegistry | None:
+    """Check Megatron-LM and apply what this machine needs; the applied patches, if any."""
+    version = megatron_lm_version()
+    try:
+        backend = resolve_device_backend()
+        if backend.name == "cuda":
+            patches.check_megatron_core_version(version)
+            return None
+        registry = patches.compatibility_registry(backend, megatron_core_version=version)
+    except (patches.UnsupportedMegatronVersion, DeviceUnavailableError) as error:
+        raise AdaptorError(f"{error} (Megatron-LM checkout {CHECKED_CHECKOUT} is supported)") from None
+    megatron_lm.register(registry, backend)
+    registry.apply()
+    return registry
+
+
+applied = adapt()
+"""The patches this import applied (``None`` on CUDA, where Megatron-LM needs none)."""
