@@ -54,14 +54,17 @@ def megatron_lm_version() -> Version:
 def adapt() -> patches.PatchRegistry | None:
     """Check Megatron-LM and apply what this machine needs; the applied patches, if any."""
     version = megatron_lm_version()
+    if version not in patches.SUPPORTED_MEGATRON_CORE:
+        raise AdaptorError(
+            f"this Megatron-LM has megatron-core {version}; megatron-elaswave supports "
+            f"{patches.SUPPORTED_MEGATRON_CORE}: use a checkout of {CHECKED_CHECKOUT}")
     try:
         backend = resolve_device_backend()
-        if backend.name == "cuda":
-            patches.check_megatron_core_version(version)
-            return None
-        registry = patches.compatibility_registry(backend, megatron_core_version=version)
-    except (patches.UnsupportedMegatronVersion, DeviceUnavailableError) as error:
-        raise AdaptorError(f"{error} (Megatron-LM checkout {CHECKED_CHECKOUT} is supported)") from None
+    except DeviceUnavailableError as error:
+        raise AdaptorError(str(error)) from None
+    if backend.name == "cuda":
+        return None
+    registry = patches.compatibility_registry(backend, megatron_core_version=version)
     megatron_lm.register(registry, backend)
     registry.apply()
     return registry

@@ -39,6 +39,21 @@ def test_without_megatron_lm_the_adaptor_stops_in_one_line():
     assert "PYTHONPATH" in line
 
 
+def test_a_megatron_lm_of_another_version_is_refused_in_one_line(tmp_path):
+    """A stand-in checkout whose megatron-core says 0.15.0."""
+    for package in ("megatron/training", "megatron/core"):
+        (tmp_path / package).mkdir(parents=True)
+        (tmp_path / package / "__init__.py").touch()
+    (tmp_path / "megatron/core/package_info.py").write_text("__version__ = '0.15.0'\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", "import megatron_elaswave.megatron_adaptor"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 1, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    assert line == ("megatron_elaswave.megatron_adaptor: this Megatron-LM has megatron-core 0.15.0; "
+                    "megatron-elaswave supports <0.17,>=0.16.1: use a checkout of core_v0.16.1")
+
+
 @pytest.mark.parametrize("args, message", [
     ((), "usage: python -m megatron_elaswave.run_megatron_lm SCRIPT"),
     (("no_such_script.py",), "no such script: no_such_script.py"),
