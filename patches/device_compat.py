@@ -114,8 +114,9 @@ def _with_cuda_type_strings(function: Callable) -> Callable:
     return wrapped
 
 
-def _stay_on_device(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    return tensor
+def stay_on_device(tensor_or_module, *args, **kwargs):
+    """``.cuda(...)`` of a tensor or module off CUDA: it stays where it is."""
+    return tensor_or_module
 
 
 class _DropCpuRngWarning(logging.Filter):
@@ -176,7 +177,7 @@ def register(registry: PatchRegistry, backend: DeviceBackend) -> None:
     mapped_torch = device_mapped_torch(backend.device())
     for module_name in LITERAL_CUDA_MODULES:
         registry.register(f"{module_name}.torch", mapped_torch)
-    registry.register("torch.Tensor.cuda", _stay_on_device)
+    registry.register("torch.Tensor.cuda", stay_on_device)
     for target in CUDA_TYPE_STRING_FUNCTIONS:
         registry.register_wrapper(target, _with_cuda_type_strings)
     registry.register("megatron.core.tensor_parallel.random.logging", _logging_without_cpu_rng_warning())

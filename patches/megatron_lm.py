@@ -21,11 +21,9 @@ from __future__ import annotations
 import functools
 from typing import Callable
 
-import torch
-
 from megatron_elaswave.device import DeviceBackend
 
-from .device_compat import device_mapped_torch
+from .device_compat import device_mapped_torch, stay_on_device
 from .registry import PatchRegistry
 
 LITERAL_CUDA_MODULES = (
@@ -48,10 +46,6 @@ def _allowing_no_cuda(initialize_megatron: Callable) -> Callable:
     return initialize
 
 
-def _stay_on_device(module: torch.nn.Module, *args, **kwargs) -> torch.nn.Module:
-    return module
-
-
 def register(registry: PatchRegistry, backend: DeviceBackend) -> None:
     """Register the redirections Megatron-LM's training loop needs on a non-CUDA ``backend``."""
     if backend.name == "cuda":
@@ -59,7 +53,7 @@ def register(registry: PatchRegistry, backend: DeviceBackend) -> None:
     mapped_torch = device_mapped_torch(backend.device())
     for module_name in LITERAL_CUDA_MODULES:
         registry.register(f"{module_name}.torch", mapped_torch)
-    registry.register("torch.nn.Module.cuda", _stay_on_device)
+    registry.register("torch.nn.Module.cuda", stay_on_device)
     registry.register_wrapper("megatron.training.initialize.initialize_megatron", _allowing_no_cuda)
     registry.register("megatron.legacy.fused_kernels.load", lambda args: None)
     registry.register("megatron.training.utils.get_device_arch_version",

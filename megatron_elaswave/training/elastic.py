@@ -35,6 +35,7 @@ import json
 import os
 import pickle
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -227,7 +228,7 @@ class ElasticTrainer(Trainer):
             return
         try:
             if joined:
-                self._change_layout(*self._plan_growth(joined), joined=joined)
+                self._change_layout(lambda: self._plan_growth(joined), joined=joined)
             elif self.detector is not None:
                 self._follow_stragglers(*stage_times)
         except (RuntimeError, FailureDetected) as error:
@@ -246,8 +247,8 @@ class ElasticTrainer(Trainer):
         if decision is None:
             moved = self.detector.layer_proposal(self.layout)
             if moved is not None:
-                self._change_layout(moved.layout, self.governor.plan, reason=moved.reason,
-                                    predicted_gain=moved.predicted_gain)
+                self._change_layout(lambda: (moved.layout, self.governor.plan),
+                                    reason=moved.reason, predicted_gain=moved.predicted_gain)
             return
         self.detector.reset()
         self.layout = decision.layout
@@ -425,22 +426,24 @@ class ElasticTrainer(Trainer):
 
     # -- layout changes at a step boundary ------------------------------------------------------
 
-    def _change_layout(self, layout: Layout, clocks: ClockPlan, *,
+    def _change_layout(self, plan: Callable[[], tuple[Layout, ClockPlan]], *,
                        joined: frozenset[int] = frozenset(), reason: str = "",
                        predicted_gain: float = 1.0) -> None:
-        """Switch to ``layout`` after this iteration, taking ``joined`` in (every stage holder
-        calls this alike; the lowest commits the change, :mod:`.relayout`)."""
+        """Switch to the layout ``plan()`` gives after this iteration, taking ``joined`` in
+        (every stage holder calls this alike; the lowest alone plans and commits the change,
+        :mod:`.relayout`)."""
         generation = self.monitor.generation
         if self.is_logger:
+            layout, clocks = plan()
             members = tuple(sorted(set(self.monitor.members) | joined))
             decision = Decision(generation + 1, members, (), tuple(sorted(joined)))
             relayout.commit(self.store, LayoutChange(decision, layout, self.state_layout,
                                                      self.iteration, clocks, time.time(),
                                                      reason, predicted_gain))
-        plan = relayout.wait_for_plan(self.store, generation + 1, self.monitor.failure_detected)
-        if plan is None:  # a failure's decision ended the generation instead
+        change = relayout.wait_for_plan(self.store, generation + 1, self.monitor.failure_detected)
+        if change is None:  # a failure's decision ended the generation instead
             self.monitor.raise_if_failed()
-        self._follow_change(plan)
+        self._follow_change(change)
 
     def _plan_growth(self, joined: frozenset[int]) -> tuple[Layout, ClockPlan]:
         """The failure-free layout when every rank it uses is back, else a plan for it without
