@@ -10,8 +10,10 @@ On import the adaptor finds Megatron-LM (``megatron.training``, from a checkout 
 or beside the script), checks that its megatron-core is a version this project was checked
 against, and on a machine without CUDA applies the device compatibility patches
 (``patches.device_compat`` for megatron-core, ``patches.megatron_lm`` for the training loop), so
-the same command trains on CPU with ``--distributed-backend gloo``. Anything missing or
-unsupported ends the process with a one-line message, before training starts.
+the same command trains on CPU with ``--distributed-backend gloo``. It also adds ``--elastic``
+and the ``--elastic-*`` flags to Megatron-LM's parser; with ``--elastic`` the run survives
+failed ranks inside Megatron-LM's own ``train()`` (``patches.megatron_lm_elastic``). Anything
+missing or unsupported ends the process with a one-line message, before training starts.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from packaging.version import InvalidVersion, Version
 
 from megatron_elaswave import patches
 from megatron_elaswave.device import DeviceUnavailableError, resolve_device_backend
-from megatron_elaswave.patches import megatron_lm
+from megatron_elaswave.patches import megatron_lm, megatron_lm_elastic
 
 CHECKED_CHECKOUT = "core_v0.16.1"
 """The Megatron-LM tag the adaptor was read and tested against."""
@@ -51,8 +53,9 @@ def megatron_lm_version() -> Version:
         raise AdaptorError(f"cannot read Megatron-LM's version ({package_info.__version__!r})") from None
 
 
-def adapt() -> patches.PatchRegistry | None:
-    """Check Megatron-LM and apply what this machine needs; the applied patches, if any."""
+def adapt() -> patches.PatchRegistry:
+    """Check Megatron-LM and apply what this machine needs and the ``--elastic`` hooks; the
+    applied patches."""
     version = megatron_lm_version()
     if version not in patches.SUPPORTED_MEGATRON_CORE:
         raise AdaptorError(
@@ -62,13 +65,14 @@ def adapt() -> patches.PatchRegistry | None:
         backend = resolve_device_backend()
     except DeviceUnavailableError as error:
         raise AdaptorError(str(error)) from None
-    if backend.name == "cuda":
-        return None
     registry = patches.compatibility_registry(backend, megatron_core_version=version)
-    megatron_lm.register(registry, backend)
+    hooks = megatron_lm_elastic.ElasticHooks(backend)
+    megatron_lm_elastic.register(registry, hooks)
+    if backend.name != "cuda":
+        megatron_lm.register(registry, backend, distributed=hooks.distributed)
     registry.apply()
     return registry
 
 
 applied = adapt()
-"""The patches this import applied (``None`` on CUDA, where Megatron-LM needs none)."""
+"""The patches this import applied."""

@@ -19,6 +19,7 @@ Checked against Megatron-LM ``core_v0.16.1`` (``megatron/training/initialize.py`
 from __future__ import annotations
 
 import functools
+import types
 from typing import Callable
 
 from megatron_elaswave.device import DeviceBackend
@@ -46,11 +47,16 @@ def _allowing_no_cuda(initialize_megatron: Callable) -> Callable:
     return initialize
 
 
-def register(registry: PatchRegistry, backend: DeviceBackend) -> None:
-    """Register the redirections Megatron-LM's training loop needs on a non-CUDA ``backend``."""
+def register(registry: PatchRegistry, backend: DeviceBackend,
+             distributed: types.ModuleType | None = None) -> None:
+    """Register the redirections Megatron-LM's training loop needs on a non-CUDA ``backend``;
+    ``distributed``, if given, is the ``torch.distributed`` its modules see
+    (:class:`.megatron_lm_elastic.DefaultGroupRedirect`)."""
     if backend.name == "cuda":
         raise ValueError("CUDA needs no device compatibility patches")
     mapped_torch = device_mapped_torch(backend.device())
+    if distributed is not None:
+        mapped_torch.distributed = distributed
     for module_name in LITERAL_CUDA_MODULES:
         registry.register(f"{module_name}.torch", mapped_torch)
     registry.register("torch.nn.Module.cuda", stay_on_device)

@@ -3,7 +3,9 @@
 Without Megatron-LM the adaptor stops in one line. With a Megatron-LM checkout named by
 ``MEGATRON_LM_PATH`` (its requirements installed; skipped when unset), its unmodified
 ``pretrain_gpt.py`` trains TP2 x PP2 with the distributed optimizer on four CPU ranks under
-``elaswave-run``. Megatron-LM's code is read from that checkout, never copied here.
+``elaswave-run``, and with ``--elastic`` a rank SIGKILLed from outside leaves the run on the
+failure-free trajectory, in Megatron-LM's log as in the metrics file. Megatron-LM's code is read
+from that checkout, never copied here.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from harness import free_port, launch
+from megatron_elaswave.metrics import read_metrics
+from test_pretrain_gpt import LOSS_TOLERANCE
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
 
@@ -65,13 +69,18 @@ def test_the_runner_refuses_what_it_cannot_run_in_one_line(args, message):
     assert message in line
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-@pytest.mark.skipif(MEGATRON_LM is None, reason="MEGATRON_LM_PATH names no Megatron-LM checkout")
-def test_megatron_lms_pretrain_gpt_trains_on_four_cpu_ranks(tmp_path):
-    iterations = 5
-    flags = [
-        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+needs_megatron_lm = pytest.mark.skipif(MEGATRON_LM is None,
+                                       reason="MEGATRON_LM_PATH names no Megatron-LM checkout")
+
+LOG_LINE = re.compile(r"iteration +(\d+)/ +\d+ \| consumed samples: +(\d+) \|.*?"
+                      r"lm loss: ([0-9.E+-]+)")
+"""Megatron-LM's iteration log line: iteration, consumed samples, lm loss."""
+
+
+def megatron_lm_flags(tp: int, pp: int, iterations: int) -> list[str]:
+    """Megatron-LM's own flags for a tiny GPT on CPU ranks (docs/megatron-lm.md)."""
+    return [
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
         "--global-batch-size", "8", "--train-iters", str(iterations), "--lr", "1e-3",
@@ -81,12 +90,96 @@ def test_megatron_lms_pretrain_gpt_trains_on_four_cpu_ranks(tmp_path):
         "--use-distributed-optimizer", "--log-interval", "1", "--eval-interval", "1000",
         "--eval-iters", "1",
     ]
+
+
+def run_megatron_lm(tmp_path: Path, name: str, flags: list[str], *, kill_after: int | None = None,
+                    kill_rank: int = 3) -> tuple[int, str]:
+    """Megatron-LM's ``pretrain_gpt.py`` on four ranks under ``elaswave-run``; with
+    ``kill_after``, SIGKILL ``kill_rank`` once the metrics file holds that iteration."""
     script = str(Path(MEGATRON_LM, "pretrain_gpt.py"))
+    metrics = tmp_path / f"{name}.jsonl"
     with launch(["-m", "megatron_elaswave.run_megatron_lm", script, *flags], 4,
-                master_port=free_port(), log_path=tmp_path / "megatron-lm.log") as job:
-        returncode, output = job.wait(240)
+                master_port=free_port(), log_path=tmp_path / f"{name}.log") as job:
+        if kill_after is not None:
+            job.wait_for(lambda: metrics.exists() and any(
+                r["iteration"] >= kill_after for r in read_metrics(str(metrics), "iteration")),
+                120, f"iteration {kill_after}")
+            job.kill_worker(kill_rank)
+        return job.wait(240)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@needs_megatron_lm
+def test_megatron_lms_pretrain_gpt_trains_on_four_cpu_ranks(tmp_path):
+    iterations = 5
+    returncode, output = run_megatron_lm(tmp_path, "plain", megatron_lm_flags(2, 2, iterations))
     assert returncode == 0, output[-4000:]
-    losses = [float(loss) for loss in re.findall(r"iteration +\d+/ +\d+ \|.*?lm loss: ([0-9.E+-]+)",
-                                                   output)]
+    losses = [float(loss) for _, _, loss in LOG_LINE.findall(output)]
     assert len(losses) == iterations, output[-4000:]
     assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+@needs_megatron_lm
+@pytest.mark.parametrize("tp, pp, survivors", [(1, 2, 3), (2, 1, 2)])
+def test_megatron_lm_with_elastic_survives_a_sigkilled_rank_on_the_trajectory(tmp_path, tp, pp,
+                                                                              survivors):
+    """TP x PP x DP2 on four ranks: the last rank (the one that prints Megatron-LM's log line)
+    is SIGKILLed after iteration 3; the survivors continue in Megatron-LM's loop with the same
+    samples, losses and consumed-samples count as the failure-free run. With TP2 its
+    tensor-parallel partner is left without a stage and leaves Megatron-LM's loop once the
+    others are done."""
+    iterations = 8
+    flags = megatron_lm_flags(tp, pp, iterations) + [
+        "--elastic", "--untie-embeddings-and-output-weights", "--eval-interval", "4"]
+    runs = {}
+    for name, kill_after in (("reference", None), ("killed", 3)):
+        returncode, output = run_megatron_lm(
+            tmp_path, name, flags + ["--elastic-metrics-file", str(tmp_path / f"{name}.jsonl")],
+            kill_after=kill_after)
+        assert returncode == 0, output[-4000:]
+        runs[name] = (read_metrics(str(tmp_path / f"{name}.jsonl"), "iteration"),
+                      read_metrics(str(tmp_path / f"{name}.jsonl"), "recovery"),
+                      LOG_LINE.findall(output), output)
+    reference, killed = runs["reference"], runs["killed"]
+    assert not reference[1]
+    [recovery] = killed[1]
+    assert recovery["failed_ranks"] == [3]
+    assert [r["iteration"] for r in killed[0]] == list(range(1, iterations + 1))
+    for ref, got in zip(reference[0], killed[0], strict=True):
+        assert got["samples_digest"] == ref["samples_digest"], got["iteration"]
+        relative = abs(got["lm_loss"] - ref["lm_loss"]) / abs(ref["lm_loss"])
+        assert relative <= LOSS_TOLERANCE, (got["iteration"], ref["lm_loss"], got["lm_loss"])
+    assert killed[0][-1]["world_size"] == survivors
+    # Megatron-LM's own log: each iteration once, with the exact consumed samples and the
+    # reference's loss. The killed rank printed the lines until it died (the one of iteration 3
+    # may die with it); the new last rank prints every line after the recovery.
+    reference_lines = {int(i): float(loss) for i, _, loss in reference[2]}
+    printed = [int(i) for i, _, _ in killed[2]]
+    assert printed == sorted(set(printed)), killed[3][-4000:]
+    assert set(range(1, 3)) | set(range(4, iterations + 1)) <= set(printed), killed[3][-4000:]
+    assert "global batch size:     8" in killed[3] and "global batch size:     4" not in killed[3]
+    for i, consumed, loss in killed[2]:
+        assert int(consumed) == 8 * int(i)
+        assert abs(float(loss) - reference_lines[int(i)]) <= LOSS_TOLERANCE * reference_lines[int(i)]
+    assert "validation loss at iteration 8 on test set" in killed[3]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@needs_megatron_lm
+@pytest.mark.parametrize("extra, message", [
+    (["--overlap-grad-reduce"], "does not support --overlap-grad-reduce"),
+    ([], "--elastic needs --untie-embeddings-and-output-weights"),
+])
+def test_megatron_lm_with_elastic_refuses_what_it_cannot_do_in_one_line(tmp_path, extra, message):
+    flags = megatron_lm_flags(1, 2, 4) + ["--elastic", *extra]
+    if "--untie" not in message:
+        flags.append("--untie-embeddings-and-output-weights")
+    returncode, output = run_megatron_lm(tmp_path, "refused", flags)
+    assert returncode != 0
+    errors = [line for line in output.splitlines() if "pretrain_gpt.py: error:" in line]
+    assert len(errors) == 1 and message in errors[0], output[-4000:]
+    assert "Traceback" not in output

@@ -95,7 +95,8 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--save-interval", type=int, default=None)
 
 
-def _add_elastic_args(parser: argparse.ArgumentParser) -> None:
+def add_elastic_args(parser: argparse.ArgumentParser) -> None:
+    """The ``--elastic*`` flags (also added to Megatron-LM's parser by its adaptor)."""
     group = parser.add_argument_group("elastic")
     group.add_argument("--elastic", action="store_true",
                        help="survive rank failures without restart (ElasWave)")
@@ -168,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_parallel_args(parser)
     _add_training_args(parser)
     _add_data_args(parser)
-    _add_elastic_args(parser)
+    add_elastic_args(parser)
     return parser
 
 
@@ -212,17 +213,19 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     _fail_unless(args.save_interval is None or args.save_interval > 0,
                  "--save-interval must be positive")
-    _fail_unless(args.elastic_snapshot_replicas >= 0,
-                 "--elastic-snapshot-replicas must not be negative")
-    args.elastic_snapshots = args.elastic_snapshots or args.elastic
-    args.elastic_rng = args.elastic_rng or ("invariant" if args.elastic else "megatron")
-    _validate_elastic(args, world_size)
+    validate_elastic(args, world_size)
     _fail_unless(args.log_interval > 0 and args.eval_interval > 0,
                  "--log-interval and --eval-interval must be positive")
     return args
 
 
-def _validate_elastic(args: argparse.Namespace, world_size: int) -> None:
+def validate_elastic(args: argparse.Namespace, world_size: int) -> None:
+    """Check the ``--elastic*`` flags and what ``--elastic`` needs of the others; resolve
+    ``elastic_snapshots`` and ``elastic_rng``. Raises :class:`ArgumentError`."""
+    _fail_unless(args.elastic_snapshot_replicas >= 0,
+                 "--elastic-snapshot-replicas must not be negative")
+    args.elastic_snapshots = args.elastic_snapshots or args.elastic
+    args.elastic_rng = args.elastic_rng or ("invariant" if args.elastic else "megatron")
     try:
         args.elastic_inject_failure = [InjectedFailure.parse(text)
                                        for text in args.elastic_inject_failure]

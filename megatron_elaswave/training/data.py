@@ -53,7 +53,13 @@ def build_datasets(args: argparse.Namespace, tokenizer) -> tuple[GPTDataset, GPT
     """The training dataset and, when the run evaluates, the validation dataset."""
     gbs = args.global_batch_size
     evaluations = args.train_iters // args.eval_interval
-    sizes = [args.train_iters * gbs, evaluations * args.eval_iters * gbs or None, None]
+    train, valid, _ = gpt_datasets(
+        args, tokenizer, [args.train_iters * gbs, evaluations * args.eval_iters * gbs or None, None])
+    return train, valid
+
+
+def gpt_datasets(args: argparse.Namespace, tokenizer, sizes: list[int | None]):
+    """The training, validation and test datasets of ``sizes`` samples (``None``: not built)."""
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
@@ -61,18 +67,16 @@ def build_datasets(args: argparse.Namespace, tokenizer) -> tuple[GPTDataset, GPT
         split=args.split,
         path_to_cache=args.data_cache_path,
         tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-        create_attention_mask=False,
+        reset_position_ids=getattr(args, "reset_position_ids", False),
+        reset_attention_mask=getattr(args, "reset_attention_mask", False),
+        eod_mask_loss=getattr(args, "eod_mask_loss", False),
+        create_attention_mask=getattr(args, "create_attention_mask_in_dataloader", False),
     )
     if args.data_path:
         _require_documents(config, sizes, args.split)
     dataset_class = MockGPTDataset if args.mock_data else GPTDataset
-    train, valid, _ = BlendedMegatronDatasetBuilder(
-        dataset_class, sizes, lambda: True, config
-    ).build()
-    return train, valid if sizes[1] else None
+    datasets = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
+    return tuple(dataset if size else None for dataset, size in zip(datasets, sizes))
 
 
 def load_tokenizer(args: argparse.Namespace):
@@ -97,7 +101,8 @@ class MicrobatchSource:
         ids = self.sample_ids(consumed_samples, microbatch_id)
         samples = [self.dataset[i % len(self.dataset)] for i in ids]
         batch = {key: torch.stack([torch.as_tensor(s[key]) for s in samples])
-                 for key in ("tokens", "labels", "loss_mask", "position_ids")}
+                 for key in ("tokens", "labels", "loss_mask", "position_ids", "attention_mask")
+                 if key in samples[0]}
         batch["sample_ids"] = torch.tensor(list(ids), dtype=torch.int64)
         return batch
 

@@ -73,8 +73,8 @@ from . import relayout
 from .checkpoint import TrainingProgress, save_checkpoint
 from .data import MicrobatchSource
 from .relayout import LayoutChange
-from .layer_groups import build_stage_objects
-from .loop import Trainer, log
+from .layer_groups import ModelFactory, build_stage_objects
+from .loop import StepResult, Trainer, log
 from .model import seed_random_generators, transformer_layers
 from .migration import adam_step, load_pieces, migrate, named_shard, needed_pieces
 from .rescue import checkpoint_layout
@@ -140,7 +140,7 @@ class ElasticTrainer(Trainer):
     monitor: FailureMonitor = None
     store: object = None
     cost: CostModel = None
-    vocab_size: int = 0
+    model_factory: ModelFactory = None
     injector: FaultInjector = None
     governor: DvfsGovernor = None
     slowdowns: tuple[InjectedSlowdown, ...] = ()
@@ -262,25 +262,39 @@ class ElasticTrainer(Trainer):
 
     # -- the loop ------------------------------------------------------------------------------
 
-    def train(self, on_iteration=None) -> None:
+    @property
+    def is_active(self) -> bool:
+        """Whether this rank holds a stage (a spare does not)."""
+        return self.rank in self.layout.active_ranks()
+
+    def ensure_initial_snapshot(self) -> None:
+        """Snapshot the state before the first step of this rank, if not held yet."""
         if (self.rank, self.iteration) not in self.snapshots.store.held():
-            self.take_snapshot(self.iteration, self.consumed_samples)  # the state before a step
-        while self.iteration < self.args.train_iters and self.rank in self.layout.active_ranks():
-            try:
-                self.monitor.raise_if_failed()
-                result = self.train_step()
-                self.monitor.raise_if_failed()
-            except (RuntimeError, FailureDetected) as error:
-                self.recover(error)
-                continue
-            gbs = len(result.sample_ids)
-            self.iteration += 1
-            self.consumed_samples += gbs
-            if self._pending is not None:
-                self._record_recovery(result.step_time_s)
-            self._record(result, gbs, energy_j=self.governor.energy_j(result.step_time_s))
-            self._follow_report(result.reported)
-            if on_iteration is not None:
+            self.take_snapshot(self.iteration, self.consumed_samples)
+
+    def advance(self) -> StepResult | None:
+        """Try the next iteration; on a failure, recover (which may roll back) instead. The
+        step's result, or ``None`` if a recovery ran."""
+        try:
+            self.monitor.raise_if_failed()
+            result = self.train_step()
+            self.monitor.raise_if_failed()
+        except (RuntimeError, FailureDetected) as error:
+            self.recover(error)
+            return None
+        gbs = len(result.sample_ids)
+        self.iteration += 1
+        self.consumed_samples += gbs
+        if self._pending is not None:
+            self._record_recovery(result.step_time_s)
+        self._record(result, gbs, energy_j=self.governor.energy_j(result.step_time_s))
+        self._follow_report(result.reported)
+        return result
+
+    def train(self, on_iteration=None) -> None:
+        self.ensure_initial_snapshot()
+        while self.iteration < self.args.train_iters and self.is_active:
+            if self.advance() is not None and on_iteration is not None:
                 on_iteration(self)
 
     # -- recovery ------------------------------------------------------------------------------
@@ -394,7 +408,7 @@ class ElasticTrainer(Trainer):
     def _build_objects(self) -> None:
         """This rank's Megatron objects for ``self.layout`` on the registry's groups, their
         parameters left for a restore to fill."""
-        self.objects = build_stage_objects(self.args, self.layout, self.registry, self.vocab_size,
+        self.objects = build_stage_objects(self.args, self.layout, self.registry, self.model_factory,
                                            self.backend.device(), initialize=False)
         self.pg_collection = self.objects.schedule_groups
         self._bind()
@@ -624,25 +638,31 @@ class ElasticTrainer(Trainer):
 
 def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int,
                           world_size: int, vocab_size: int, train_source: MicrobatchSource,
-                          valid_source: MicrobatchSource | None) -> ElasticTrainer:
-    """Groups from the registry, the stage objects of the failure-free layout, the monitor."""
+                          valid_source: MicrobatchSource | None, *,
+                          model_factory: ModelFactory | None = None,
+                          **trainer_fields) -> ElasticTrainer:
+    """Groups from the registry, the stage objects of the failure-free layout, the monitor.
+    ``model_factory`` builds the chunks (default: from the flags); ``trainer_fields`` are passed
+    on to :class:`ElasticTrainer`."""
     store = connect_store(timeout=timedelta(minutes=args.distributed_timeout_minutes))
     config = MonitorConfig(heartbeat_timeout_s=args.elastic_heartbeat_timeout)
     timeout = timedelta(seconds=config.collective_timeout_s)
     layout = failure_free_layout(args)
     registry = GroupRegistry(layout, rank, store=store, backend=backend.dist_backend, timeout=timeout)
     seed_random_generators(args.seed, registry.process_group_collection())
-    objects = build_stage_objects(args, layout, registry, vocab_size, backend.device())
+    model_factory = model_factory or ModelFactory.from_flags(args, vocab_size)
+    objects = build_stage_objects(args, layout, registry, model_factory, backend.device())
     monitor = FailureMonitor(store, rank, Decision.initial(world_size), config, job_size=world_size)
     snapshots = StepSnapshots(layout, rank, SnapshotConfig(replicas=args.elastic_snapshot_replicas),
                               group=registry.group(Role.WORLD))
-    parts = _runtime_parts(args, backend, rank, vocab_size, config)
+    parts = _runtime_parts(args, backend, rank, vocab_size, config, model_factory)
     parts["governor"].apply(nominal_clock_plan(parts["cost"], layout, 0, PowerModel()), layout)
     return ElasticTrainer(
         args=args, objects=objects, pg_collection=objects.schedule_groups, backend=backend,
         layout=layout, train_source=train_source, valid_source=valid_source,
         metrics=MetricsWriter(args.elastic_metrics_file if rank == 0 else None), rank=rank,
-        snapshots=snapshots, registry=registry, monitor=monitor, store=store, **parts)
+        snapshots=snapshots, registry=registry, monitor=monitor, store=store, **parts,
+        **trainer_fields)
 
 
 def failure_free_layout(args: argparse.Namespace) -> Layout:
@@ -654,11 +674,11 @@ def failure_free_layout(args: argparse.Namespace) -> Layout:
 
 
 def _runtime_parts(args: argparse.Namespace, backend: DeviceBackend, rank: int, vocab_size: int,
-                   config: MonitorConfig) -> dict:
-    """The trainer's planner costs, clock governor, fault injection and straggler handling,
-    from the flags."""
+                   config: MonitorConfig, model_factory: ModelFactory) -> dict:
+    """The trainer's model factory, planner costs, clock governor, fault injection and
+    straggler handling, from the flags."""
     return dict(
-        vocab_size=vocab_size,
+        model_factory=model_factory,
         cost=cost_model(args, vocab_size, backend),
         governor=DvfsGovernor(clock_backend(args.elastic_dvfs, backend.device().index or 0,
                                             args.elastic_dvfs_command), rank),
@@ -699,7 +719,8 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
         snapshots=StepSnapshots(plan.state_layout, rank,
                                 SnapshotConfig(replicas=args.elastic_snapshot_replicas)),
         registry=registry, monitor=monitor, store=store,
-        **_runtime_parts(args, backend, rank, vocab_size, config))
+        **_runtime_parts(args, backend, rank, vocab_size, config,
+                         ModelFactory.from_flags(args, vocab_size)))
     trainer.complete_change(plan)
     return trainer
 

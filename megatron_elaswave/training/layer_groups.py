@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -39,7 +40,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_elaswave.communicator import GroupRegistry, Role
@@ -86,6 +89,7 @@ class ChunkSequence(torch.nn.Module):
         self.model_type = ModelType.encoder_or_decoder
         self.pre_process = chunks[0].module.pre_process
         self.post_process = chunks[-1].module.post_process
+        self.vp_stage = None  # one stage of a plain pipeline, as forward steps may ask
 
     def set_input_tensor(self, tensor) -> None:
         get_attr_wrapped_model(self.chunks[0], "set_input_tensor")(tensor)
@@ -153,10 +157,50 @@ def chunk_ranges(layout: Layout, zero: str) -> list[ChunkRange]:
     return ranges
 
 
-def _chunk_config(args: argparse.Namespace, ranges: list[ChunkRange]):
+@dataclass(frozen=True)
+class ModelFactory:
+    """How a rank builds its model chunks (the job's config, one ``GPTModel`` per chunk) and
+    its LR schedule.
+
+    The default builds what ``pretrain_gpt.py``'s flags describe; Megatron-LM runs pass their
+    own ``core_transformer_config_from_args``, model provider and scheduler.
+    """
+
+    config: Callable[[], TransformerConfig]
+    """The job's transformer config; the per-chunk pipeline fields are set on a fresh one."""
+    build_chunk: Callable[[TransformerConfig, bool, bool, ProcessGroupCollection], GPTModel]
+    """``(config, pre_process, post_process, pg_collection) -> GPTModel`` for one chunk."""
+    scheduler: Callable[[ChainedOptimizer], OptimizerParamScheduler]
+    """The LR and weight-decay schedule of the stage's optimizer."""
+
+    @classmethod
+    def from_flags(cls, args: argparse.Namespace, vocab_size: int) -> "ModelFactory":
+        def build_chunk(config, pre_process, post_process, pg_collection):
+            return GPTModel(
+                config=config,
+                transformer_layer_spec=get_gpt_layer_local_spec(),
+                vocab_size=vocab_size,
+                max_sequence_length=args.max_position_embeddings,
+                pre_process=pre_process,
+                post_process=post_process,
+                share_embeddings_and_output_weights=False,
+                position_embedding_type=args.position_embedding_type,
+                pg_collection=pg_collection,
+            )
+
+        return cls(config=lambda: transformer_config(args, batch_p2p_comm=True),
+                   build_chunk=build_chunk,
+                   scheduler=lambda optimizer: build_scheduler(args, optimizer))
+
+
+def _chunk_config(factory: ModelFactory, ranges: list[ChunkRange]) -> TransformerConfig:
     groups = [(r.first_layer, r.last_layer) for r in ranges]
-    config = transformer_config(args, batch_p2p_comm=True)
+    config = factory.config()
+    # Whatever the job's flags, gradients are normalised by the global batch's token count.
+    config.calculate_per_token_loss = True
+    config.batch_p2p_comm = True  # 1F1B sends one message per peer at a time
     config.pipeline_model_parallel_size = len(groups)
+    config.virtual_pipeline_model_parallel_size = None
     if len(groups) > 1:
         # Set after construction: the config checks a layout against the job's pipeline size.
         from megatron.core.transformer.pipeline_parallel_layer_layout import (
@@ -165,11 +209,13 @@ def _chunk_config(args: argparse.Namespace, ranges: list[ChunkRange]):
 
         config.pipeline_model_parallel_layout = PipelineParallelLayerLayout.from_str(
             pipeline_layout_string(groups), len(groups))
+    else:
+        config.pipeline_model_parallel_layout = None
     return config
 
 
 def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: GroupRegistry,
-                        vocab_size: int, device: torch.device, *,
+                        factory: ModelFactory, device: torch.device, *,
                         initialize: bool = True) -> StageObjects:
     """Model chunks, DDPs, optimizers and LR schedule of this rank's stage in ``layout``.
 
@@ -177,7 +223,7 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
     parameters are set layout-invariantly; without it they are left for a restore to fill.
     """
     ranges = chunk_ranges(layout, args.elastic_zero)
-    config = _chunk_config(args, ranges)
+    config = _chunk_config(factory, ranges)
     rank = registry.rank
     replica_index, stage_index, tp_rank = layout.position(rank)
     replica = layout.replica_by_index()[replica_index]
@@ -195,17 +241,7 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
         dp = registry.group(Role.DP, (ranges[c].layer_group, tp_rank))
         model_groups = ProcessGroupCollection(tp=tp, cp=cp, pp=LayerGroupStage(c, len(ranges)),
                                               embd=None, pos_embd=None)
-        chunk = GPTModel(
-            config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
-            vocab_size=vocab_size,
-            max_sequence_length=args.max_position_embeddings,
-            pre_process=c == 0,
-            post_process=c == len(ranges) - 1,
-            share_embeddings_and_output_weights=False,
-            position_embedding_type=args.position_embedding_type,
-            pg_collection=model_groups,
-        )
+        chunk = factory.build_chunk(config, c == 0, c == len(ranges) - 1, model_groups)
         chunk.to(device)
         if initialize:
             layout_invariant_init(chunk, config, args.seed, tp_rank, tp.size(),
@@ -246,7 +282,7 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
         config=config,
         model=chunks,
         optimizer=optimizer,
-        scheduler=build_scheduler(args, optimizer),
+        scheduler=factory.scheduler(optimizer),
         stage=stage_module,
         schedule_groups=schedule_groups,
     )

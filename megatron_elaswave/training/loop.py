@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -90,6 +91,11 @@ class Trainer:
     metrics: MetricsWriter
     rank: int
     snapshots: StepSnapshots | None = None
+    forward_step_func: Callable = forward_step
+    """Megatron's ``forward_step(data_iterator, model)``; its iterator yields this loop's
+    micro-batches (:class:`StepData`)."""
+    log_iterations: bool = True
+    """Print Megatron-LM's iteration log line every ``--log-interval`` iterations."""
     reduce_group: dist.ProcessGroup | None = None
     """The group over which step results are reduced (every rank that holds a stage)."""
     iteration: int = 0
@@ -131,7 +137,7 @@ class Trainer:
     def _run_schedule(self, data: list[StepData | MicrobatchIds], forward_only: bool):
         iterators = [iter(d) if d is not None else None for d in data]
         return self.forward_backward(
-            forward_step_func=forward_step,
+            forward_step_func=self.forward_step_func,
             data_iterator=iterators if len(iterators) > 1 else iterators[0],
             model=self.stages,
             num_microbatches=self.replica.num_microbatches,
@@ -226,7 +232,7 @@ class Trainer:
             **extra,
         )
         self._interval_times.append(result.step_time_s)
-        if self.iteration % self.args.log_interval == 0 and self.is_logger:
+        if self.log_iterations and self.iteration % self.args.log_interval == 0 and self.is_logger:
             elapsed_ms = 1000 * sum(self._interval_times) / len(self._interval_times)
             tokens_per_s = gbs * self.args.seq_length / (elapsed_ms / 1000)
             lr = self.objects.optimizer.param_groups[0]["lr"]
@@ -241,25 +247,29 @@ class Trainer:
             )
             self._interval_times.clear()
 
-    def evaluate(self) -> float:
-        """Mean per-token validation loss over ``--eval-iters`` global batches."""
-        assert self.valid_source is not None
+    def evaluate(self, source: MicrobatchSource | None = None, evaluation: int | None = None) -> float:
+        """Mean per-token loss over ``--eval-iters`` global batches of ``source`` (default: the
+        validation set), the ``evaluation``-th such set of batches (default: one per
+        ``--eval-interval`` iterations so far)."""
+        source = source or self.valid_source
+        assert source is not None
         gbs = self.layout.global_num_microbatches * self.args.micro_batch_size
-        evaluation = self.iteration // self.args.eval_interval
+        if evaluation is None:
+            evaluation = self.iteration // self.args.eval_interval
         loss_sum = num_tokens = 0.0
         for model in self.objects.model:
             model.eval()
         with torch.no_grad():
             for k in range(self.args.eval_iters):
                 consumed = (evaluation * self.args.eval_iters + k) * gbs
-                data = self._step_data(self.valid_source, consumed)
+                data = self._step_data(source, consumed)
                 losses = self._run_schedule(data, forward_only=True)
                 step_sum, step_tokens, _, _ = self._reduce(data, losses, gbs)
                 loss_sum, num_tokens = loss_sum + step_sum, num_tokens + step_tokens
         for model in self.objects.model:
             model.train()
         loss = loss_sum / max(num_tokens, 1)
-        if self.is_logger:
+        if self.log_iterations and self.is_logger:
             log(f" validation loss at iteration {self.iteration} | lm loss value: {loss:.6E} | "
                 f"lm loss PPL: {math.exp(min(loss, 20)):.6E} |")
         return loss

@@ -1,0 +1,181 @@
+"""``--elastic`` inside Megatron-LM's own loop (``pretrain`` -> ``train`` -> ``train_step``).
+
+Megatron-LM's ``train()`` keeps the model, the optimizer and the data iterator in local
+variables and calls ``train_step`` once per iteration. :class:`MegatronLMJob` is what its hooks
+(``megatron_elaswave.patches.megatron_lm_elastic``) call into; it guarantees that
+
+* the model chunks are built by the script's own model provider with Megatron-LM's transformer
+  config, one chunk per layer group (:mod:`.layer_groups`), and initialised layout-invariantly;
+* every ``train_step`` call ends with one more iteration done than before, re-running any
+  iteration a failure broke after the survivors resharded (:class:`~.elastic.ElasticTrainer`);
+  the script's ``forward_step`` runs on the micro-batches the layout deals to the replica;
+* :meth:`swap_into` makes ``train()``'s list of chunks and optimizer the current ones in place
+  after a layout change, since ``train()`` never looks them up again;
+* the default process group of Megatron-LM's own collectives (timers, logging) can be pointed at
+  :attr:`world_group`, the group of the ranks that hold a stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Callable
+
+from megatron.core.optimizer.optimizer import ChainedOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer import TransformerConfig
+from torch.distributed import ProcessGroup
+
+from megatron_elaswave import dropout_rng
+from megatron_elaswave.communicator import Role
+from megatron_elaswave.device import DeviceBackend
+
+from .data import MicrobatchSource, gpt_datasets
+from .elastic import ElasticTrainer, build_elastic_trainer, run_elastic
+from .layer_groups import ModelFactory
+from .loop import StepResult
+
+
+@dataclass(frozen=True)
+class EvaluationSplit:
+    """What Megatron-LM's loop holds instead of a validation or test data iterator."""
+
+    name: str
+
+
+VALIDATION = EvaluationSplit("validation")
+TEST = EvaluationSplit("test")
+
+
+def feeding(forward_step_func: Callable) -> Callable:
+    """The script's ``forward_step`` on this loop's micro-batches: each call takes the next
+    micro-batch of the replica, keys the dropout masks by its global id, and passes the script an
+    iterator over that micro-batch alone (a stage without data does not read it)."""
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        dropout_rng.set_microbatch(batch["microbatch_id"])
+        return forward_step_func(iter((batch,)), model)
+
+    return forward_step
+
+
+class MegatronLMJob:
+    """One rank's part of an elastic run driven by Megatron-LM's ``train()`` (module docstring)."""
+
+    def __init__(self, trainer: ElasticTrainer, sources: dict[EvaluationSplit, MicrobatchSource | None]):
+        self.trainer = trainer
+        self.sources = sources
+        self.last_result: StepResult | None = None
+        self.finished = False
+        # train() points this config's gradient finalisation at Megatron's own, once, before the
+        # first step; the trainer's (the reduction over layer groups) is given back then.
+        self._first_config = trainer.objects.config
+        self._finalize = trainer.objects.config.finalize_model_grads_func
+
+    @classmethod
+    def start(cls, args: argparse.Namespace, backend: DeviceBackend, *, rank: int, world_size: int,
+              tokenizer, transformer_config: Callable[[], TransformerConfig],
+              model_provider: Callable, scheduler: Callable[[ChainedOptimizer], OptimizerParamScheduler],
+              forward_step_func: Callable) -> MegatronLMJob:
+        """Build this rank's stage of the failure-free layout and start the failure monitor.
+
+        ``model_provider(pre_process=..., post_process=..., config=..., pg_collection=...)`` is the
+        script's (Megatron-LM's ``model_provider`` with its builder), ``scheduler(optimizer)``
+        Megatron-LM's LR schedule, ``forward_step_func`` the script's ``forward_step``.
+        Collective over the job.
+        """
+        gbs = args.global_batch_size
+        eval_samples = args.eval_iters * gbs
+        evaluations = args.train_iters // args.eval_interval + 1 if args.eval_interval else 1
+        train, valid, test = gpt_datasets(
+            args, tokenizer,
+            [args.train_iters * gbs, evaluations * eval_samples or None, eval_samples or None])
+
+        def source(dataset):
+            return MicrobatchSource(dataset, args.micro_batch_size) if dataset is not None else None
+
+        factory = ModelFactory(
+            config=transformer_config,
+            build_chunk=lambda config, pre_process, post_process, groups: model_provider(
+                pre_process=pre_process, post_process=post_process, config=config,
+                pg_collection=groups),
+            scheduler=scheduler)
+        trainer = build_elastic_trainer(
+            args, backend, rank, world_size, args.padded_vocab_size, source(train), source(valid),
+            model_factory=factory, forward_step_func=feeding(forward_step_func),
+            log_iterations=False)
+        trainer.monitor.start()
+        trainer.ensure_initial_snapshot()
+        return cls(trainer, {VALIDATION: source(valid), TEST: source(test)})
+
+    # -- what Megatron-LM's loop sees ----------------------------------------------------------
+
+    @property
+    def world_group(self) -> ProcessGroup:
+        """The ranks that hold a stage, in launch-rank order (edited in place after failures)."""
+        return self.trainer.registry.group(Role.WORLD)
+
+    @property
+    def active_ranks(self) -> int:
+        return len(self.trainer.layout.active_ranks())
+
+    @property
+    def consumed_samples(self) -> int:
+        return self.trainer.consumed_samples
+
+    def objects(self) -> tuple[list, ChainedOptimizer, OptimizerParamScheduler]:
+        """The chunks, optimizer and LR schedule to hand to ``train()``."""
+        objects = self.trainer.objects
+        return list(objects.model), objects.optimizer, objects.scheduler
+
+    def swap_into(self, model: list, optimizer: ChainedOptimizer,
+                  scheduler: OptimizerParamScheduler) -> None:
+        """Make the objects ``train()`` holds the current ones, in place."""
+        objects = self.trainer.objects
+        if objects is None:  # a spare holds no stage
+            return
+        model[:] = objects.model
+        for held, current in ((optimizer, objects.optimizer), (scheduler, objects.scheduler)):
+            if held is not current:
+                held.__dict__.update(current.__dict__)
+
+    # -- iterations ----------------------------------------------------------------------------
+
+    def train_step(self, iteration: int) -> StepResult | None:
+        """Complete iteration ``iteration + 1`` (``iteration`` are done), through failures. After
+        the last iteration, or on a rank left without a stage, wait until every rank is done
+        (a spare serves recoveries meanwhile, and trains if a later layout uses it again).
+
+        The step's result; ``None`` on a rank that holds no stage: it has nothing more to do.
+        """
+        trainer = self.trainer
+        if trainer.objects is not None and trainer.objects.config is self._first_config:
+            self._first_config.finalize_model_grads_func = self._finalize
+        while not self.finished and trainer.is_active and trainer.iteration <= iteration:
+            self.last_result = trainer.advance() or self.last_result
+        if not self.finished and (not trainer.is_active
+                                  or trainer.iteration >= trainer.args.train_iters):
+            try:
+                run_elastic(trainer)
+            finally:
+                self.close()
+        return self.last_result if trainer.is_active else None
+
+    def evaluate(self, split: EvaluationSplit) -> float | None:
+        """Mean per-token loss on ``split`` (``None`` on a spare or without that split)."""
+        source = self.sources.get(split)
+        if source is None or not self.trainer.is_active:
+            return None
+        evaluation = (self.trainer.iteration // self.trainer.args.eval_interval
+                      if split is VALIDATION else 0)
+        return self.trainer.evaluate(source, evaluation)
+
+    def close(self) -> None:
+        """Stop the failure monitor and the clock governor; flush the metrics."""
+        if self.finished:
+            return
+        self.finished = True
+        self.trainer.monitor.stop()
+        self.trainer.governor.backend.close()
+        self.trainer.metrics.close()
