@@ -108,6 +108,17 @@ class UsageError(LaunchError):
     exit_status = 2
 
 
+MEGATRON_LM_RUNNER = "megatron_elaswave.run_megatron_lm"
+"""Runs a Megatron-LM training script with the adaptor (and ``--elastic``) in place."""
+
+
+def is_megatron_lm_script(path: str) -> bool:
+    """Whether ``path`` is a script at the root of a Megatron-LM checkout (beside its
+    ``megatron/training`` package), like Megatron-LM's ``pretrain_gpt.py``."""
+    root = os.path.dirname(os.path.abspath(path))
+    return os.path.isfile(os.path.join(root, "megatron", "training", "__init__.py"))
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """What ``elaswave-run`` was asked to run on this node."""
@@ -177,8 +188,14 @@ class LaunchConfig:
         return node * self.nproc_per_node + local_rank
 
     def worker_command(self) -> list[str]:
-        """The command line of every worker (unbuffered, so logs keep up with a failure)."""
-        entry = ["-m", self.script] if self.run_as_module else [self.script]
+        """The command line of every worker (unbuffered, so logs keep up with a failure). A
+        script of a Megatron-LM checkout runs through the adaptor's runner."""
+        if self.run_as_module:
+            entry = ["-m", self.script]
+        elif is_megatron_lm_script(self.script):
+            entry = ["-m", MEGATRON_LM_RUNNER, self.script]
+        else:
+            entry = [self.script]
         return [sys.executable, "-u", *entry, *self.script_args]
 
     def worker_env(self, local_rank: int, base: Mapping[str, str], *,

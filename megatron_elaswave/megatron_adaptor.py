@@ -1,10 +1,10 @@
 """Megatron-LM's own training loop, adapted: importing this module is the whole setup.
 
 Add ``import megatron_elaswave.megatron_adaptor`` at the top of a Megatron-LM
-``pretrain_gpt.py``, or leave the script untouched and run it through the adaptor::
+``pretrain_gpt.py``, or leave the script untouched and run it through the adaptor's runner,
+which ``elaswave-run`` picks for a script at the root of a Megatron-LM checkout::
 
-    elaswave-run --nproc-per-node 4 -m megatron_elaswave.run_megatron_lm \\
-        /path/to/Megatron-LM/pretrain_gpt.py <its usual flags>
+    elaswave-run --nproc-per-node 4 /path/to/Megatron-LM/pretrain_gpt.py <its usual flags>
 
 On import the adaptor finds Megatron-LM (``megatron.training``, from a checkout on ``PYTHONPATH``
 or beside the script), checks that its megatron-core is a version this project was checked

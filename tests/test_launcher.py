@@ -82,6 +82,21 @@ def test_command_line_accepts_both_spellings_and_passes_script_args_through():
     assert config.worker_command()[-4:] == ["-m", "pkg.train", "--lr", "1"]
 
 
+def test_a_script_of_a_megatron_lm_checkout_runs_through_the_adaptor(tmp_path):
+    """``elaswave-run /path/to/Megatron-LM/pretrain_gpt.py ...`` needs no ``-m``: a script beside
+    a ``megatron/training`` package runs through the adaptor's runner; other scripts as given."""
+    (tmp_path / "megatron" / "training").mkdir(parents=True)
+    (tmp_path / "megatron" / "training" / "__init__.py").touch()
+    for name in ("pretrain_gpt.py", "elsewhere/train.py"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).touch()
+    megatron_lm = parse_config([str(tmp_path / "pretrain_gpt.py"), "--elastic"]).worker_command()
+    assert megatron_lm[2:] == ["-m", "megatron_elaswave.run_megatron_lm",
+                               str(tmp_path / "pretrain_gpt.py"), "--elastic"]
+    plain = parse_config([str(tmp_path / "elsewhere/train.py"), "--lr", "1"]).worker_command()
+    assert plain[2:] == [str(tmp_path / "elsewhere/train.py"), "--lr", "1"]
+
+
 def test_read_deaths_stops_at_a_numbered_but_unwritten_record():
     from torch.distributed import HashStore
 

@@ -93,12 +93,14 @@ def megatron_lm_flags(tp: int, pp: int, iterations: int) -> list[str]:
 
 
 def run_megatron_lm(tmp_path: Path, name: str, flags: list[str], *, kill_after: int | None = None,
-                    kill_rank: int = 3) -> tuple[int, str]:
-    """Megatron-LM's ``pretrain_gpt.py`` on four ranks under ``elaswave-run``; with
-    ``kill_after``, SIGKILL ``kill_rank`` once the metrics file holds that iteration."""
+                    kill_rank: int = 3, through_runner: bool = True) -> tuple[int, str]:
+    """Megatron-LM's ``pretrain_gpt.py`` on four ranks under ``elaswave-run``, named to it through
+    the adaptor's runner or (``through_runner=False``) as it is; with ``kill_after``, SIGKILL
+    ``kill_rank`` once the metrics file holds that iteration."""
     script = str(Path(MEGATRON_LM, "pretrain_gpt.py"))
+    runner = ["-m", "megatron_elaswave.run_megatron_lm"] if through_runner else []
     metrics = tmp_path / f"{name}.jsonl"
-    with launch(["-m", "megatron_elaswave.run_megatron_lm", script, *flags], 4,
+    with launch([*runner, script, *flags], 4,
                 master_port=free_port(), log_path=tmp_path / f"{name}.log") as job:
         if kill_after is not None:
             job.wait_for(lambda: metrics.exists() and any(
@@ -131,14 +133,14 @@ def test_megatron_lm_with_elastic_survives_a_sigkilled_rank_on_the_trajectory(tm
     samples, losses and consumed-samples count as the failure-free run. With TP2 its
     tensor-parallel partner is left without a stage and leaves Megatron-LM's loop once the
     others are done."""
-    iterations = 8
+    iterations = 8  # `elaswave-run .../pretrain_gpt.py --elastic ...`, no runner named
     flags = megatron_lm_flags(tp, pp, iterations) + [
         "--elastic", "--untie-embeddings-and-output-weights", "--eval-interval", "4"]
     runs = {}
     for name, kill_after in (("reference", None), ("killed", 3)):
         returncode, output = run_megatron_lm(
             tmp_path, name, flags + ["--elastic-metrics-file", str(tmp_path / f"{name}.jsonl")],
-            kill_after=kill_after)
+            kill_after=kill_after, through_runner=False)
         assert returncode == 0, output[-4000:]
         runs[name] = (read_metrics(str(tmp_path / f"{name}.jsonl"), "iteration"),
                       read_metrics(str(tmp_path / f"{name}.jsonl"), "recovery"),
