@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.store import REJOIN_ENV
+from megatron_elaswave.training.pretrain import EXIT_BAD_INPUT, EXIT_CANNOT_CONTINUE
 
 from . import language_model_embedding, transformer_layer
 from .registry import PatchRegistry
@@ -49,9 +50,6 @@ from .registry import PatchRegistry
 TRAINING = "megatron.training.training"
 LOOP_MODULES = (TRAINING, "megatron.training.utils")
 """The Megatron-LM modules whose default-group collectives go to the job's active ranks."""
-
-EXIT_BAD_INPUT = 2
-EXIT_CANNOT_CONTINUE = 3
 
 _UNSUPPORTED = (
     ("load", "--load (resume an elastic run with megatron-elaswave's scripts/pretrain_gpt.py)"),
@@ -262,7 +260,7 @@ class ElasticHooks:
             self.job.swap_into(model, optimizer, opt_param_scheduler)
             # args.data_parallel_size stays the micro-batch calculator's: Megatron-LM reports the
             # global batch as its product with the micro-batch size and count.
-            args.world_size = self.job.active_ranks
+            args.world_size = self.job.num_active_ranks
             if result is None:  # no stage here any more, and the job is done
                 return {}, 0, False, True, 0, None, None, 0
             args.consumed_train_samples = self.job.consumed_samples - (

@@ -117,7 +117,7 @@ class MegatronLMJob:
         return self.trainer.registry.group(Role.WORLD)
 
     @property
-    def active_ranks(self) -> int:
+    def num_active_ranks(self) -> int:
         return len(self.trainer.layout.active_ranks())
 
     @property
