@@ -128,6 +128,8 @@ class RecoveryTimes:
     rebuilt_at: float = 0.0
     migrated_at: float = 0.0
     failed_ranks: list[int] = field(default_factory=list)
+    causes: dict[int, str] = field(default_factory=dict)
+    """Why each failed rank was excluded, as this rank saw it."""
     bytes_moved: int = 0
     rolled_back_to: int = 0
 
@@ -324,6 +326,7 @@ class ElasticTrainer(Trainer):
         times = self._pending or RecoveryTimes(failure_at=min(evidence + [noticed]),
                                                noticed_at=noticed)
         decision = agree(self.store, self.monitor)
+        suspects = self.monitor.suspects()
         if decision.joined:  # a grow was committed before the failure: it is the next one's
             timeout = timedelta(seconds=self.monitor.config.agreement_timeout_s)
             self._follow_change(relayout.committed_plan(self.store, decision.generation, timeout))
@@ -333,6 +336,9 @@ class ElasticTrainer(Trainer):
         failed = set(self.layout.known_ranks()) - set(decision.survivors)
         self.lost |= failed
         times.failed_ranks = sorted(set(times.failed_ranks) | failed)
+        for rank in failed:
+            suspicion = suspects.get(rank)
+            times.causes[rank] = suspicion.detail if suspicion else "declared failed by another rank"
         # A death is dated by the launcher that saw it; a hang by the first rank that noticed it.
         deaths = [d.time for d in read_deaths(self.store) if d.rank in failed]
         times.failure_at = min([times.failure_at, *deaths, *self._announced_at(decision)])
@@ -610,6 +616,7 @@ class ElasticTrainer(Trainer):
             "recovery",
             iteration=self.iteration,
             failed_ranks=times.failed_ranks,
+            causes={str(rank): times.causes[rank] for rank in times.failed_ranks},
             detect_s=times.noticed_at - times.failure_at,
             agree_s=times.agreed_at - times.noticed_at,
             plan_s=times.planned_at - times.agreed_at,
@@ -625,8 +632,9 @@ class ElasticTrainer(Trainer):
             dvfs=self.governor.backend.name,
         )
         if self.is_logger:
-            log(f" recovered from the failure of ranks {times.failed_ranks}: rolled back to "
-                f"iteration {times.rolled_back_to}, re-ran iteration {self.iteration} on "
+            causes = "; ".join(f"{rank}: {times.causes[rank]}" for rank in times.failed_ranks)
+            log(f" recovered from the failure of ranks {times.failed_ranks} ({causes}): rolled "
+                f"back to iteration {times.rolled_back_to}, re-ran iteration {self.iteration} on "
                 f"{len(self.layout.active_ranks())} ranks in {total:.2f} s (detect "
                 f"{times.noticed_at - times.failure_at:.2f}, agree "
                 f"{times.agreed_at - times.noticed_at:.2f}, plan {times.planned_at - times.agreed_at:.2f}, "
