@@ -196,7 +196,7 @@ def test_stopped_rank_is_detected_by_heartbeat_and_leaves_when_resumed(tmp_path)
         stopped_at = fail(job, victim, signal.SIGSTOP)
         reports = survivor_reports(job, tmp_path, {victim})
         job.kill_worker(victim, signal.SIGCONT)
-        # A resumed rank usually leaves at once; about one resume in fifteen finds its gloo pairs
+        # A resumed rank usually leaves at once; about one resume in thirteen finds its gloo pairs
         # closed by the survivors and its all-reduce waiting out the op timeout before it can.
         death = death_of(job, victim, timeout=OP_TIMEOUT_S + 5)
         job.store().set("test/release", "")
