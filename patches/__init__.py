@@ -31,6 +31,7 @@ __all__ = [
     "check_megatron_core_version",
     "compatibility_registry",
     "install",
+    "register_layout_invariant_rng",
 ]
 
 
@@ -53,9 +54,15 @@ def compatibility_registry(backend: DeviceBackend, *, layout_invariant_rng: bool
     optimizer.register(registry)
     transformer_block.register(registry)
     if layout_invariant_rng:
-        transformer_layer.register(registry, backend)
-        language_model_embedding.register(registry, backend)
+        register_layout_invariant_rng(registry, backend)
     return registry
+
+
+def register_layout_invariant_rng(registry: PatchRegistry, backend: DeviceBackend) -> None:
+    """Register the layout-invariant dropout RNG (:mod:`.transformer_layer`,
+    :mod:`.language_model_embedding`; see ``megatron_elaswave.dropout_rng``)."""
+    transformer_layer.register(registry, backend)
+    language_model_embedding.register(registry, backend)
 
 
 def install(backend: DeviceBackend, *, layout_invariant_rng: bool = False) -> PatchRegistry:

@@ -44,7 +44,7 @@ from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.store import REJOIN_ENV
 from megatron_elaswave.training.pretrain import EXIT_BAD_INPUT, EXIT_CANNOT_CONTINUE
 
-from . import language_model_embedding, transformer_layer
+from . import register_layout_invariant_rng
 from .registry import PatchRegistry
 
 TRAINING = "megatron.training.training"
@@ -209,8 +209,7 @@ class ElasticHooks:
         from megatron_elaswave import dropout_rng
 
         registry = PatchRegistry()
-        transformer_layer.register(registry, self.backend)
-        language_model_embedding.register(registry, self.backend)
+        register_layout_invariant_rng(registry, self.backend)
         registry.apply()
         dropout_rng.set_seed(args.seed)
 

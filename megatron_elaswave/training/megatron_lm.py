@@ -167,9 +167,8 @@ class MegatronLMJob:
         source = self.sources.get(split)
         if source is None or not self.trainer.is_active:
             return None
-        evaluation = (self.trainer.iteration // self.trainer.args.eval_interval
-                      if split is VALIDATION else 0)
-        return self.trainer.evaluate(source, evaluation)
+        # Validation moves on one set of batches per --eval-interval; the test set is read once.
+        return self.trainer.evaluate(source, None if split is VALIDATION else 0)
 
     def close(self) -> None:
         """Stop the failure monitor and the clock governor; flush the metrics."""
