@@ -22,7 +22,8 @@ uses only the job store, which the launcher hosts outside every worker. It guara
   generation.
 * **An excluded rank leaves.** A rank that finds itself among the failed of the committed
   decision (it was stopped or too slow, not dead) raises :class:`Excluded`, which exits the
-  process with a message, rather than rejoin a job that has moved on without it.
+  process with a message, rather than rejoin a job that has moved on without it; its monitor
+  ends the process the same way if its loop is stuck in an old collective.
 
 Keys, besides those of :mod:`megatron_elaswave.monitor`:
 

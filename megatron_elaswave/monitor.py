@@ -19,6 +19,12 @@ in the store. Every other member's monitor reads the announcement within ``poll_
 does the same, so no survivor stays blocked in a collective: they all reach
 :func:`megatron_elaswave.agreement.agree`, which decides who failed.
 
+A rank that the decision excludes (it was stopped or too slow, not dead) normally leaves through
+:class:`~megatron_elaswave.agreement.Excluded` from its own loop. Its pending collective can
+outlive the abort, though (gloo sometimes keeps a resumed rank's all-reduce waiting for the op
+timeout although every pair is closed), so the monitor ends the process itself, with the same
+message and status, once the committed decision has excluded it for ``exclusion_grace_s``.
+
 Runtime keys live under ``rt/`` (the launcher owns ``elaswave/``):
 
 ===========================  ==============================================================
@@ -37,19 +43,20 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
+from megatron_elaswave.agreement import Decision, Excluded, decision_key
 from megatron_elaswave.store import NODE_LOST, WorkerDeath, read_deaths
 from megatron_elaswave.world import abort_collectives
 
 if TYPE_CHECKING:
     from torch.distributed import Store
-
-    from megatron_elaswave.agreement import Decision
 
 # Causes of a Suspicion or a FailureNotice.
 DEATH = "death"
@@ -94,6 +101,10 @@ class MonitorConfig:
     collective_timeout_s: float = 30.0
     """Op timeout of the process groups: the backstop for a blocked collective that nothing
     else unblocks (see :mod:`megatron_elaswave.world`)."""
+    exclusion_grace_s: float = 5.0
+    """How long a rank that the committed decision excludes has to leave by itself (its loop
+    raising :class:`~megatron_elaswave.agreement.Excluded`), from when its monitor reads the
+    decision, before the monitor ends the process."""
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -162,7 +173,8 @@ class FailureMonitor:
     :meth:`advance` to it. ``docs/runtime.md`` shows the whole training loop.
 
     ``on_failure`` runs once per generation, on whichever thread notices the failure first; it
-    must be quick and thread-safe.
+    must be quick and thread-safe. ``on_excluded`` runs on the monitor's thread if this rank is
+    still running ``exclusion_grace_s`` after a decision excluded it (default: :func:`leave_job`).
     """
 
     def __init__(
@@ -173,6 +185,7 @@ class FailureMonitor:
         config: MonitorConfig = MonitorConfig(),
         *,
         on_failure: Callable[[], None] = abort_collectives,
+        on_excluded: Callable[[Excluded], None] | None = None,
         job_size: int | None = None,
         skip_recorded_deaths: bool = False,
     ) -> None:
@@ -190,6 +203,10 @@ class FailureMonitor:
         # A connection of its own, so that a blocking store call elsewhere never delays detection.
         self._store = store.clone()
         self._on_failure = on_failure
+        self._on_excluded = on_excluded or leave_job
+        self._committed: tuple[int, Decision, float] | None = None
+        """``(generation, decision that ends it, monotonic time it was first read)``."""
+        self._left = False
         self._lock = threading.Lock()
         self._generation = decision.generation
         self._members = decision.survivors
@@ -303,6 +320,7 @@ class FailureMonitor:
                     next_beat = now + self.config.heartbeat_interval_s
                 self._read_deaths()
                 self._check_announcement()
+                self._check_exclusion()
                 self._stopping.wait(self.config.poll_interval_s)
         except RuntimeError as error:  # torch's store errors
             self._trigger(STORE_ERROR, str(error), announce=False)
@@ -357,6 +375,24 @@ class FailureMonitor:
         if self.failure is None and self._store.check([key]):
             self._trigger(ANNOUNCED, self._store.get(key).decode(), generation=generation)
 
+    def _check_exclusion(self) -> None:
+        """Once a failure is noticed: end this rank if the committed decision has excluded it
+        for ``exclusion_grace_s`` (a survivor's loop advances the monitor well before that)."""
+        generation = self.generation
+        if self.failure is None or self._left:
+            return
+        if self._committed is None or self._committed[0] != generation:
+            key = decision_key(generation)
+            if not self._store.check([key]):
+                return
+            decision = Decision.from_json(self._store.get(key))
+            self._committed = (generation, decision, time.monotonic())
+        _, decision, read_at = self._committed
+        if (self.rank not in decision.survivors
+                and time.monotonic() - read_at > self.config.exclusion_grace_s):
+            self._left = True
+            self._on_excluded(Excluded(self.rank, decision))
+
     # --- reacting ------------------------------------------------------------------------------
 
     def _suspect(self, suspicion: Suspicion, *, generation: int | None = None) -> None:
@@ -386,6 +422,14 @@ class FailureMonitor:
         self._on_failure()
         if announce:
             self._store.compare_set(round_key(notice.generation), "", notice.to_json())
+
+
+def leave_job(excluded: Excluded) -> None:
+    """End the process with ``excluded``'s message and status 1, as its loop would have."""
+    sys.stdout.flush()
+    sys.stderr.write(f"{excluded} (its training loop had not left)\n")
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _how(death: WorkerDeath) -> str:

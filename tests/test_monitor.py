@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from harness import free_port, launch, worker_script
+from harness import free_port, launch, wait_until, worker_script
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.distributed import TCPStore
 
 from megatron_elaswave.agreement import AGREEMENT_DELAY_ENV, Decision, decision_key, joined_key
-from megatron_elaswave.monitor import HEARTBEAT, MonitorConfig
+from megatron_elaswave.monitor import HEARTBEAT, FailureMonitor, MonitorConfig
 from megatron_elaswave.store import WorkerDeath
 
 multiprocess = pytest.mark.multiprocess
@@ -57,6 +61,66 @@ def test_decision_numbers_survivors_in_order_and_round_trips(survivors, generati
     assert [decision.new_rank(rank) for rank in survivors] == list(range(len(survivors)))
     assert decision.new_ranks == {rank: i for i, rank in enumerate(survivors)}
     assert Decision.from_json(decision.to_json()) == decision
+
+
+@pytest.fixture
+def store():
+    return TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=10))
+
+
+EXCLUSION_GRACE_S = 0.5
+STUCK_EXCLUDED_RANK = """
+import sys, time
+from datetime import timedelta
+from torch.distributed import TCPStore
+from megatron_elaswave.agreement import Decision
+from megatron_elaswave.monitor import FailureMonitor, MonitorConfig
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=10))
+config = MonitorConfig(heartbeat_timeout_s=5.0, exclusion_grace_s=float(sys.argv[2]))
+with FailureMonitor(store, 2, Decision.initial(3), config, on_failure=lambda: None) as monitor:
+    monitor.report_error(RuntimeError("all-reduce: connection closed by peer"))
+    store.set("test/noticed", "")
+    time.sleep(60)  # a loop stuck in a collective of the old generation
+"""
+
+
+@pytest.mark.parametrize("rank, excluded", [(2, True), (0, False)], ids=["excluded", "survivor"])
+def test_the_monitor_ends_an_excluded_rank_whose_loop_does_not_leave(store, rank, excluded):
+    config = MonitorConfig(heartbeat_timeout_s=5.0, exclusion_grace_s=EXCLUSION_GRACE_S)
+    ended = []
+    with FailureMonitor(store, rank, Decision.initial(3), config, on_failure=lambda: None,
+                        on_excluded=lambda exclusion: ended.append((time.monotonic(), exclusion))
+                        ) as monitor:
+        monitor.report_error(RuntimeError("all-reduce: connection closed by peer"))
+        decision = Decision(1, (0, 1), (2,))
+        store.set(decision_key(0), decision.to_json())
+        committed_at = time.monotonic()
+        if excluded:
+            wait_until(lambda: ended, EXCLUSION_GRACE_S + 5, "the monitor to end the rank")
+        else:
+            time.sleep(4 * EXCLUSION_GRACE_S)
+    if not excluded:
+        assert ended == []
+        return
+    ((ended_at, exclusion),) = ended
+    assert ended_at - committed_at >= EXCLUSION_GRACE_S  # its loop had the grace to leave first
+    assert exclusion.decision == decision
+    assert str(exclusion).startswith("rank 2 was excluded from the job")
+
+
+@multiprocess
+def test_an_excluded_process_stuck_in_its_loop_exits_with_the_exclusion_message(store):
+    port = store.port
+    process = subprocess.Popen([sys.executable, "-c", STUCK_EXCLUDED_RANK, str(port),
+                                str(EXCLUSION_GRACE_S)], stderr=subprocess.PIPE, text=True)
+    try:
+        store.wait(["test/noticed"], timedelta(seconds=30))
+        store.set(decision_key(0), Decision(1, (0, 1), (2,)).to_json())
+        _, stderr = process.communicate(timeout=10)
+    finally:
+        process.kill()
+    assert process.returncode == 1, stderr
+    assert "rank 2 was excluded from the job" in stderr and "Traceback" not in stderr, stderr
 
 
 # --- helpers for the multi-process tests ----------------------------------------------------
@@ -197,8 +261,9 @@ def test_stopped_rank_is_detected_by_heartbeat_and_leaves_when_resumed(tmp_path)
         reports = survivor_reports(job, tmp_path, {victim})
         job.kill_worker(victim, signal.SIGCONT)
         # A resumed rank usually leaves at once; about one resume in thirteen finds its gloo pairs
-        # closed by the survivors and its all-reduce waiting out the op timeout before it can.
-        death = death_of(job, victim, timeout=OP_TIMEOUT_S + 5)
+        # closed by the survivors and its all-reduce waiting for the op timeout: then its monitor
+        # ends it after the exclusion grace (5 s), well before that timeout.
+        death = death_of(job, victim, timeout=OP_TIMEOUT_S - 2)
         job.store().set("test/release", "")
         returncode, output = job.wait(timeout=30)
     assert returncode == 0, output
@@ -212,7 +277,16 @@ def test_stopped_rank_is_detected_by_heartbeat_and_leaves_when_resumed(tmp_path)
         # (the slack absorbs a loaded 2-core machine).
         assert heartbeat_timeout_s - 0.5 < latencies[-1] < heartbeat_timeout_s + 5.0, (rank, notice)
         assert round_["unblocked_at"] - notice["time"] < DETECTION_BOUND_S, (rank, round_)
-        assert round_["suspects"][str(victim)]["cause"] == HEARTBEAT
+        # A survivor told by another (announcement, or its pairs closed by that one's abort) may
+        # get the decision before its own heartbeat check fires; whoever suspected, suspected this.
+        suspicion = round_["suspects"].get(str(victim))
+        assert suspicion is None or suspicion["cause"] == HEARTBEAT, (rank, round_)
+        assert round_["suspects"].keys() <= {str(victim)}, (rank, round_)
+    notices = [report["rounds"][0]["notice"] for report in reports.values()]
+    assert any(
+        n["cause"] == HEARTBEAT and n["detail"].startswith(f"rank {victim}: no heartbeat")
+        for n in notices
+    ), notices
     log_latencies("stop -> noticed", latencies)
     assert (death.exit_code, death.signal) == (1, None)
     assert f"rank {victim} was excluded from the job" in output
