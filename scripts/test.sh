@@ -6,7 +6,7 @@ bash scripts/setup.sh
 # shellcheck disable=SC1091
 . "${ELASWAVE_VENV:-.venv}/bin/activate"
 status=0
-python -m pytest -q "$@" || status=$?
+python -m pytest -q --durations=15 "$@" || status=$?
 if [ "$status" -eq 5 ]; then
   echo "error: pytest collected no tests" >&2
 fi
