@@ -95,9 +95,11 @@ class MonitorConfig:
     poll_interval_s: float = 0.05
     """How often the monitor reads death records and failure announcements: the bound on the
     delay between a recorded death (or another rank's announcement) and its detection."""
-    agreement_timeout_s: float = 30.0
+    agreement_timeout_s: float = 45.0
     """How long the agreement waits for a member to take part (or for the rank that proposes
-    to commit) before treating it as failed."""
+    to commit) before treating it as failed. Longer than ``collective_timeout_s``: a survivor
+    whose pending collective the abort does not interrupt (gloo sometimes leaves one waiting)
+    reaches the agreement at the op timeout, and must still be taken in."""
     collective_timeout_s: float = 30.0
     """Op timeout of the process groups: the backstop for a blocked collective that nothing
     else unblocks (see :mod:`megatron_elaswave.world`)."""
@@ -113,6 +115,12 @@ class MonitorConfig:
                 raise ValueError(
                     f"{field.name} must be a positive number of seconds, not {value!r}"
                 )
+        if self.agreement_timeout_s <= self.collective_timeout_s:
+            raise ValueError(
+                f"agreement_timeout_s ({self.agreement_timeout_s:g}) must exceed "
+                f"collective_timeout_s ({self.collective_timeout_s:g}), or a survivor held in a "
+                "collective until its op timeout is excluded as failed"
+            )
         if self.heartbeat_timeout_s < 2 * self.heartbeat_interval_s:
             raise ValueError(
                 f"heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must be at least twice "

@@ -45,6 +45,7 @@ OP_TIMEOUT_S = 15.0
         ({"agreement_timeout_s": float("inf")}, "agreement_timeout_s must be a positive"),
         ({"collective_timeout_s": "30"}, "collective_timeout_s must be a positive"),
         ({"heartbeat_interval_s": 1.0, "heartbeat_timeout_s": 1.5}, "at least twice"),
+        ({"agreement_timeout_s": 30.0, "collective_timeout_s": 30.0}, "must exceed collective"),
     ],
 )
 def test_monitor_config_rejects_bad_timing(fields, message):
