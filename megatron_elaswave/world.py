@@ -23,8 +23,11 @@ A socket that another thread opens while a group is being created would be recor
 why the failure monitor opens its store connection when it is constructed, not from its thread.
 
 The op timeout given to :func:`init_generation` remains the backstop for what cannot be
-aborted: a group whose creation is still in progress, and groups created with
-``TORCH_GLOO_LAZY_INIT=1`` (their connections open after creation and are not recorded).
+aborted: a group whose creation is still in progress, groups created with
+``TORCH_GLOO_LAZY_INIT=1`` (their connections open after creation and are not recorded), and, now
+and then, a send of a ring all-reduce that the closed connections do not fail (gloo's worker
+thread stays in ``UnboundBuffer::waitSend`` until its deadline). The failure monitor and the
+agreement are built to live with that last one (see :mod:`megatron_elaswave.monitor`).
 """
 
 from __future__ import annotations
