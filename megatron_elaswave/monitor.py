@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 from megatron_elaswave.agreement import Decision, Excluded, decision_key
-from megatron_elaswave.store import NODE_LOST, WorkerDeath, read_deaths
+from megatron_elaswave.store import read_deaths
 from megatron_elaswave.world import abort_collectives
 
 if TYPE_CHECKING:
@@ -371,7 +371,7 @@ class FailureMonitor:
         for death in read_deaths(self._store, start=self._death_cursor):
             self._death_cursor += 1
             self._dead.setdefault(
-                death.rank, Suspicion(death.rank, DEATH, time.time(), _how(death))
+                death.rank, Suspicion(death.rank, DEATH, time.time(), death.describe())
             )
         for rank in self.members:
             if rank in self._dead:
@@ -386,9 +386,9 @@ class FailureMonitor:
     def _check_exclusion(self) -> None:
         """Once a failure is noticed: end this rank if the committed decision has excluded it
         for ``exclusion_grace_s`` (a survivor's loop advances the monitor well before that)."""
-        generation = self.generation
         if self.failure is None or self._left:
             return
+        generation = self.generation
         if self._committed is None or self._committed[0] != generation:
             key = decision_key(generation)
             if not self._store.check([key]):
@@ -439,8 +439,3 @@ def leave_job(excluded: Excluded) -> None:
     sys.stderr.flush()
     os._exit(1)
 
-
-def _how(death: WorkerDeath) -> str:
-    if death.cause == NODE_LOST:
-        return "its node was lost"
-    return f"killed by {death.signal}" if death.signal else f"exited with {death.exit_code}"

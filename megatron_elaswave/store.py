@@ -166,6 +166,12 @@ class WorkerDeath:
     time: float
     """Unix time at which the death was detected (for a lost node: when it was declared lost)."""
 
+    def describe(self) -> str:
+        """``killed by SIGKILL``, ``exited with 1`` or ``its node was lost``."""
+        if self.cause == NODE_LOST:
+            return "its node was lost"
+        return f"killed by {self.signal}" if self.signal else f"exited with {self.exit_code}"
+
 
 def connect_store(timeout: timedelta = timedelta(seconds=300)) -> TCPStore:
     """A client of the job store, from inside a worker started by ``elaswave-run``.

@@ -12,6 +12,8 @@
   the test, any process that carries the token or descends from pytest and was not there before
   the test must be gone within ``LEFTOVER_GRACE_S``; survivors are killed and the test fails.
   The token finds them even when they were orphaned or left the process tree.
+
+It also provides ``store``: a job store (``TCPStore``) hosted by the test itself.
 """
 
 from __future__ import annotations
@@ -23,8 +25,12 @@ import time
 import uuid
 from collections.abc import Iterator
 
+from datetime import timedelta
+
 import psutil
 import pytest
+from harness import free_port
+from torch.distributed import TCPStore
 
 DEFAULT_TIMEOUT_S = 300.0
 TRACEBACK_AFTER_S = 10.0
@@ -126,3 +132,9 @@ def _kill(process: psutil.Process) -> None:
         process.kill()
     except psutil.NoSuchProcess:
         pass
+
+
+@pytest.fixture
+def store() -> TCPStore:
+    """A job store hosted by the test, on a free port."""
+    return TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=10))

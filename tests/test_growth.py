@@ -14,10 +14,8 @@ import contextlib
 import signal
 import threading
 import time
-from datetime import timedelta
 
 import pytest
-from torch.distributed import TCPStore
 
 from harness import free_port, launch
 from megatron_elaswave.agreement import Decision, decision_key
@@ -65,11 +63,6 @@ def stages(layout: list[dict]) -> list[list[dict]]:
     """Ranks and layers of each stage: a failure-free run may re-deal micro-batches or move layers
     to follow a straggler (a busy machine makes some); its first iteration runs the planned layout."""
     return [replica["stages"] for replica in layout]
-
-
-@pytest.fixture
-def store():
-    return TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=10))
 
 
 def grow_plan(generation: int = 2) -> relayout.LayoutChange:

@@ -19,7 +19,6 @@ import pytest
 from harness import free_port, launch, wait_until, worker_script
 from hypothesis import given
 from hypothesis import strategies as st
-from torch.distributed import TCPStore
 
 from megatron_elaswave.agreement import AGREEMENT_DELAY_ENV, Decision, decision_key, joined_key
 from megatron_elaswave.monitor import HEARTBEAT, FailureMonitor, MonitorConfig
@@ -62,11 +61,6 @@ def test_decision_numbers_survivors_in_order_and_round_trips(survivors, generati
     assert [decision.new_rank(rank) for rank in survivors] == list(range(len(survivors)))
     assert decision.new_ranks == {rank: i for i, rank in enumerate(survivors)}
     assert Decision.from_json(decision.to_json()) == decision
-
-
-@pytest.fixture
-def store():
-    return TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=10))
 
 
 EXCLUSION_GRACE_S = 0.5

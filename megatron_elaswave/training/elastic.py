@@ -336,12 +336,16 @@ class ElasticTrainer(Trainer):
         failed = set(self.layout.known_ranks()) - set(decision.survivors)
         self.lost |= failed
         times.failed_ranks = sorted(set(times.failed_ranks) | failed)
+        # A death is dated and described by the launcher that saw it (this rank may have learnt
+        # the decision first); a hang by the first rank that noticed it.
+        deaths = {d.rank: d for d in read_deaths(self.store) if d.rank in failed}
         for rank in failed:
             suspicion = suspects.get(rank)
-            times.causes[rank] = suspicion.detail if suspicion else "declared failed by another rank"
-        # A death is dated by the launcher that saw it; a hang by the first rank that noticed it.
-        deaths = [d.time for d in read_deaths(self.store) if d.rank in failed]
-        times.failure_at = min([times.failure_at, *deaths, *self._announced_at(decision)])
+            times.causes[rank] = (deaths[rank].describe() if rank in deaths
+                                  else suspicion.detail if suspicion
+                                  else "declared failed by another rank")
+        times.failure_at = min([times.failure_at, *(d.time for d in deaths.values()),
+                                *self._announced_at(decision)])
         # Every connection was shut down to unblock the training thread: re-create all groups
         # of the new layout, each by its own members only.
         old_lists = member_lists(group_specs(self.layout))
