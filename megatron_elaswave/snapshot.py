@@ -9,9 +9,11 @@ Guarantees:
 * **Double buffering.** The two most recent iterations are kept, own and replicated alike: while
   the snapshot of step ``t`` is being taken, the complete one of step ``t-1`` is still there, so a
   failure in the middle of step ``t`` rolls back to the end of ``t-1``.
-* **Complete on return.** When :meth:`SnapshotStore.capture` returns, the snapshot is copied and
-  checksummed; when :meth:`SnapshotStore.replicate` returns, every buddy's copy has arrived and
-  every send has completed. Nothing is left in flight into the next step.
+* **Complete when held.** A snapshot is listed by :meth:`SnapshotStore.held` only once it is
+  copied and checksummed: :meth:`SnapshotStore.capture` returns a complete one, and
+  :meth:`SnapshotStore.start_capture` one that :meth:`SnapshotStore.complete` finishes later (on
+  CUDA the copies run meanwhile). When :meth:`SnapshotStore.replicate` returns, every buddy's copy
+  has arrived and every send has completed.
 * **Checksums.** Every tensor is checksummed (CRC-32) per chunk of ``chunk_bytes`` when captured,
   and replicas carry their sender's checksums. Each read (:meth:`SnapshotStore.restore`), of an
   own snapshot or of a replica, verifies them: a snapshot that does not match, whether it was
@@ -22,8 +24,9 @@ Guarantees:
   snapshots and buddies' replicas together.
 
 Capture copies tensors to host memory. From host memory it copies and checksums a block at a time,
-so each block is checksummed while still in cache; on CUDA the device-to-host copies run on a side
-stream into pinned memory and are checksummed once :meth:`SnapshotStore.wait` has waited for them.
+so each block is checksummed while still in cache; from CUDA the device-to-host copies run on a side
+stream into pinned memory, and are checksummed once :meth:`SnapshotStore.complete` has waited for
+them.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ class SnapshotConfig:
     """Buddy ranks (in other failure domains) that hold a copy of each rank's snapshot."""
     chunk_bytes: int = 4 << 20
     """Granularity of the checksums."""
+    overlap: bool = False
+    """Finish each step's snapshot (wait for its copies, checksum, replicate) just before the
+    next optimizer step instead of at once, so that the device-to-host copies run beside the
+    next forward and backward. A failure before then rolls back one iteration further."""
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
@@ -196,6 +203,20 @@ class Snapshot:
                    meta["checksums"], meta["chunk_bytes"])
 
 
+@dataclass
+class PendingSnapshot:
+    """A snapshot whose copies may still be in flight (:meth:`SnapshotStore.start_capture`)."""
+
+    snapshot: Snapshot
+    copied: Any = None
+    """The CUDA event recorded after the device-to-host copies; ``None`` when they are done and
+    the checksums taken."""
+
+    def wait(self) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+
+
 class SnapshotStore:
     """One rank's own snapshots and the replicas it holds for its buddies."""
 
@@ -203,15 +224,20 @@ class SnapshotStore:
         self.rank = rank
         self.config = config
         self._held: dict[tuple[int, int], Snapshot] = {}
-        self._copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
+        self._copy_stream = None
+        """The side stream of device-to-host copies, made at the first capture from CUDA."""
 
-    def _payload_buffer(self, rank: int, iteration: int, nbytes: int) -> torch.Tensor:
+    def _payload_buffer(self, rank: int, iteration: int, nbytes: int,
+                        pinned: bool = False) -> torch.Tensor:
         """The payload of ``rank``'s snapshot two iterations back (about to be dropped) when it
-        has the right size, else a new buffer: steady-state steps allocate nothing."""
+        fits, else a new buffer: steady-state steps allocate nothing. A snapshot whose buffer is
+        taken is no longer held."""
         previous = self._held.get((rank, iteration - 2))
-        if previous is not None and previous.payload.numel() == nbytes:
+        if (previous is not None and previous.payload.numel() == nbytes
+                and previous.payload.is_pinned() == pinned):
+            del self._held[(rank, iteration - 2)]
             return previous.payload
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._copy_stream is not None)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
     # -- capture and restore -------------------------------------------------------------------
 
@@ -219,30 +245,46 @@ class SnapshotStore:
                 state: Mapping[str, Any]) -> Snapshot:
         """Copy ``tensors`` and ``state`` into host memory as the snapshot of ``iteration`` and
         checksum the copy."""
+        return self.complete(self.start_capture(iteration, tensors, state))
+
+    def start_capture(self, iteration: int, tensors: Mapping[str, torch.Tensor],
+                      state: Mapping[str, Any]) -> PendingSnapshot:
+        """Start :meth:`capture`; :meth:`complete` finishes it. Host tensors are copied and
+        checksummed at once; CUDA tensors are copied on a side stream that first waits for the
+        work queued so far, and must not be written before :meth:`complete` returns."""
         layout = tensor_layout(tensors)
-        payload = self._payload_buffer(self.rank, iteration, _payload_bytes(layout))
+        from_device = any(tensor.is_cuda for tensor in tensors.values())
+        payload = self._payload_buffer(self.rank, iteration, _payload_bytes(layout),
+                                       pinned=from_device)
         snapshot = Snapshot(self.rank, iteration, layout, payload, pickle.dumps(dict(state)),
                             chunk_bytes=self.config.chunk_bytes)
-        stream, chunk_bytes = self._copy_stream, self.config.chunk_bytes
-        if stream is None:
+        if not from_device:
+            chunk_bytes = self.config.chunk_bytes
             snapshot.checksums = {
                 name: copy_checksummed(tensor, payload[start:end], chunk_bytes)
                 for (name, start, end), tensor in zip(snapshot.extents(), tensors.values())}
             snapshot.checksums[_STATE] = chunk_checksums(memoryview(snapshot.state), chunk_bytes)
-        else:
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for tensor, target in zip(tensors.values(), snapshot.tensors.values()):
-                    target.copy_(tensor.detach(), non_blocking=True)
-            self.wait()
-            snapshot.seal()
-        self._keep(snapshot)
-        return snapshot
+            return PendingSnapshot(snapshot)
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        self._copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._copy_stream):
+            for tensor, target in zip(tensors.values(), snapshot.tensors.values()):
+                target.copy_(tensor.detach(), non_blocking=True)
+                if tensor.is_cuda:  # its memory is not reused before the copy is done
+                    tensor.record_stream(self._copy_stream)
+            copied = torch.cuda.Event()
+            copied.record()
+        return PendingSnapshot(snapshot, copied)
 
-    def wait(self) -> None:
-        """Wait for the device-to-host copies of the last capture."""
-        if self._copy_stream is not None:
-            self._copy_stream.synchronize()
+    def complete(self, pending: PendingSnapshot) -> Snapshot:
+        """Wait for the copies of ``pending``, checksum them and hold the snapshot."""
+        if pending.copied is not None:
+            pending.wait()
+            pending.snapshot.seal()
+            pending.copied = None
+        self._keep(pending.snapshot)
+        return pending.snapshot
 
     def restore(self, rank: int, iteration: int) -> tuple[dict[str, torch.Tensor], dict]:
         """The verified tensors and state of ``rank`` at ``iteration``."""

@@ -179,6 +179,23 @@ def test_an_injected_kill_in_any_phase_is_survived(text_data, small_reference, t
     assert recoveries[0]["rolled_back_to"] in ((4, 5) if phase == "snapshot" else (4,))
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("phase, rolled_back_to", [("forward", 3), ("optimizer", 4)])
+def test_a_snapshot_settled_in_the_next_step_is_rolled_back_past_until_settled(
+        text_data, small_reference, tmp_path, phase, rolled_back_to):  # noqa: F811
+    """``--elastic-snapshot-overlap on`` (the default on CUDA): iteration 4's snapshot is finished
+    in iteration 5, just before its optimizer step. A kill before then rolls back to iteration 3,
+    one after to 4; either way each iteration is recorded once and on the trajectory."""
+    iterations, recoveries, output = run(
+        tmp_path, "overlapped",
+        [*small_flags(text_data), "--elastic-snapshot-overlap", "on",
+         "--elastic-inject-failure", f"rank=1,iteration=5,phase={phase}"],
+        nproc=4)
+    assert f"rank 1 kill in the {phase} of iteration 5" in output
+    assert_on_trajectory(small_reference, iterations)
+    assert [(r["failed_ranks"], r["rolled_back_to"]) for r in recoveries] == [([1], rolled_back_to)]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("spec, message", [
     ("rank=1", "rank= and iteration= are required"),

@@ -1,6 +1,6 @@
-"""Per-step snapshots: bit-exact restore, corruption caught, double buffering, replicas kept as
-sent and verified when read, RNG states through a pickle, replication to a buddy that keeps a
-dead rank's state."""
+"""Per-step snapshots: bit-exact restore, corruption caught, double buffering, captures held only
+once complete, replicas kept as sent and verified when read, RNG states through a pickle,
+replication to a buddy that keeps a dead rank's state."""
 
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from megatron_elaswave.snapshot import (
     SnapshotMissing,
     SnapshotStore,
 )
-from megatron_elaswave.training.snapshots import restore_rng_states, rng_states
+from megatron_elaswave.layout import Layout
+from megatron_elaswave.training.snapshots import StepSnapshots, restore_rng_states, rng_states
 
 
 def shard(rank: int, iteration: int) -> dict[str, torch.Tensor]:
@@ -62,6 +63,50 @@ def test_a_flipped_byte_is_reported_not_loaded():
     held["exp_avg"].view(-1).view(torch.uint8)[101] ^= 0x10
     with pytest.raises(SnapshotCorrupted, match="'exp_avg' does not match"):
         store.restore(3, 7)
+
+
+def test_a_started_capture_is_held_only_once_complete():
+    store = SnapshotStore(rank=0)
+    for iteration in (1, 2):
+        store.capture(iteration, shard(0, iteration), {})
+    pending = store.start_capture(3, shard(0, 3), {"cursor": 3})
+    # Its buffer was iteration 1's, which is no longer held; iteration 2 is still whole.
+    assert store.held() == [(0, 2)]
+    assert torch.equal(store.restore(0, 2)[0]["main_param"], shard(0, 2)["main_param"])
+    assert store.complete(pending).iteration == 3
+    assert store.held() == [(0, 2), (0, 3)]
+    tensors, state = store.restore(0, 3)
+    assert state == {"cursor": 3}
+    assert all(torch.equal(tensors[name], tensor) for name, tensor in shard(0, 3).items())
+
+
+def test_step_snapshots_settle_in_the_next_step_with_overlap():
+    layout = Layout.megatron(tp=1, pp=1, dp=1, num_layers=2, num_microbatches=1)
+    snapshots = StepSnapshots(layout, 0, SnapshotConfig(replicas=0, overlap=True))
+    scheduler = SimpleNamespace(state_dict=lambda: {"lr": 0.1})
+    snapshots.after_step(1, None, scheduler, 8, tensors=shard(0, 1))
+    assert snapshots.pending and snapshots.store.held() == []
+    snapshots.settle()
+    assert not snapshots.pending and snapshots.store.held() == [(0, 1)]
+    snapshots.after_step(2, None, scheduler, 16, tensors=shard(0, 2))
+    snapshots.discard()  # a failure came first: iteration 1 is what a rollback finds
+    assert not snapshots.pending and snapshots.store.held() == [(0, 1)]
+    assert snapshots.store.restore(0, 1)[1]["consumed_samples"] == 8
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_capture_from_cuda_is_copied_on_a_side_stream_and_checksummed_when_complete():
+    # torch's Adam keeps its step on the host beside state on the device
+    live = {name: tensor if name == "step" else tensor.cuda() for name, tensor in shard(0, 1).items()}
+    store = SnapshotStore(rank=0)
+    pending = store.start_capture(1, live, {})
+    assert pending.snapshot.payload.is_pinned() and store.held() == []
+    snapshot = store.complete(pending)
+    for tensor in live.values():
+        tensor.add_(1.0)  # the next optimizer step, after the snapshot is complete
+    tensors, _ = store.restore(0, 1)
+    assert snapshot.checksums and store.held() == [(0, 1)]
+    assert all(torch.equal(tensors[name], tensor) for name, tensor in shard(0, 1).items())
 
 
 class Loopback:

@@ -66,7 +66,6 @@ from megatron_elaswave.planner.replan import (
     plan_recovery,
     plan_replica_drop,
 )
-from megatron_elaswave.snapshot import SnapshotConfig
 from megatron_elaswave.store import connect_store, read_deaths
 
 from . import relayout
@@ -78,7 +77,7 @@ from .loop import StepResult, Trainer, log
 from .model import seed_random_generators, transformer_layers
 from .migration import adam_step, load_pieces, migrate, named_shard, needed_pieces
 from .rescue import checkpoint_layout
-from .snapshots import StepSnapshots, restore_rng_states
+from .snapshots import StepSnapshots, restore_rng_states, snapshot_config
 from .stragglers import ForwardTimer, RebalanceConfig, StageCompute, StragglerDetector
 
 class CannotContinue(RuntimeError):
@@ -272,7 +271,12 @@ class ElasticTrainer(Trainer):
     def ensure_initial_snapshot(self) -> None:
         """Snapshot the state before the first step of this rank, if not held yet."""
         if (self.rank, self.iteration) not in self.snapshots.store.held():
-            self.take_snapshot(self.iteration, self.consumed_samples)
+            self._snapshot_now()
+
+    def _snapshot_now(self) -> None:
+        """Snapshot the current state and settle it at once: the next failure rolls back to it."""
+        self.take_snapshot(self.iteration, self.consumed_samples)
+        self.snapshots.settle()
 
     def advance(self) -> StepResult | None:
         """Try the next iteration; on a failure, recover (which may roll back) instead. The
@@ -456,6 +460,7 @@ class ElasticTrainer(Trainer):
         """Switch to the layout ``plan()`` gives after this iteration, taking ``joined`` in
         (every stage holder calls this alike; the lowest alone plans and commits the change,
         :mod:`.relayout`)."""
+        self.snapshots.settle()  # the change starts from this iteration's snapshots
         generation = self.monitor.generation
         if self.is_logger:
             layout, clocks = plan()
@@ -552,6 +557,7 @@ class ElasticTrainer(Trainer):
     def _restore(self, decision: Decision, layout: Layout, times: RecoveryTimes) -> None:
         prefix = f"rt/gen{decision.generation}/restore"
         members = sorted(layout.known_ranks())
+        self.snapshots.discard()
         iteration = self._rollback_iteration(prefix, members)
         # What this rank serves: its own shard if it held one, and the failed ranks' replicas.
         serves = {self.rank} if self.rank in self.state_layout.active_ranks() else set()
@@ -587,11 +593,13 @@ class ElasticTrainer(Trainer):
             restore_rng_states(state["rng"])
             self.snapshots = StepSnapshots(layout, self.rank, self.snapshots.store.config,
                                            group=self.registry.group(Role.WORLD))
-            self.take_snapshot(self.iteration, self.consumed_samples)
+            self._snapshot_now()
         times.migrated_at = time.time()
         if self.is_logger and self.metrics.path is None:
             self.metrics = MetricsWriter(self.args.elastic_metrics_file)
-        elif not self.is_logger and self.metrics.path is not None:  # a lower rank is back
+        # Every rank holds the same records back; the one with the file writes them.
+        self.write_records(up_to=iteration)
+        if not self.is_logger and self.metrics.path is not None:  # a lower rank is back
             self.metrics.close()
             self.metrics = MetricsWriter(None)
 
@@ -665,7 +673,7 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
     model_factory = model_factory or ModelFactory.from_flags(args, vocab_size)
     objects = build_stage_objects(args, layout, registry, model_factory, backend.device())
     monitor = FailureMonitor(store, rank, Decision.initial(world_size), config, job_size=world_size)
-    snapshots = StepSnapshots(layout, rank, SnapshotConfig(replicas=args.elastic_snapshot_replicas),
+    snapshots = StepSnapshots(layout, rank, snapshot_config(args, backend),
                               group=registry.group(Role.WORLD))
     parts = _runtime_parts(args, backend, rank, vocab_size, config, model_factory)
     parts["governor"].apply(nominal_clock_plan(parts["cost"], layout, 0, PowerModel()), layout)
@@ -728,8 +736,7 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
         args=args, objects=None, pg_collection=None, backend=backend, layout=plan.state_layout,
         train_source=train_source, valid_source=valid_source, metrics=MetricsWriter(None),
         rank=rank, iteration=plan.iteration,
-        snapshots=StepSnapshots(plan.state_layout, rank,
-                                SnapshotConfig(replicas=args.elastic_snapshot_replicas)),
+        snapshots=StepSnapshots(plan.state_layout, rank, snapshot_config(args, backend)),
         registry=registry, monitor=monitor, store=store,
         **_runtime_parts(args, backend, rank, vocab_size, config,
                          ModelFactory.from_flags(args, vocab_size)))

@@ -8,7 +8,6 @@ import os
 from megatron_elaswave import dropout_rng, patches
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.metrics import MetricsWriter
-from megatron_elaswave.snapshot import SnapshotConfig
 from megatron_elaswave.store import REJOIN_ENV
 
 from .checkpoint import TrainingProgress, load_checkpoint, save_checkpoint
@@ -25,7 +24,7 @@ from .model import (
     wrap_and_optimize,
 )
 from .profiling import CostProfiler, device_description, write_profile
-from .snapshots import StepSnapshots
+from .snapshots import StepSnapshots, snapshot_config
 
 
 class CannotRejoin(RuntimeError):
@@ -44,7 +43,7 @@ def build_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int, t
     objects = wrap_and_optimize(args, config, chunks, pg_collection)
     train_set, valid_set = build_datasets(args, tokenizer)
     layout = failure_free_layout(args)
-    snapshots = (StepSnapshots(layout, rank, SnapshotConfig(replicas=args.elastic_snapshot_replicas))
+    snapshots = (StepSnapshots(layout, rank, snapshot_config(args, backend))
                  if args.elastic_snapshots else None)
     return Trainer(
         args=args,

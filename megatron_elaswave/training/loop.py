@@ -101,6 +101,8 @@ class Trainer:
     iteration: int = 0
     consumed_samples: int = 0
     _interval_times: list[float] = field(default_factory=list)
+    _unwritten: list[dict] = field(default_factory=list)
+    """Iteration records held back by :meth:`_record`."""
 
     def __post_init__(self) -> None:
         self._bind()
@@ -183,6 +185,8 @@ class Trainer:
         data = self._step_data(self.train_source, self.consumed_samples)
         dropout_rng.set_iteration(self.iteration + 1)  # layout-invariant dropout: this step
         losses = self._run_schedule(data, forward_only=False)
+        if self.snapshots is not None:  # the optimizer step writes what the last one holds
+            self.snapshots.settle()
         self.before_optimizer_step()
         succeeded, grad_norm, _ = self.objects.optimizer.step()
         self.objects.scheduler.step(increment=gbs)
@@ -190,6 +194,8 @@ class Trainer:
                                                                   self.step_report())
         if self.snapshots is not None:
             self.take_snapshot(self.iteration + 1, self.consumed_samples + gbs)
+            if self.iteration + 1 >= self.args.train_iters:  # no next step to settle it in
+                self.snapshots.settle()
         self.backend.synchronize()
         return StepResult(
             lm_loss=loss_sum / max(num_tokens, 1),
@@ -216,9 +222,9 @@ class Trainer:
 
     def _record(self, result: StepResult, gbs: int, **extra) -> None:
         """The iteration's metrics record (with ``extra`` fields) and, every ``--log-interval``
-        iterations, Megatron-LM's log line."""
-        self.metrics.write(
-            "iteration",
+        iterations, Megatron-LM's log line. The record is held back while the iteration's
+        snapshot is pending, so that none is written for an iteration a rollback may re-run."""
+        fields = dict(
             iteration=self.iteration,
             lm_loss=result.lm_loss,
             global_batch_size=gbs,
@@ -246,6 +252,19 @@ class Trainer:
                 f"grad norm: {grad_norm} | number of skipped iterations: {int(result.skipped):3d} |"
             )
             self._interval_times.clear()
+        # Every rank settled the earlier iterations' snapshots before this step's reduction.
+        self.write_records()
+        self._unwritten.append(fields)
+        if self.snapshots is None or not self.snapshots.pending:
+            self.write_records()
+
+    def write_records(self, up_to: int | None = None) -> None:
+        """Write the held-back iteration records, or only those of iterations up to ``up_to``
+        (the rollback's: the others are re-run), and forget them."""
+        for fields in self._unwritten:
+            if up_to is None or fields["iteration"] <= up_to:
+                self.metrics.write("iteration", **fields)
+        self._unwritten.clear()
 
     def evaluate(self, source: MicrobatchSource | None = None, evaluation: int | None = None) -> float:
         """Mean per-token loss over ``--eval-iters`` global batches of ``source`` (default: the

@@ -8,6 +8,7 @@ RNG states, so a rollback resumes the same trajectory.
 
 from __future__ import annotations
 
+import argparse
 import random
 
 import numpy
@@ -16,9 +17,10 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 from megatron.core.optimizer import MegatronOptimizer
 
+from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.planner.zero import buddy_ranks
-from megatron_elaswave.snapshot import SnapshotConfig, SnapshotStore
+from megatron_elaswave.snapshot import PendingSnapshot, SnapshotConfig, SnapshotStore
 
 
 def optimizer_shard(optimizer: MegatronOptimizer) -> dict[str, torch.Tensor]:
@@ -70,8 +72,20 @@ def _state_tensor(state):
     return state
 
 
+def snapshot_config(args: argparse.Namespace, backend: DeviceBackend) -> SnapshotConfig:
+    """The snapshots the flags ask for on ``backend``."""
+    overlap = args.elastic_snapshot_overlap
+    return SnapshotConfig(replicas=args.elastic_snapshot_replicas,
+                          overlap=overlap == "on" or (overlap == "auto" and backend.name == "cuda"))
+
+
 class StepSnapshots:
-    """Snapshots of one rank after every step, replicated to its buddies in the layout."""
+    """Snapshots of one rank after every step, replicated to its buddies in the layout.
+
+    With ``config.overlap`` a step's snapshot is finished (:meth:`settle`) in the next step, just
+    before its optimizer step, the last writer of the snapshotted tensors; until then it is
+    :attr:`pending` and not held.
+    """
 
     def __init__(self, layout: Layout, rank: int, config: SnapshotConfig,
                  group: dist.ProcessGroup | None = None) -> None:
@@ -83,18 +97,42 @@ class StepSnapshots:
         self.send_to = buddy_ranks(layout, rank, config.replicas) if config.replicas and holds_stage else []
         self.receive_from = [r for r in members
                              if config.replicas and rank in buddy_ranks(layout, r, config.replicas)]
+        self._pending: PendingSnapshot | None = None
 
     def after_step(self, iteration: int, optimizer: MegatronOptimizer, scheduler,
                    consumed_samples: int, tensors: dict[str, torch.Tensor] | None = None,
                    **extra_state) -> None:
         """Snapshot ``tensors`` (by default the optimizer shard by optimizer-local names) and the
-        small state, then exchange replicas with the buddies."""
+        small state, and exchange replicas with the buddies, now or (with ``config.overlap``)
+        at :meth:`settle`."""
         state = {"iteration": iteration, "consumed_samples": consumed_samples,
                  "scheduler": scheduler.state_dict(), "rng": rng_states(), **extra_state}
         tensors = optimizer_shard(optimizer) if tensors is None else tensors
-        snapshot = self.store.capture(iteration, tensors, state)
+        assert self._pending is None, "the previous snapshot was neither settled nor discarded"
+        self._pending = self.store.start_capture(iteration, tensors, state)
+        if not self.store.config.overlap:
+            self.settle()
+
+    @property
+    def pending(self) -> bool:
+        """Whether the last snapshot is still to be settled."""
+        return self._pending is not None
+
+    def settle(self) -> None:
+        """Finish the pending snapshot and exchange replicas with the buddies (collective among
+        them, like :meth:`after_step`); nothing if none is pending."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        snapshot = self.store.complete(pending)
         if self.send_to or self.receive_from:
             self.store.replicate(snapshot, self.send_to, self.receive_from, group=self.group)
+
+    def discard(self) -> None:
+        """Drop the pending snapshot (a failure came first), once its copies are done."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
 
     @property
     def bytes_held(self) -> int:
