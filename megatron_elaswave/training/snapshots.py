@@ -83,8 +83,8 @@ class StepSnapshots:
     """Snapshots of one rank after every step, replicated to its buddies in the layout.
 
     With ``config.overlap`` a step's snapshot is finished (:meth:`settle`) in the next step, just
-    before its optimizer step, the last writer of the snapshotted tensors; until then it is
-    :attr:`pending` and not held.
+    before its optimizer step, which is the first to write the snapshotted tensors again; until
+    then it is :attr:`pending` and not held.
     """
 
     def __init__(self, layout: Layout, rank: int, config: SnapshotConfig,
