@@ -438,4 +438,3 @@ def leave_job(excluded: Excluded) -> None:
     sys.stderr.write(f"{excluded} (its training loop had not left)\n")
     sys.stderr.flush()
     os._exit(1)
-

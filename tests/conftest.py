@@ -24,7 +24,6 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
-
 from datetime import timedelta
 
 import psutil
