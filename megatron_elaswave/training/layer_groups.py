@@ -269,7 +269,8 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
         for ddp, chunk_pgc in zip(chunks, chunk_groups):
             finalize_model_grads([ddp], None, pg_collection=chunk_pgc,
                                  force_all_reduce=force_all_reduce)
-        tokens = num_tokens.clone()  # non-zero on each replica's loss stage only
+        # Every tensor-parallel rank of a loss stage counts the same tokens: one of them adds.
+        tokens = num_tokens.clone() if tp.rank() == 0 else torch.zeros_like(num_tokens)
         dist.all_reduce(tokens, group=world)
         for ddp in chunks:
             ddp.scale_gradients(1.0 / max(tokens.item(), 1))
