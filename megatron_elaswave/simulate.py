@@ -11,8 +11,8 @@ Scenarios (synthetic profiles unless ``--profile``):
   and 16 failed stage instances;
 * ``schedules``: the failure-free 7B-class job under 1F1B and the interleaved schedule.
 
-Failed stage instances are spread over replicas and stages, never two neighbouring stages of one
-replica (a rank and its snapshot buddy), so that every policy can recover.
+Failed stage instances are spread over replicas and stages, never an instance together with its
+snapshot buddy, so that every policy can recover.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from megatron_elaswave.planner.profile import (
     load_profile,
     synthetic_profile,
 )
+from megatron_elaswave.planner.zero import buddy_rank
 from megatron_elaswave.simulator.step import ReplicaWork, predict_step
 
 MODEL_7B = SyntheticModel(
@@ -56,25 +57,35 @@ class Case:
 
 def spread_failures(job: JobSpec, count: int) -> list[int]:
     """First TP rank of ``count`` stage instances spread over replicas (round-robin) and stages
-    (the least-hit stage first), never two neighbouring stages of one replica: those are a rank and
-    its snapshot buddy, whose joint loss needs a checkpoint."""
+    (the least-hit stage first), never an instance together with its snapshot buddy: their
+    joint loss needs a checkpoint."""
     tp, pp, dp = job.tensor_parallel_size, job.pipeline_parallel_size, job.data_parallel_size
+    layout = job.initial_layout()
     chosen: list[tuple[int, int]] = []
     hits = [0] * pp
+
+    def rank_of(replica: int, stage: int) -> int:
+        return megatron_rank(0, replica, stage, tp=tp, dp=dp)
+
+    def buddy(rank: int) -> int | None:
+        return buddy_rank(layout, rank, job.ranks_per_node)
+
     for i in range(count * dp + dp):
         if len(chosen) == count:
             break
         replica = i % dp
-        taken = {s for r, s in chosen if r == replica}
-        blocked = taken | {(s + 1) % pp for s in taken} | {(s - 1) % pp for s in taken}
-        free = [s for s in range(pp) if s not in blocked]
+        failed = {rank_of(r, s) for r, s in chosen}
+        blocked = {buddy(rank) for rank in failed}
+        free = [s for s in range(pp)
+                if (replica, s) not in chosen and rank_of(replica, s) not in blocked
+                and buddy(rank_of(replica, s)) not in failed]
         if free:
             stage = min(free, key=lambda s: (hits[s], (s - 2 * i) % pp))
             chosen.append((replica, stage))
             hits[stage] += 1
     if len(chosen) < count:
         raise ValueError(f"cannot place {count} recoverable failures in {dp} x {pp} stage instances")
-    return [megatron_rank(0, r, s, tp=tp, dp=dp) for r, s in chosen]
+    return [rank_of(r, s) for r, s in chosen]
 
 
 def paper_cases() -> list[Case]:

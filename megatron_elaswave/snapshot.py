@@ -55,6 +55,8 @@ class SnapshotConfig:
 
     replicas: int = 1
     """Buddy ranks (in other failure domains) that hold a copy of each rank's snapshot."""
+    ranks_per_node: int | None = None
+    """Launch ranks per node: buddies go to other nodes first (``None``: one node)."""
     chunk_bytes: int = 4 << 20
     """Granularity of the checksums."""
     overlap: bool = False

@@ -97,10 +97,12 @@ def reference(text_data, tmp_path_factory):  # noqa: F811
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("victims", [[(7, 4)], [(0, 3)], [(5, 3), (2, 8)]],
-                         ids=["last-stage-rank-7", "rank-0", "two-failures"])
+@pytest.mark.parametrize("victims", [[(7, 4)], [(0, 3)], [(5, 3), (2, 8)], [(1, 3), (5, 3)]],
+                         ids=["last-stage-rank-7", "rank-0", "two-failures", "a-whole-replica"])
 def test_sigkilled_workers_leave_the_trajectory_unchanged(text_data, reference, tmp_path,  # noqa: F811
                                                           victims):
+    """``a-whole-replica``: both stages of replica 0 lose a TP rank together; their snapshots
+    are kept by the other replica, which then carries the whole global batch."""
     flags = elastic_flags(text_data, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     iterations, recoveries, output = run(tmp_path, "killed", flags, kills=victims)
     assert_on_trajectory(reference, iterations)
@@ -356,6 +358,27 @@ def test_state_lost_with_its_only_copy_stops_with_a_message(text_data, tmp_path)
     assert returncode != 0
     assert "cannot continue: no iteration has a complete set of surviving snapshots" in output
     assert "Traceback" not in output
+
+
+@pytest.mark.timeout(200)
+def test_a_rank_and_its_snapshot_buddy_lost_together_stop_every_survivor_in_one_line(
+        text_data, tmp_path):  # noqa: F811
+    """TP1 x PP2 x DP2: rank 0's snapshot is kept by rank 3 (the other replica's other stage);
+    both are SIGKILLed from outside, so part of the optimizer state is gone with them."""
+    metrics = tmp_path / "lost.jsonl"
+    flags = [PRETRAIN, *small_flags(text_data), "--elastic-metrics-file", str(metrics)]
+    with launch(flags, 4, master_port=free_port(), log_path=tmp_path / "lost.log") as job:
+        job.wait_for(lambda: metrics.exists() and len(read_metrics(str(metrics), "iteration")) >= 3,
+                     120, "iteration 3")
+        job.kill_worker(0)
+        job.kill_worker(3)
+        returncode, output = job.wait(150)
+    lines = [line for line in output.splitlines() if "cannot continue" in line]
+    assert returncode != 0 and "Traceback" not in output, output[-4000:]
+    for survivor in (1, 2):  # each says why, since rank 0 is gone, and exits 3
+        assert re.search(rf"worker rank {survivor} \(pid \d+\) exited with code 3", output)
+    assert len(lines) == 2, output[-4000:]
+    assert all("rank 0 and its snapshot buddy 3 both failed" in line for line in lines), lines
 
 
 @pytest.mark.timeout(400)

@@ -109,7 +109,7 @@ def test_unrunnable_failure_is_one_line_and_exit_2():
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1
     assert "Traceback" not in result.stderr and result.stdout == ""
-    lost = plan("--fail", "0,6")  # a rank and its snapshot buddy (next stage, same replica)
+    lost = plan("--fail", "0,8")  # a rank and its snapshot buddy (next replica, next stage)
     assert lost.returncode == 2 and "checkpoint" in lost.stderr and lost.stderr.count("\n") == 1
 
 

@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_elaswave.layout import Layout
 from megatron_elaswave.planner.cost import CostModel, MemoryModel
 from megatron_elaswave.planner.job import JobSpec
 from megatron_elaswave.planner.profile import SyntheticModel, synthetic_profile
@@ -14,6 +15,7 @@ from megatron_elaswave.planner.replan import plan_recovery
 from megatron_elaswave.planner.zero import (
     StateLostError,
     buddy_rank,
+    buddy_ranks,
     chunk_owners,
     contiguous_migration,
     interleaved_migration,
@@ -122,8 +124,12 @@ def test_dissolved_replica_hands_over_its_chunks():
     assert set(plan.layout.spares) == doomed - failed
     optimizer = [t for t in plan.migration.transfers if t.what.startswith("optimizer")]
     # One chunk of each of the 10 parts (embedding, 8 layers, loss) per TP rank was homed on replica 2.
-    assert len(optimizer) == 10 * 2
-    assert all(t.src in doomed - failed and t.dst not in doomed for t in optimizer)
+    # The failed ranks' chunks come from their buddies, in other replicas: where a buddy is the
+    # new owner it already holds the chunk and nothing moves.
+    buddies = {buddy_rank(old, rank) for rank in failed}
+    assert buddies.isdisjoint(doomed)
+    assert 0 < len(optimizer) <= 10 * 2
+    assert all(t.src in (doomed - failed) | buddies and t.dst not in doomed for t in optimizer)
     assert not [t for t in plan.migration.transfers if t.what.startswith("params")]
 
 
@@ -141,7 +147,7 @@ def test_losing_a_rank_and_its_buddy_needs_a_checkpoint():
     old = cost.job.initial_layout()
     rank = old.replicas[0].stages[1].ranks[0]
     buddy = buddy_rank(old, rank)
-    assert old.position(buddy)[:2] == (0, 2)  # next stage of the same replica, same TP rank
+    assert old.position(buddy)[0] != 0  # another replica, same TP rank
     with pytest.raises(StateLostError, match="both failed"):
         plan_recovery(old, {rank, buddy}, cost)
 
@@ -156,3 +162,41 @@ def test_interleaved_needs_fewer_bytes_than_contiguous_when_a_replica_dissolves(
     contiguous = contiguous_migration(old, plan.layout, failed, tight)
     assert plan.dissolved_replicas == (3,)
     assert interleaved.total_bytes * 2 < contiguous.total_bytes
+
+
+def correlated_losses(layout: Layout, ranks_per_node: int | None) -> dict[str, set[int]]:
+    """Every rank of one node, of one replica, and one stage index in every replica."""
+    ranks = layout.active_ranks()
+    losses = {}
+    if ranks_per_node is not None:
+        for node in {rank // ranks_per_node for rank in ranks}:
+            losses[f"node {node}"] = {r for r in ranks if r // ranks_per_node == node}
+    else:
+        for replica in layout.replicas:
+            losses[f"replica {replica.index}"] = {r for s in replica.stages for r in s.ranks}
+        for stage in range(min(len(r.stages) for r in layout.replicas)):
+            losses[f"stage {stage}"] = {rank for r in layout.replicas for rank in r.stages[stage].ranks}
+    return losses
+
+
+@pytest.mark.parametrize("tp, pp, dp, ranks_per_node", [
+    (1, 4, 2, None), (2, 2, 2, None), (2, 2, 3, None), (1, 2, 4, None),
+    (2, 2, 2, 4), (1, 4, 2, 4), (2, 4, 2, 8), (4, 2, 4, 8), (1, 4, 4, 2),
+])
+def test_a_correlated_loss_keeps_a_copy_of_every_snapshot(tp, pp, dp, ranks_per_node):
+    layout = Layout.megatron(tp=tp, pp=pp, dp=dp, num_layers=8, num_microbatches=12)
+    buddies = {rank: buddy_ranks(layout, rank, 1, ranks_per_node) for rank in layout.active_ranks()}
+    for what, lost in correlated_losses(layout, ranks_per_node).items():
+        if lost == layout.active_ranks():
+            continue
+        for rank in lost:
+            assert not set(buddies[rank]) <= lost, (what, rank, buddies[rank])
+    for rank, (buddy,) in buddies.items():
+        assert layout.position(buddy)[2] == layout.position(rank)[2]  # the same TP rank
+
+
+def test_one_shift_gives_every_rank_one_copy_where_it_can():
+    layout = Layout.megatron(tp=1, pp=4, dp=2, num_layers=8, num_microbatches=8)
+    held = Counter(b for rank in layout.active_ranks() for b in buddy_ranks(layout, rank, 1))
+    assert sorted(held) == sorted(layout.active_ranks()) and set(held.values()) == {1}
+    assert all(len(set(buddy_ranks(layout, rank, 3))) == 3 for rank in layout.active_ranks())

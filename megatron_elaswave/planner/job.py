@@ -26,6 +26,8 @@ class JobSpec:
     zero_chunks_per_replica: int = 1
     """Interleaved ZeRO granularity: each layer's optimizer state is cut into
     ``zero_chunks_per_replica * data_parallel_size`` chunks."""
+    ranks_per_node: int | None = None
+    """Launch ranks per node, which fail together when a node is lost (``None``: one node)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -40,6 +42,8 @@ class JobSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.ranks_per_node is not None and self.ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node must be positive, got {self.ranks_per_node!r}")
         if self.num_layers % self.pipeline_parallel_size:
             raise ValueError(
                 f"num_layers ({self.num_layers}) must be divisible by pipeline_parallel_size "

@@ -28,7 +28,8 @@ group's flat buffer sharded in equal contiguous slices over its holders), for co
 
 from __future__ import annotations
 
-from collections import defaultdict
+import functools
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -115,31 +116,113 @@ def _part_name(part: int, num_layers: int) -> str:
     return f"layer {part - 1}"
 
 
-def buddy_ranks(layout: Layout, rank: int, count: int = 1) -> list[int]:
-    """The ``count`` ranks that keep ``rank``'s optimizer snapshot: the same tensor-parallel rank
-    of the next stages of the same replica (cyclically), which in Megatron's rank order sit
-    ``tp * dp`` ranks apart and so on other nodes; for a single-stage replica, of the stages
-    holding the same layers in the next replicas (by index, cyclically). Fewer when fewer other
-    stage instances exist."""
+def buddy_ranks(layout: Layout, rank: int, count: int = 1,
+                ranks_per_node: int | None = None) -> list[int]:
+    """The ``count`` ranks that keep ``rank``'s optimizer snapshot: ranks at the same
+    tensor-parallel rank of other stage instances (fewer when fewer exist), placed so that a
+    correlated loss takes a snapshot with its owner only when nothing else was possible.
+
+    Guarantees: the buddies are on other nodes whenever other nodes hold stage instances; among
+    those, in other replicas whenever possible; among those, at other stage indices whenever
+    possible. So losing every rank of one node loses no snapshot while another node is left, and
+    on one node neither does losing every rank of one replica, nor one stage in every replica,
+    while another replica is left. Among equally good choices, one cyclic shift of the instances
+    (in launch-rank order) serves every rank where one exists, so that each rank then holds
+    exactly ``count`` copies. ``ranks_per_node``: launch ranks per node (``None``: the whole job
+    on one node). A pure function of its arguments; raises ``ValueError`` for a rank that holds
+    no stage.
+    """
     position = layout.position(rank)
     if position is None:
         raise ValueError(f"rank {rank} holds no stage")
-    replica_index, stage_index, tp_rank = position
-    replicas = layout.replica_by_index()
-    stages = replicas[replica_index].stages
-    if len(stages) > 1:
-        return [stages[(stage_index + k) % len(stages)].ranks[tp_rank]
-                for k in range(1, min(count, len(stages) - 1) + 1)]
-    order = sorted(replicas)
-    position_in_order = order.index(replica_index)
-    return [replicas[order[(position_in_order + k) % len(order)]].stages[0].ranks[tp_rank]
-            for k in range(1, min(count, len(order) - 1) + 1)]
+    return _Placement.of(layout, position[2], count, ranks_per_node).buddies(rank)
 
 
-def buddy_rank(layout: Layout, rank: int) -> int | None:
+def buddy_rank(layout: Layout, rank: int, ranks_per_node: int | None = None) -> int | None:
     """The first of :func:`buddy_ranks`, or ``None`` when no other stage instance exists."""
-    buddies = buddy_ranks(layout, rank, 1)
+    buddies = buddy_ranks(layout, rank, 1, ranks_per_node)
     return buddies[0] if buddies else None
+
+
+_UNIFORM_OFFSETS_TRIED = 64
+"""Offsets :class:`_Placement` tries for one shift that suits every rank, before it picks per
+rank (which may leave some ranks holding more than ``count`` copies)."""
+
+
+class _Placement:
+    """The snapshot buddies of one tensor-parallel rank's stage instances (:func:`buddy_ranks`)."""
+
+    def __init__(self, layout: Layout, tp_rank: int, count: int, ranks_per_node: int | None):
+        instances = sorted(
+            (rank, (0 if ranks_per_node is None else rank // ranks_per_node, replica.index, index))
+            for replica in layout.replicas for index, stage in enumerate(replica.stages)
+            for rank in (stage.ranks[tp_rank],))
+        self.ranks = [rank for rank, _ in instances]
+        self.index = {rank: i for i, rank in enumerate(self.ranks)}
+        self.domains = [domain for _, domain in instances]
+        self.wanted = min(count, len(instances) - 1)
+        self.lowest = _lowest_risks(self.domains)
+        self.offsets = self._uniform_offsets()
+
+    @classmethod
+    @functools.lru_cache(maxsize=256)
+    def of(cls, layout: Layout, tp_rank: int, count: int, ranks_per_node: int | None) -> _Placement:
+        return cls(layout, tp_rank, count, ranks_per_node)
+
+    def _risk(self, i: int, j: int) -> int:
+        return _risk(self.domains[i], self.domains[j % len(self.domains)])
+
+    def _uniform_offsets(self) -> list[int]:
+        """Up to ``wanted`` shifts that give every instance a buddy of its lowest risk."""
+        size, found = len(self.ranks), []
+        for offset in range(1, min(size, _UNIFORM_OFFSETS_TRIED + 1)):
+            if len(found) == self.wanted:
+                break
+            if all(self._risk(i, i + offset) == self.lowest[i] for i in range(size)):
+                found.append(offset)
+        return found
+
+    def buddies(self, rank: int) -> list[int]:
+        i, size = self.index[rank], len(self.ranks)
+        chosen = [(i + offset) % size for offset in self.offsets]
+        if len(chosen) < self.wanted:
+            # The nearest instances of the lowest risk; the rest by risk, then distance.
+            nearest = [j % size for j in range(i + 1, i + size) if j % size not in chosen]
+            for j in nearest:
+                if self._risk(i, j) == self.lowest[i]:
+                    chosen.append(j)
+                    if len(chosen) == self.wanted:
+                        break
+            else:
+                rest = sorted((j for j in nearest if j not in chosen),
+                              key=lambda j: self._risk(i, j))  # stable: distance breaks ties
+                chosen += rest[:self.wanted - len(chosen)]
+        return [self.ranks[j] for j in chosen]
+
+
+def _risk(a: tuple[int, int, int], b: tuple[int, int, int]) -> int:
+    """How much two (node, replica, stage index) domains share, shared node weighing most."""
+    return 4 * (a[0] == b[0]) + 2 * (a[1] == b[1]) + (a[2] == b[2])
+
+
+def _lowest_risks(domains: list[tuple[int, int, int]]) -> list[int]:
+    """For each domain, the lowest :func:`_risk` that any other instance offers, in linear time:
+    the number of instances sharing exactly the attributes in ``same`` follows by inclusion and
+    exclusion from the counts of those that share each subset of attributes."""
+    subsets = [tuple(k for k in range(3) if mask >> k & 1) for mask in range(8)]
+    agreeing = [Counter(tuple(d[k] for k in subset) for d in domains) for subset in subsets]
+    lowest = []
+    for domain in domains:
+        shared = [agreeing[mask][tuple(domain[k] for k in subsets[mask])] for mask in range(8)]
+        shared[7] -= 1  # not itself
+        exact = {same: sum((-1) ** bin(mask ^ same).count("1") * shared[mask]
+                           for mask in range(8) if mask & same == same)
+                 for same in range(8)}
+        # Bit k of ``same`` is attribute k (node, replica, stage); _risk weighs them 4, 2, 1.
+        risks = [4 * (same & 1) + 2 * (same >> 1 & 1) + (same >> 2 & 1)
+                 for same, number in exact.items() if number > 0]
+        lowest.append(min(risks, default=7))
+    return lowest
 
 
 class _Sources:

@@ -66,6 +66,7 @@ from megatron_elaswave.planner.replan import (
     plan_recovery,
     plan_replica_drop,
 )
+from megatron_elaswave.planner.zero import StateLostError
 from megatron_elaswave.store import connect_store, read_deaths
 
 from . import relayout
@@ -77,7 +78,7 @@ from .loop import StepResult, Trainer, log
 from .model import seed_random_generators, transformer_layers
 from .migration import adam_step, load_pieces, migrate, named_shard, needed_pieces
 from .rescue import checkpoint_layout
-from .snapshots import StepSnapshots, restore_rng_states, snapshot_config
+from .snapshots import StepSnapshots, ranks_per_node, restore_rng_states, snapshot_config
 from .stragglers import ForwardTimer, RebalanceConfig, StageCompute, StragglerDetector
 
 class CannotContinue(RuntimeError):
@@ -102,6 +103,7 @@ def cost_model(args: argparse.Namespace, vocab_size: int, backend: DeviceBackend
         num_layers=args.num_layers,
         global_batch_size=args.global_batch_size,
         micro_batch_size=args.micro_batch_size,
+        ranks_per_node=ranks_per_node(),
     )
     if args.elastic_profile:
         profile = load_profile(args.elastic_profile)
@@ -357,6 +359,8 @@ class ElasticTrainer(Trainer):
             new_layout, clocks = self._plan(self.layout, failed)
         except PlanError as plan_error:
             self._stop_with_checkpoint(str(plan_error), failed, decision, old_lists, times)
+        except StateLostError as lost:
+            raise CannotContinue(str(lost)) from None
         times.planned_at = time.time()
         self.registry.edit(failed, new_layout, EditMode.INPLACE, broken=old_lists,
                            generation=decision.generation)

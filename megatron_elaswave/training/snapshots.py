@@ -9,6 +9,7 @@ RNG states, so a rollback resumes the same trajectory.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 
 import numpy
@@ -72,10 +73,16 @@ def _state_tensor(state):
     return state
 
 
+def ranks_per_node() -> int | None:
+    """Launch ranks per node, as the launcher (or torchrun) tells every worker."""
+    local_world_size = os.environ.get("LOCAL_WORLD_SIZE")
+    return int(local_world_size) if local_world_size else None
+
+
 def snapshot_config(args: argparse.Namespace, backend: DeviceBackend) -> SnapshotConfig:
     """The snapshots the flags ask for on ``backend``."""
     overlap = args.elastic_snapshot_overlap
-    return SnapshotConfig(replicas=args.elastic_snapshot_replicas,
+    return SnapshotConfig(replicas=args.elastic_snapshot_replicas, ranks_per_node=ranks_per_node(),
                           overlap=overlap == "on" or (overlap == "auto" and backend.name == "cuda"))
 
 
@@ -94,9 +101,10 @@ class StepSnapshots:
         self.group = group
         members = [r for replica in layout.replicas for stage in replica.stages for r in stage.ranks]
         holds_stage = layout.position(rank) is not None
-        self.send_to = buddy_ranks(layout, rank, config.replicas) if config.replicas and holds_stage else []
+        copies, per_node = config.replicas, config.ranks_per_node
+        self.send_to = buddy_ranks(layout, rank, copies, per_node) if copies and holds_stage else []
         self.receive_from = [r for r in members
-                             if config.replicas and rank in buddy_ranks(layout, r, config.replicas)]
+                             if copies and rank in buddy_ranks(layout, r, copies, per_node)]
         self._pending: PendingSnapshot | None = None
 
     def after_step(self, iteration: int, optimizer: MegatronOptimizer, scheduler,
