@@ -319,7 +319,8 @@ class SnapshotStore:
         """Send ``snapshot`` to ``send_to`` and keep the copies ``receive_from`` send here.
 
         Collective among the ranks named: every rank passes the ranks it sends to and those that
-        send to it (global ranks). A copy goes as three messages: sizes, header, payload.
+        send to it, numbered as in ``group`` (the default group when ``None``). A copy goes as
+        three messages: sizes, header, payload.
         Returns once every copy has arrived and every send has completed. Each copy is kept as
         soon as it has arrived, before the sends are waited for, so the copy of a peer that dies
         right after sending it is not lost. Copies keep their sender's checksums and are
@@ -332,15 +333,16 @@ class SnapshotStore:
         # streams in without this rank waking up after the header: on a busy host every
         # wake-up waits for a core.
         peer_sizes = {peer: torch.empty(2, dtype=torch.int64) for peer in receive_from}
-        size_requests = [dist.irecv(size, peer, group=group) for peer, size in peer_sizes.items()]
-        sends = [dist.isend(message, peer, group=group)
+        size_requests = [dist.irecv(size, group=group, group_src=peer)
+                         for peer, size in peer_sizes.items()]
+        sends = [dist.isend(message, group=group, group_dst=peer)
                  for peer in send_to for message in (sizes, header_tensor, snapshot.payload)]
         for request in size_requests:
             request.wait()
         incoming = {peer: (torch.empty(int(size[0]), dtype=torch.uint8),
                            self._payload_buffer(peer, snapshot.iteration, int(size[1])))
                     for peer, size in peer_sizes.items()}
-        receives = {peer: [dist.irecv(message, peer, group=group) for message in messages]
+        receives = {peer: [dist.irecv(message, group=group, group_src=peer) for message in messages]
                     for peer, messages in incoming.items()}
         for peer, (peer_header, peer_payload) in incoming.items():
             for request in receives[peer]:

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -228,3 +230,26 @@ def read_deaths(store: Store, start: int = 0) -> list[WorkerDeath]:
             break
         deaths.append(from_json(WorkerDeath, store.get(key)))
     return deaths
+
+
+class WaitInterrupted(RuntimeError):
+    """A wait for keys that peers set was given up: a failure was detected meanwhile, or the
+    keys did not all appear in time."""
+
+
+_KEY_POLL_INTERVAL_S = 0.02
+
+
+def wait_for_keys(store: Store, keys: list[str], timeout: timedelta,
+                  failure: threading.Event | None = None) -> None:
+    """Return once every key of ``keys`` exists. Raises :class:`WaitInterrupted` as soon as
+    ``failure`` is set (the peer that was to set a key may be dead: the caller recovers instead
+    of waiting the timeout out), or after ``timeout``."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(keys):
+        if failure is not None and failure.is_set():
+            raise WaitInterrupted(f"a failure was detected while waiting for {len(keys)} keys")
+        if time.monotonic() >= deadline:
+            missing = [key for key in keys if not store.check([key])]
+            raise WaitInterrupted(f"keys not set within {timeout.total_seconds():g} s: {missing}")
+        time.sleep(_KEY_POLL_INTERVAL_S)

@@ -210,3 +210,43 @@ def test_a_replacement_for_a_job_without_elastic_is_refused_in_one_line():
     assert result.returncode == 2, result.stderr
     [line] = [ln for ln in result.stderr.splitlines() if ln.startswith("pretrain_gpt.py")]
     assert "does not run with --elastic" in line
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_replacement_joins_while_a_lower_rank_is_still_missing(text_data, small_reference,  # noqa: F811
+                                                                 tmp_path):
+    """Node 0 (ranks 0 and 1) runs without ``--rejoin``, node 1 (ranks 2 and 3) with it. Rank 1
+    is SIGKILLed and stays dead; then rank 3 is SIGKILLed, started again, and joins while rank 1
+    is still missing. The default group rebuilt for the grow numbers launch rank 3 as 2: the
+    snapshots and state sent to it must still reach it, and the run stays on the trajectory."""
+    metrics = tmp_path / "gap.jsonl"
+    flags = [PRETRAIN, *small_flags(text_data), *HELD, "--elastic-metrics-file", str(metrics)]
+    port = free_port()
+
+    def recorded(event: str) -> list[dict]:
+        return read_metrics(str(metrics), event) if metrics.exists() else []
+
+    with contextlib.ExitStack() as stack:
+        node0, node1 = (
+            stack.enter_context(launch(flags, 2, nnodes=2, node_rank=node, master_port=port,
+                                       launcher_args=["--node-timeout=1", *extra],
+                                       log_path=tmp_path / f"node{node}.log"))
+            for node, extra in ((0, ()), (1, ("--rejoin", "--rejoin-delay=0.5"))))
+        node0.wait_for(lambda: len(recorded("iteration")) >= 3, 120, "iteration 3")
+        node0.kill_worker(1)
+        node0.wait_for(lambda: len(recorded("recovery")) >= 1, 120, "the first recovery")
+        node1.kill_worker(3)
+        node0.wait_for(lambda: len(recorded("recovery")) >= 2, 120, "the second recovery")
+        hold_rank_0(node0, [3])
+        returncode, output = node0.wait(240)
+        node1_code, node1_output = node1.wait(60)
+    assert node1_code == 0, node1_output[-4000:]
+    iterations = recorded("iteration")
+    assert [r["iteration"] for r in iterations] == list(range(1, TRAIN_ITERS + 1)), output[-4000:]
+    assert_on_trajectory(small_reference, iterations)
+    assert [r["failed_ranks"] for r in recorded("recovery")] == [[1], [3]]
+    [grow] = recorded("grow")
+    assert grow["joined_ranks"] == [3] and grow["bytes_moved"] > 0
+    assert 3 in {rank for stage in stage_ranks(grow["layout"]) for ranks in stage for rank in ranks}
+    assert all(r["world_size"] == 3 for r in iterations if r["iteration"] > grow["iteration"])

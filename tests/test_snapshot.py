@@ -118,7 +118,7 @@ class Loopback:
         self.queue: deque[torch.Tensor] = deque()
         self.peer_died = False
 
-    def isend(self, tensor, peer, group=None):
+    def isend(self, tensor, group=None, group_dst=None):
         self.queue.append(tensor.clone())
         return SimpleNamespace(wait=self._send_done)
 
@@ -126,7 +126,7 @@ class Loopback:
         if self.peer_died:
             raise RuntimeError("Connection reset by peer")
 
-    def irecv(self, tensor, peer, group=None):
+    def irecv(self, tensor, group=None, group_src=None):
         return SimpleNamespace(wait=lambda: tensor.copy_(self.queue.popleft()))
 
 

@@ -67,7 +67,7 @@ from megatron_elaswave.planner.replan import (
     plan_replica_drop,
 )
 from megatron_elaswave.planner.zero import StateLostError
-from megatron_elaswave.store import connect_store, read_deaths
+from megatron_elaswave.store import connect_store, read_deaths, wait_for_keys
 
 from . import relayout
 from .checkpoint import TrainingProgress, save_checkpoint
@@ -545,7 +545,8 @@ class ElasticTrainer(Trainer):
         its own snapshot of it and every failed one has a replica on some survivor."""
         self.store.set(f"{prefix}/held/{self.rank}", json.dumps(self.snapshots.store.held()))
         keys = [f"{prefix}/held/{member}" for member in members]
-        self.store.wait(keys, timedelta(seconds=self.monitor.config.agreement_timeout_s))
+        wait_for_keys(self.store, keys, timedelta(seconds=self.monitor.config.agreement_timeout_s),
+                      self.monitor.failure_detected)
         everything = {m: {tuple(x) for x in json.loads(self.store.get(k))} for m, k in zip(members, keys)}
         holders = self.state_layout.active_ranks()
         candidates = None
@@ -586,7 +587,8 @@ class ElasticTrainer(Trainer):
         values, moved = migrate(
             held, needs, rank=self.rank, members=members, store=self.store,
             prefix=f"{prefix}/migrate", group=self.registry.group(Role.MEMBERS),
-            timeout=timedelta(seconds=self.monitor.config.collective_timeout_s))
+            timeout=timedelta(seconds=self.monitor.config.collective_timeout_s),
+            failure=self.monitor.failure_detected)
         times.bytes_moved += moved
         times.rolled_back_to = iteration
         if active:
@@ -622,7 +624,8 @@ class ElasticTrainer(Trainer):
         if state is not None or self.rank not in newcomers:
             return state
         key = f"{prefix}/state/tp{layout.position(self.rank)[2]}"
-        self.store.wait([key], timedelta(seconds=self.monitor.config.agreement_timeout_s))
+        wait_for_keys(self.store, [key], timedelta(seconds=self.monitor.config.agreement_timeout_s),
+                      self.monitor.failure_detected)
         return pickle.loads(self.store.get(key))
 
     def _record_recovery(self, first_step_s: float) -> None:
@@ -734,8 +737,9 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
                                      backend=backend.dist_backend,
                                      timeout=timedelta(seconds=config.collective_timeout_s),
                                      generation=plan.decision.generation)
-    if rank in plan.layout.active_ranks():
-        seed_random_generators(args.seed, registry.process_group_collection())
+    if rank in plan.layout.active_ranks():  # its stage may span several layer groups
+        seed_random_generators(args.seed,
+                               registry.process_group_collection(registry.layer_groups()[0]))
     trainer = ElasticTrainer(
         args=args, objects=None, pg_collection=None, backend=backend, layout=plan.state_layout,
         train_source=train_source, valid_source=valid_source, metrics=MetricsWriter(None),

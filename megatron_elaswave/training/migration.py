@@ -18,6 +18,7 @@ the receiver checks a CRC-32 of every buffer.
 from __future__ import annotations
 
 import json
+import threading
 import zlib
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_elaswave.planner.zero import assign_waves
+from megatron_elaswave.store import wait_for_keys
 
 from .model import global_parameter_names
 
@@ -164,25 +166,32 @@ def plan_transfers(holdings: Mapping[int, Sequence[str]],
 
 
 def _publish_and_collect(store, prefix: str, rank: int, members: Sequence[int], what: str,
-                         value: list, timeout: timedelta) -> dict[int, list]:
+                         value: list, timeout: timedelta,
+                         failure: threading.Event | None) -> dict[int, list]:
     store.set(f"{prefix}/{what}/{rank}", json.dumps(value))
     keys = [f"{prefix}/{what}/{member}" for member in members]
-    store.wait(keys, timeout)
+    wait_for_keys(store, keys, timeout, failure)
     return {member: json.loads(store.get(key)) for member, key in zip(members, keys)}
 
 
 def migrate(held: Mapping[str, torch.Tensor], needs: Sequence[Piece], *, rank: int,
             members: Sequence[int], store, prefix: str, group: dist.ProcessGroup | None,
-            timeout: timedelta) -> tuple[list[torch.Tensor], int]:
+            timeout: timedelta, failure: threading.Event | None = None
+            ) -> tuple[list[torch.Tensor], int]:
     """Fill ``needs`` from what the ``members`` hold (module docstring).
 
     Every member calls this with what it holds (verified snapshot tensors by key) and what it
-    needs. Returns one tensor per need and the bytes the whole job moved between ranks.
+    needs. ``group`` is the group of ``members`` in that order (ranks are launch ranks, which
+    the default group numbers otherwise once it is rebuilt without a missing rank). Returns one
+    tensor per need and the bytes the whole job moved between ranks. Raises
+    :class:`~megatron_elaswave.store.WaitInterrupted` as soon as ``failure`` is set while it waits
+    for a member to publish, or after ``timeout``.
     """
-    holdings = _publish_and_collect(store, prefix, rank, members, "holds", sorted(held), timeout)
+    holdings = _publish_and_collect(store, prefix, rank, members, "holds", sorted(held), timeout,
+                                    failure)
     all_needs = _publish_and_collect(
         store, prefix, rank, members, "needs",
-        [[p.tp, p.name, p.kind, p.start, p.end] for p in needs], timeout)
+        [[p.tp, p.name, p.kind, p.start, p.end] for p in needs], timeout, failure)
     all_needs = {r: [Piece(*fields) for fields in value] for r, value in all_needs.items()}
     transfers = plan_transfers(holdings, all_needs)
 
@@ -204,30 +213,31 @@ def migrate(held: Mapping[str, torch.Tensor], needs: Sequence[Piece], *, rank: i
     pairs = sorted(sizes)
     waves = assign_waves([(source, target, sizes[(source, target)]) for source, target in pairs])
     mine = sorted((wave, pair) for wave, pair in zip(waves, pairs) if rank in pair)
+    in_group = {member: index for index, member in enumerate(members)}
     for _, (source, target) in mine:  # one exchange per wave, in wave order on both sides
         if source == rank:
-            _send(held, outgoing[target], target, group)
+            _send(held, outgoing[target], in_group[target], group)
         else:
-            _place_received(results, needs, incoming[source], source, group)
+            _place_received(results, needs, incoming[source], source, in_group[source], group)
     return results, sum(sizes.values()) * torch.float32.itemsize
 
 
-def _send(held: Mapping[str, torch.Tensor], items: list[Transfer], peer: int,
+def _send(held: Mapping[str, torch.Tensor], items: list[Transfer], group_peer: int,
           group: dist.ProcessGroup | None) -> None:
     buffer = torch.cat([_slice(held, t).float().reshape(-1) for t in items])
     checksum = torch.tensor([zlib.crc32(buffer.numpy().tobytes())], dtype=torch.int64)
-    requests = [dist.isend(buffer, peer, group=group, tag=1),
-                dist.isend(checksum, peer, group=group, tag=2)]
+    requests = [dist.isend(buffer, group=group, tag=1, group_dst=group_peer),
+                dist.isend(checksum, group=group, tag=2, group_dst=group_peer)]
     for request in requests:
         request.wait()
 
 
 def _place_received(results: list[torch.Tensor], needs: Sequence[Piece], items: list[Transfer],
-                    peer: int, group: dist.ProcessGroup | None) -> None:
+                    peer: int, group_peer: int, group: dist.ProcessGroup | None) -> None:
     buffer = torch.empty(sum(t.end - t.start for t in items), dtype=torch.float32)
     checksum = torch.empty(1, dtype=torch.int64)
-    requests = [dist.irecv(buffer, peer, group=group, tag=1),
-                dist.irecv(checksum, peer, group=group, tag=2)]
+    requests = [dist.irecv(buffer, group=group, tag=1, group_src=group_peer),
+                dist.irecv(checksum, group=group, tag=2, group_src=group_peer)]
     for request in requests:
         request.wait()
     if zlib.crc32(buffer.numpy().tobytes()) != int(checksum):

@@ -96,7 +96,8 @@ class StepSnapshots:
 
     def __init__(self, layout: Layout, rank: int, config: SnapshotConfig,
                  group: dist.ProcessGroup | None = None) -> None:
-        """``group`` carries the replicas (the default group if ``None``)."""
+        """``group`` carries the replicas: the group of the layout's stage holders in launch-rank
+        order, or the default group (``None``) while it still numbers ranks as launched."""
         self.store = SnapshotStore(rank, config)
         self.group = group
         members = [r for replica in layout.replicas for stage in replica.stages for r in stage.ranks]
@@ -106,6 +107,8 @@ class StepSnapshots:
         self.receive_from = [r for r in members
                              if copies and rank in buddy_ranks(layout, r, copies, per_node)]
         self._pending: PendingSnapshot | None = None
+        holders = sorted(layout.active_ranks())
+        self._in_group = (lambda r: r) if group is None else holders.index
 
     def after_step(self, iteration: int, optimizer: MegatronOptimizer, scheduler,
                    consumed_samples: int, tensors: dict[str, torch.Tensor] | None = None,
@@ -134,7 +137,8 @@ class StepSnapshots:
         pending, self._pending = self._pending, None
         snapshot = self.store.complete(pending)
         if self.send_to or self.receive_from:
-            self.store.replicate(snapshot, self.send_to, self.receive_from, group=self.group)
+            self.store.replicate(snapshot, [self._in_group(r) for r in self.send_to],
+                                 [self._in_group(r) for r in self.receive_from], group=self.group)
 
     def discard(self) -> None:
         """Drop the pending snapshot (a failure came first), once its copies are done."""
