@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from megatron_elaswave.layout import Layout, Replica
+from megatron_elaswave.store import wait_for_keys
 from megatron_elaswave.world import recording_connections
 
 if TYPE_CHECKING:
@@ -263,11 +265,13 @@ def _new_named_group(world_ranks: Sequence[int], name: str, backend: str,
     return group
 
 
-def _store_barrier(store: Store, key: str, count: int, timeout: timedelta) -> None:
-    """Return once ``count`` processes have reached ``key``: the last one releases the others."""
+def _store_barrier(store: Store, key: str, count: int, timeout: timedelta,
+                   abort: threading.Event | None = None) -> None:
+    """Return once ``count`` processes have reached ``key``: the last one releases the others.
+    Raises :class:`~megatron_elaswave.store.WaitInterrupted` as soon as ``abort`` is set."""
     if store.add(key, 1) == count:
         store.set(f"{key}/released", "")
-    store.wait([f"{key}/released"], timeout)
+    wait_for_keys(store, [f"{key}/released"], timeout, abort)
 
 
 class GroupRegistry:
@@ -291,12 +295,15 @@ class GroupRegistry:
 
     @classmethod
     def joining(cls, layout: Layout, rank: int, *, store: Store, backend: str = "gloo",
-                timeout: timedelta = timedelta(seconds=30), generation: int) -> GroupRegistry:
+                timeout: timedelta = timedelta(seconds=30), generation: int,
+                abort: threading.Event | None = None) -> GroupRegistry:
         """The registry of a process that joins a running job in ``generation``, whose members
-        call :meth:`grow` with the same ``layout``. No default group may exist yet."""
+        call :meth:`grow` with the same ``layout``. No default group may exist yet. Raises
+        :class:`~megatron_elaswave.store.WaitInterrupted` as soon as ``abort`` is set before the
+        default group forms."""
         registry = cls.__new__(cls)
         registry._configure(layout, rank, store, backend, timeout, generation)
-        registry._rebuild(layout)
+        registry._rebuild(layout, abort)
         return registry
 
     def _configure(self, layout: Layout, rank: int, store: Store, backend: str,
@@ -311,6 +318,8 @@ class GroupRegistry:
         self._layout = layout
         self._specs = group_specs(layout)
         self._groups: dict[tuple[int, ...], ProcessGroup] = {}
+        self._intact = True
+        """False while a ``full`` rebuild is under way, and after one was interrupted."""
 
     # ---- lookups ----------------------------------------------------------------------------
 
@@ -401,15 +410,19 @@ class GroupRegistry:
         *,
         broken: Iterable[Sequence[int]] = (),
         generation: int | None = None,
+        abort: threading.Event | None = None,
     ) -> EditReport:
         """Turn the groups of the current layout into those of ``new_layout``.
 
         Every survivor (every rank of ``new_layout``, spares included) calls this with the same
         arguments; failed ranks must not. Operations in flight must have been aborted first,
         and the groups they were on listed in ``broken`` (member lists, see :func:`plan_edit`).
-        ``generation`` (default: the current one plus one) names the new groups.
+        ``generation`` (default: the current one plus one) names the new groups. After an
+        interrupted ``full`` rebuild (a grow that a failure cut short) the default group may be
+        gone: the edit is then ``full`` whatever ``mode`` says, which every survivor of that
+        rebuild sees alike. ``abort`` interrupts a ``full`` rebuild as in :meth:`grow`.
         """
-        mode = EditMode(mode)
+        mode = EditMode(mode) if self._intact else EditMode.FULL
         started = time.perf_counter()
         failed = frozenset(failed_ranks)
         plan = plan_edit(self._layout, new_layout, failed, broken)
@@ -418,21 +431,24 @@ class GroupRegistry:
         self._generation = self._generation + 1 if generation is None else generation
         survivors = tuple(sorted(new_layout.known_ranks()))
         if mode == EditMode.FULL:
-            counts = self._rebuild(new_layout)
+            counts = self._rebuild(new_layout, abort)
         else:
             counts = self._edit(plan, failed, survivors, mode)
         self._layout, self._specs = new_layout, group_specs(new_layout)
         return EditReport(mode, self._generation, *counts, time.perf_counter() - started)
 
-    def grow(self, new_layout: Layout, generation: int) -> EditReport:
+    def grow(self, new_layout: Layout, generation: int,
+             abort: threading.Event | None = None) -> EditReport:
         """Turn the groups into those of ``new_layout``, which adds ranks to the job: a ``full``
         rebuild, since a process cannot enter groups formed without it. The new ranks call
-        :meth:`joining` meanwhile."""
+        :meth:`joining` meanwhile. Raises :class:`~megatron_elaswave.store.WaitInterrupted` as
+        soon as ``abort`` is set while the ranks meet (a joiner died, say); the next edit then
+        rebuilds everything."""
         if not self._layout.known_ranks() <= new_layout.known_ranks():
             raise ValueError("a grown layout must keep every rank of the job")
         started = time.perf_counter()
         self._generation = generation
-        counts = self._rebuild(new_layout)
+        counts = self._rebuild(new_layout, abort)
         self._layout, self._specs = new_layout, group_specs(new_layout)
         return EditReport(EditMode.FULL, generation, *counts, time.perf_counter() - started)
 
@@ -462,13 +478,18 @@ class GroupRegistry:
         self._groups.update(created)
         return len(created), len(self._own(plan.keep)), destroyed
 
-    def _rebuild(self, layout: Layout) -> tuple[int, int, int]:
-        """A new default group over ``layout``'s ranks, then all its groups, the ``partial`` way."""
+    def _rebuild(self, layout: Layout, abort: threading.Event | None) -> tuple[int, int, int]:
+        """A new default group over ``layout``'s ranks, then all its groups, the ``partial`` way.
+        The ranks first meet in the store, where ``abort`` interrupts the wait: torch's
+        rendezvous would wait for a dead rank until the timeout."""
         survivors, lists = tuple(sorted(layout.known_ranks())), member_lists(group_specs(layout))
         destroyed = len(self._groups)
+        self._intact = False
         self._groups.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
+        _store_barrier(self._store, f"rt/gen{self._generation}/communicator/meet", len(survivors),
+                       self._timeout, abort)
         dist.init_process_group(
             self._backend,
             store=dist.PrefixStore(f"gen{self._generation}/", self._store),
@@ -482,6 +503,7 @@ class GroupRegistry:
             if group is not None:
                 self._groups[members] = group
             self._wait_for_survivors(number, len(survivors))
+        self._intact = True
         return len(self._groups), 0, destroyed
 
     def destroy(self) -> None:

@@ -250,3 +250,35 @@ def test_a_replacement_joins_while_a_lower_rank_is_still_missing(text_data, smal
     assert grow["joined_ranks"] == [3] and grow["bytes_moved"] > 0
     assert 3 in {rank for stage in stage_ranks(grow["layout"]) for ranks in stage for rank in ranks}
     assert all(r["world_size"] == 3 for r in iterations if r["iteration"] > grow["iteration"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_replacement_that_dies_while_joining_is_recovered_from(text_data, small_reference,  # noqa: F811
+                                                                 tmp_path):
+    """Rank 3 is SIGKILLed and started again; its replacement is SIGKILLed from outside as soon
+    as the job accepts it, in the middle of the grow. The members recover from that failure as
+    from any other and finish on the trajectory without it (``--max-rejoins 1``)."""
+    metrics = tmp_path / "join.jsonl"
+
+    def recorded(event: str) -> list[dict]:
+        return read_metrics(str(metrics), event) if metrics.exists() else []
+
+    with launch([PRETRAIN, *small_flags(text_data), *HELD, "--elastic-metrics-file", str(metrics)],
+                4, master_port=free_port(), log_path=tmp_path / "join.log",
+                launcher_args=["--rejoin", "--rejoin-delay=0.5", "--max-rejoins=1"]) as job:
+        job.wait_for(lambda: len(recorded("iteration")) >= 3, 120, "iteration 3")
+        first = job.kill_worker(3)
+        job.wait_for(lambda: bool(recorded("recovery")), 120, "the recovery")
+        job.wait_for(lambda: job.worker_pids()[3] != first, 60, "the replacement of rank 3")
+        hold_rank_0(job, [3])
+        job.wait_for(lambda: job.store().check([relayout.accepted_key(3)]), 60, "the acceptance")
+        job.kill_worker(3)
+        returncode, output = job.wait(240)
+    assert returncode == 0, output[-4000:]
+    iterations = recorded("iteration")
+    assert [r["iteration"] for r in iterations] == list(range(1, TRAIN_ITERS + 1)), output[-4000:]
+    assert_on_trajectory(small_reference, iterations)
+    assert [r["failed_ranks"] for r in recorded("recovery")] == [[3], [3]], output[-4000:]
+    assert iterations[-1]["world_size"] == 3
+    assert "not restarting it" in output

@@ -337,10 +337,12 @@ class ElasticTrainer(Trainer):
             timeout = timedelta(seconds=self.monitor.config.agreement_timeout_s)
             self._follow_change(relayout.committed_plan(self.store, decision.generation, timeout))
             return
+        # A replacement that died while joining is a member of the generation, not yet of the
+        # layout: it counts as failed too.
+        members = set(self.layout.known_ranks()) | set(self.monitor.members)
         self.monitor.advance(decision)
         times.agreed_at = time.time()
-        failed = set(self.layout.known_ranks()) - set(decision.survivors)
-        self.lost |= failed
+        failed = members - set(decision.survivors)
         times.failed_ranks = sorted(set(times.failed_ranks) | failed)
         # A death is dated and described by the launcher that saw it (this rank may have learnt
         # the decision first); a hang by the first rank that noticed it.
@@ -352,6 +354,8 @@ class ElasticTrainer(Trainer):
                                   else "declared failed by another rank")
         times.failure_at = min([times.failure_at, *(d.time for d in deaths.values()),
                                 *self._announced_at(decision)])
+        failed &= self.layout.known_ranks()
+        self.lost |= failed
         # Every connection was shut down to unblock the training thread: re-create all groups
         # of the new layout, each by its own members only.
         old_lists = member_lists(group_specs(self.layout))
@@ -363,7 +367,7 @@ class ElasticTrainer(Trainer):
             raise CannotContinue(str(lost)) from None
         times.planned_at = time.time()
         self.registry.edit(failed, new_layout, EditMode.INPLACE, broken=old_lists,
-                           generation=decision.generation)
+                           generation=decision.generation, abort=self.monitor.failure_detected)
         times.edited_at = time.time()
         self._restore(decision, new_layout, times)
         self.governor.apply(clocks, new_layout)
@@ -497,7 +501,8 @@ class ElasticTrainer(Trainer):
         when ranks join, else only those that change), then the common part."""
         self.monitor.advance(plan.decision)
         if plan.decision.joined:
-            self.registry.grow(plan.layout, plan.decision.generation)
+            self.registry.grow(plan.layout, plan.decision.generation,
+                               abort=self.monitor.failure_detected)
         else:
             self.registry.edit((), plan.layout, EditMode.INPLACE,
                                generation=plan.decision.generation)
@@ -736,7 +741,8 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
     registry = GroupRegistry.joining(plan.layout, rank, store=store,
                                      backend=backend.dist_backend,
                                      timeout=timedelta(seconds=config.collective_timeout_s),
-                                     generation=plan.decision.generation)
+                                     generation=plan.decision.generation,
+                                     abort=monitor.failure_detected)
     if rank in plan.layout.active_ranks():  # its stage may span several layer groups
         seed_random_generators(args.seed,
                                registry.process_group_collection(registry.layer_groups()[0]))
