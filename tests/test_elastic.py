@@ -119,6 +119,53 @@ def test_sigkilled_workers_leave_the_trajectory_unchanged(text_data, reference, 
     assert iterations[-1]["world_size"] < 8
 
 
+def run_with_faults(tmp_path: Path, name: str, flags: list[str], inject, nproc: int = 8,
+                    timeout: float = 240) -> tuple[list[dict], list[dict], str]:
+    """Train, calling ``inject(job, reached)`` to send faults from outside; ``reached(i)`` says
+    whether the metrics file holds iteration ``i``. Returns what :func:`run` returns."""
+    metrics = tmp_path / f"{name}.jsonl"
+
+    def reached(iteration: int) -> bool:
+        return metrics.exists() and any(
+            r["iteration"] >= iteration for r in read_metrics(str(metrics), "iteration"))
+
+    with launch([PRETRAIN, *flags, "--elastic-metrics-file", str(metrics)], nproc,
+                master_port=free_port(), log_path=tmp_path / f"{name}.log") as job:
+        inject(job, reached)
+        returncode, output = job.wait(timeout)
+    assert returncode == 0, output[-6000:]
+    iterations = read_metrics(str(metrics), "iteration")
+    assert [r["iteration"] for r in iterations] == list(range(1, TRAIN_ITERS + 1)), output[-6000:]
+    return iterations, read_metrics(str(metrics), "recovery"), output
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("when", ["death-recorded+0.15s", "restore-started"])
+def test_a_rank_killed_during_the_recovery_of_another(text_data, reference, tmp_path, when):  # noqa: F811
+    """Rank 5 is SIGKILLed after iteration 5; rank 2 is SIGKILLed in the middle of the
+    survivors' recovery, chosen from what the job reports: 0.15 s after the launcher recorded
+    the first death, or as soon as a survivor starts restoring state (it has published which
+    snapshots it holds). The survivors recover from both and stay on the trajectory."""
+
+    def inject(job, reached):
+        job.wait_for(lambda: reached(5), 120, "iteration 5")
+        job.kill_worker(5)
+        if when == "restore-started":
+            restore = "rt/gen1/restore/held/0"
+            job.wait_for(lambda: job.store().check([restore]), 60, "the restore")
+        else:
+            job.wait_for_deaths(1, timeout=30)
+            time.sleep(0.15)
+        job.kill_worker(2)
+
+    flags = elastic_flags(text_data, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    iterations, recoveries, output = run_with_faults(tmp_path, "during", flags, inject)
+    assert_on_trajectory(reference, iterations)
+    assert sorted(r for rec in recoveries for r in rec["failed_ranks"]) == [2, 5], output[-6000:]
+    assert "Traceback" not in output
+    assert iterations[-1]["world_size"] == 4  # the TP partners of 2 and 5 are spares
+
+
 @pytest.mark.timeout(300)
 def test_a_middle_stage_rank_dies(text_data, tmp_path):  # noqa: F811
     flags = elastic_flags(text_data, tensor_model_parallel_size=1, pipeline_model_parallel_size=4)

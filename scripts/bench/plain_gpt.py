@@ -41,6 +41,7 @@ def main() -> None:
                           ("num-attention-heads", 4), ("seq-length", 128), ("micro-batch-size", 2),
                           ("global-batch-size", 16), ("vocab-size", 512), ("train-iters", 20)):
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     args = parser.parse_args()
 
     from megatron_elaswave.device import resolve_device_backend
@@ -83,7 +84,7 @@ def main() -> None:
         vocab_size=args.vocab_size, max_sequence_length=args.seq_length,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
     ).to(backend.device())
     model = DistributedDataParallel(config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True), gpt)
