@@ -1,0 +1,324 @@
+"""Chaos soak: one long ``--elastic`` run under ``elaswave-run --rejoin``, hit by random faults.
+
+Two launchers of four workers each (TP2 x PP2 x DP2, a small GPT on mock data) train while the
+soak sends, at random moments (seeded), faults drawn from:
+
+* ``kill``: SIGKILL of one worker;
+* ``stop``: SIGSTOP of one worker, never resumed: the job excludes it after the heartbeat
+  timeout and its launcher ends it;
+* ``recovery-kill``: SIGKILL of one worker, then of another of its node 0 to 0.5 s after the
+  launcher recorded the first death, while the survivors recover;
+* ``burst``: 2 to 4 workers of one node SIGKILLed within one second;
+* ``node``: node 1's launcher SIGKILLed with its workers; a new launcher takes its place.
+
+Every dead worker is started again (``--rejoin``) and joins at a step boundary. Before the next
+fault the soak waits until the job runs on all eight ranks again, then a random number of
+iterations. Afterwards the failure-free run of the same flags is the reference: every
+iteration must be recorded exactly once, with the same samples and a loss within 1e-4.
+
+Prints the faults injected, recoveries, grows, clean stops, samples lost, the largest relative
+loss difference, and the MTTR (from the fault's first signal to the recovery record of its last
+victim: the first step after the recovery done) median, p90 and max per fault kind;
+``--json-out`` writes them as JSON. Exit status 1 when a sample was lost or the trajectory left
+the reference.
+
+    python scripts/bench/chaos.py --faults 50 --seed 1 --json-out chaos.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+from common import SCRIPTS, free_port
+
+from megatron_elaswave.metrics import read_metrics
+from megatron_elaswave.store import read_deaths, read_worker
+
+NODES, PER_NODE = 2, 4
+RANKS = NODES * PER_NODE
+KINDS = ("kill", "stop", "recovery-kill", "burst", "node")
+LOSS_TOLERANCE = 1e-4
+HEARTBEAT_TIMEOUT_S = 3.0
+ITERATIONS_PER_FAULT = 150
+"""Training iterations budgeted per fault: the replacement's start (imports) dominates."""
+
+
+def model_flags(train_iters: int) -> list[str]:
+    return [
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "16",
+        "--train-iters", str(train_iters), "--lr", "1e-3", "--seed", "1234",
+        "--mock-data", "--vocab-size", "511", "--use-distributed-optimizer",
+        "--untie-embeddings-and-output-weights", "--log-interval", "1000",
+        "--eval-interval", "100000", "--elastic", "--elastic-rebalance-window", "0",
+        "--elastic-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
+    ]
+
+
+@dataclass
+class Fault:
+    kind: str
+    victims: list[int]
+    started: float
+    """Wall-clock time of the fault's first signal."""
+    mttr_s: float | None = None
+
+
+class Node:
+    """One node's launcher, started in a session of its own."""
+
+    def __init__(self, node_rank: int, port: int, flags: list[str], workdir: Path,
+                 rejoin_node: bool = False) -> None:
+        name = f"node{node_rank}{'-replacement' if rejoin_node else ''}"
+        self.log = open(workdir / f"{name}.log", "a")
+        command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={PER_NODE}",
+                   f"--nnodes={NODES}", f"--node-rank={node_rank}", f"--master-port={port}",
+                   "--node-timeout=1", "--rejoin", "--rejoin-delay=0.2", "--max-rejoins=1000",
+                   str(SCRIPTS / "pretrain_gpt.py"), *flags]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
+                                        env=env, start_new_session=True)
+
+    def kill(self) -> None:
+        os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+
+@dataclass
+class Soak:
+    workdir: Path
+    metrics: Path
+    port: int
+    flags: list[str]
+    rng: random.Random
+    nodes: list[Node] = field(default_factory=list)
+    _store: object = None
+
+    def store(self):
+        from torch.distributed import TCPStore
+
+        if self._store is None:
+            self._store = TCPStore("127.0.0.1", self.port, is_master=False,
+                                   timeout=timedelta(seconds=30))
+        return self._store
+
+    def iterations(self) -> list[dict]:
+        return read_metrics(str(self.metrics), "iteration") if self.metrics.exists() else []
+
+    def running(self) -> bool:
+        return self.nodes[0].process.poll() is None
+
+    def wait(self, condition, timeout: float) -> bool:
+        """Whether ``condition`` came true within ``timeout`` while the job runs."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.running():
+            if condition():
+                return True
+            time.sleep(0.05)
+        return False
+
+    def recoveries(self) -> int:
+        return len(read_metrics(str(self.metrics), "recovery")) if self.metrics.exists() else 0
+
+    def whole(self) -> bool:
+        """Whether the job runs on every rank again: its last iteration came after every
+        recovery and grow, on all ranks."""
+        records = read_metrics(str(self.metrics)) if self.metrics.exists() else []
+        changes = [r["time"] for r in records if r["event"] in ("recovery", "grow")]
+        last = next((r for r in reversed(records) if r["event"] == "iteration"), None)
+        return (last is not None and last["world_size"] == RANKS
+                and last["time"] > max(changes, default=0.0))
+
+    def pid(self, rank: int) -> int:
+        return read_worker(self.store(), rank).pid
+
+    def signal(self, rank: int, sig: int) -> None:
+        try:
+            os.kill(self.pid(rank), sig)
+        except ProcessLookupError:
+            pass
+
+    def inject(self, kind: str) -> Fault:
+        node = self.rng.randrange(NODES)
+        ranks = list(range(node * PER_NODE, (node + 1) * PER_NODE))
+        started = time.time()
+        if kind == "kill":
+            victims = [self.rng.choice(ranks)]
+            self.signal(victims[0], signal.SIGKILL)
+        elif kind == "stop":
+            victims = [self.rng.choice(ranks)]
+            self.signal(victims[0], signal.SIGSTOP)
+        elif kind == "recovery-kill":
+            victims = self.rng.sample(ranks, 2)
+            deaths = len(read_deaths(self.store()))
+            self.signal(victims[0], signal.SIGKILL)
+            self.wait(lambda: len(read_deaths(self.store())) > deaths, 10)
+            time.sleep(self.rng.uniform(0.0, 0.5))
+            self.signal(victims[1], signal.SIGKILL)
+        elif kind == "burst":
+            victims = self.rng.sample(ranks, self.rng.randint(2, 4))
+            gaps = sorted(self.rng.uniform(0.0, 1.0) for _ in victims)
+            for victim, at in zip(victims, gaps):
+                time.sleep(max(0.0, started + at - time.time()))
+                self.signal(victim, signal.SIGKILL)
+        else:
+            victims = list(range(PER_NODE, 2 * PER_NODE))
+            self.nodes[1].kill()
+            time.sleep(2.0)  # node 0 declares the node lost (--node-timeout 1)
+            self.nodes[1] = Node(1, self.port, self.flags, self.workdir, rejoin_node=True)
+        return Fault(kind, sorted(victims), started)
+
+
+def percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
+
+
+def run_soak(faults: int, seed: int, kinds: tuple[str, ...],
+             workdir: Path) -> tuple[list[Fault], list[dict], str]:
+    train_iters = ITERATIONS_PER_FAULT * faults + 50
+    metrics = workdir / "soak.jsonl"
+    port = free_port()
+    flags = [*model_flags(train_iters), "--elastic-metrics-file", str(metrics)]
+    soak = Soak(workdir, metrics, port, flags, random.Random(seed))
+    soak.nodes = [Node(rank, port, flags, workdir) for rank in range(NODES)]
+    injected: list[Fault] = []
+    try:
+        soak.wait(lambda: len(soak.iterations()) >= 5, 300)
+        for _ in range(faults):
+            if not soak.wait(soak.whole, 300):
+                break
+            start = soak.iterations()[-1]["iteration"]
+            gap = soak.rng.randint(2, 10)
+            if not soak.wait(lambda: soak.iterations()[-1]["iteration"] >= start + gap, 120):
+                break
+            recovered = soak.recoveries()
+            injected.append(soak.inject(soak.rng.choice(kinds)))
+            # The fault's recovery first: until then the job still looks whole.
+            soak.wait(lambda: soak.recoveries() > recovered, 60)
+            print(f"  fault {len(injected)}: {injected[-1].kind} of ranks {injected[-1].victims}",
+                  flush=True)
+        soak.nodes[0].process.wait(timeout=3600)
+        for node in soak.nodes[1:]:
+            node.process.wait(timeout=120)
+    finally:
+        for node in soak.nodes:
+            if node.process.poll() is None:
+                node.kill()
+    return injected, read_metrics(str(metrics)), "".join(
+        path.read_text() for path in sorted(workdir.glob("node*.log")))
+
+
+def reference_run(train_iters: int, workdir: Path) -> list[dict]:
+    metrics = workdir / "reference.jsonl"
+    command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={RANKS}",
+               f"--master-port={free_port()}", str(SCRIPTS / "pretrain_gpt.py"),
+               *model_flags(train_iters), "--elastic-metrics-file", str(metrics)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        sys.exit(f"the failure-free run failed:\n{result.stdout[-3000:]}")
+    return read_metrics(str(metrics), "iteration")
+
+
+def attribute(faults: list[Fault], recoveries: list[dict]) -> None:
+    """Each fault's MTTR: to the recovery record of its last victim after it started."""
+    for index, fault in enumerate(faults):
+        until = faults[index + 1].started if index + 1 < len(faults) else float("inf")
+        mine = [r for r in recoveries if fault.started <= r["time"] < until
+                and set(r["failed_ranks"]) & set(fault.victims)]
+        covered = {rank for r in mine for rank in r["failed_ranks"]}
+        if mine and set(fault.victims) <= covered:
+            fault.mttr_s = max(r["time"] for r in mine) - fault.started
+
+
+def summarise(faults: list[Fault], records: list[dict], reference: list[dict],
+              output: str) -> dict:
+    iterations = [r for r in records if r["event"] == "iteration"]
+    recoveries = [r for r in records if r["event"] == "recovery"]
+    attribute(faults, recoveries)
+    seen = [r["iteration"] for r in iterations]
+    by_iteration = {r["iteration"]: r for r in iterations}
+    gbs = reference[0]["global_batch_size"]
+    lost = gbs * (len(reference) - len(set(seen))) + gbs * (len(seen) - len(set(seen)))
+    worst = 0.0
+    for ref in reference:
+        got = by_iteration.get(ref["iteration"])
+        if got is None:
+            continue
+        if got["samples_digest"] != ref["samples_digest"]:
+            lost += gbs
+        worst = max(worst, abs(got["lm_loss"] - ref["lm_loss"]) / abs(ref["lm_loss"]))
+    mttr = {}
+    for kind in KINDS:
+        values = [f.mttr_s for f in faults if f.kind == kind and f.mttr_s is not None]
+        if values:
+            mttr[kind] = {"count": len(values), "median_s": statistics.median(values),
+                          "p90_s": percentile(values, 0.9), "max_s": max(values)}
+    return {
+        "faults": len(faults),
+        "faults_per_kind": {kind: sum(f.kind == kind for f in faults) for kind in KINDS},
+        "faults_without_recovery": [(f.kind, f.victims) for f in faults if f.mttr_s is None],
+        "recoveries": len(recoveries),
+        "grows": sum(r["event"] == "grow" for r in records),
+        "clean_stops": output.count("cannot continue"),
+        "iterations": len(reference),
+        "samples_lost": lost,
+        "largest_relative_loss_difference": worst,
+        "on_trajectory": lost == 0 and worst <= LOSS_TOLERANCE,
+        "mttr": mttr,
+        "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--faults", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json-out", default=None)
+    parser.add_argument("--kinds", default=",".join(KINDS),
+                        help=f"comma-separated fault kinds to draw from (default: {','.join(KINDS)})")
+    parser.add_argument("--workdir", default=None, help="keep logs and metrics here")
+    args = parser.parse_args()
+    kinds = tuple(args.kinds.split(","))
+    if not set(kinds) <= set(KINDS) or args.faults < 1:
+        parser.error(f"--kinds takes some of {', '.join(KINDS)}; --faults must be positive")
+    with tempfile.TemporaryDirectory() as scratch:
+        workdir = Path(args.workdir or scratch)
+        workdir.mkdir(parents=True, exist_ok=True)
+        print(f"soak: {args.faults} faults, seed {args.seed}, logs in {workdir}", flush=True)
+        faults, records, output = run_soak(args.faults, args.seed, kinds, workdir)
+        print("failure-free reference run", flush=True)
+        reference = reference_run(ITERATIONS_PER_FAULT * args.faults + 50, workdir)
+        summary = summarise(faults, records, reference, output)
+    print(f"faults injected: {summary['faults']} {summary['faults_per_kind']}")
+    print(f"recoveries: {summary['recoveries']}, grows: {summary['grows']}, "
+          f"clean stops: {summary['clean_stops']}")
+    print(f"samples lost: {summary['samples_lost']}; largest relative loss difference from the "
+          f"failure-free run: {summary['largest_relative_loss_difference']:.2e} over "
+          f"{summary['iterations']} iterations")
+    for kind, figures in summary["mttr"].items():
+        print(f"  MTTR {kind:14s} n={figures['count']:3d}  median {figures['median_s']:.2f} s  "
+              f"p90 {figures['p90_s']:.2f} s  max {figures['max_s']:.2f} s")
+    if summary["faults_without_recovery"]:
+        print(f"faults with no recovery record: {summary['faults_without_recovery']}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(summary, indent=2))
+    sys.exit(0 if summary["on_trajectory"] else 1)
+
+
+if __name__ == "__main__":
+    main()
