@@ -6,9 +6,11 @@ gives its stage instance, through one of three backends (``--elastic-dvfs``):
 * ``sim`` (the default): sets nothing; the clock is logged and the planner's power model
   accounts energy, so every figure is labelled simulated;
 * ``nvml``: locks the GPU's graphics clock with ``nvidia-ml-py``
-  (``nvmlDeviceSetGpuLockedClocks``) at ``clock x`` the maximum clock, and resets it when the job
-  ends; refuses at start-up, with the reason, where the clocks cannot be set (no NVIDIA GPU, no
-  ``nvidia-ml-py``, no permission);
+  (``nvmlDeviceSetGpuLockedClocks``) at ``clock x`` the nominal clock (the default applications
+  clock), so that the planner's boosts (``clock > 1``) raise it, up to the maximum clock: a boost
+  beyond it is applied as the maximum, with one warning that says so. Resets the clock when the
+  job ends; refuses at start-up, with the reason, where the clocks cannot be set (no NVIDIA GPU,
+  no ``nvidia-ml-py``, no permission);
 * ``npu``: runs ``--elastic-dvfs-command``, a shell command whose ``{device}``, ``{clock}``
   (relative to nominal) and ``{percent}`` are filled in, e.g. an ``npu-smi`` call.
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+import warnings
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -59,7 +62,8 @@ class SimulatedClocks:
 
 
 class NvmlClocks:
-    """Locked graphics clocks through NVML."""
+    """Locked graphics clocks through NVML, relative to the nominal (default applications)
+    clock."""
 
     name = "nvml"
 
@@ -70,10 +74,13 @@ class NvmlClocks:
             raise DvfsError("--elastic-dvfs nvml needs nvidia-ml-py (pip install "
                             "'megatron-elaswave[dvfs]')") from None
         self._nvml = pynvml
+        self._warned = False
         try:
             pynvml.nvmlInit()
             self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
             self._max_mhz = pynvml.nvmlDeviceGetMaxClockInfo(self._handle, pynvml.NVML_CLOCK_GRAPHICS)
+            self._nominal_mhz = pynvml.nvmlDeviceGetDefaultApplicationsClock(
+                self._handle, pynvml.NVML_CLOCK_GRAPHICS)
             # Locking to the current maximum changes nothing but proves the permission.
             pynvml.nvmlDeviceSetGpuLockedClocks(self._handle, self._max_mhz, self._max_mhz)
             pynvml.nvmlDeviceResetGpuLockedClocks(self._handle)
@@ -82,7 +89,15 @@ class NvmlClocks:
                             f"{error} (locking clocks needs root or a driver that allows it)") from None
 
     def set_clock(self, clock: float) -> None:
-        mhz = round(self._max_mhz * min(clock, 1.0))
+        mhz = round(self._nominal_mhz * clock)
+        if mhz > self._max_mhz:
+            if not self._warned:
+                warnings.warn(f"--elastic-dvfs nvml: the planned clock {clock:.3f} x nominal "
+                              f"({self._nominal_mhz} MHz) is above the GPU's maximum of "
+                              f"{self._max_mhz} MHz; running at the maximum instead",
+                              stacklevel=2)
+                self._warned = True
+            mhz = self._max_mhz
         self._nvml.nvmlDeviceSetGpuLockedClocks(self._handle, mhz, mhz)
 
     def close(self) -> None:

@@ -77,9 +77,10 @@ class FakeNvml(types.ModuleType):
     class NVMLError(Exception):
         pass
 
-    def __init__(self, max_mhz: int, permitted: bool) -> None:
+    def __init__(self, max_mhz: int, permitted: bool, nominal_mhz: int = 1755) -> None:
         super().__init__("pynvml")
-        self.max_mhz, self.permitted, self.calls = max_mhz, permitted, []
+        self.max_mhz, self.nominal_mhz = max_mhz, nominal_mhz
+        self.permitted, self.calls = permitted, []
 
     def nvmlInit(self) -> None:
         self.calls.append(("init",))
@@ -91,6 +92,10 @@ class FakeNvml(types.ModuleType):
         assert clock_type == self.NVML_CLOCK_GRAPHICS
         return self.max_mhz
 
+    def nvmlDeviceGetDefaultApplicationsClock(self, handle: str, clock_type: int) -> int:
+        assert clock_type == self.NVML_CLOCK_GRAPHICS
+        return self.nominal_mhz
+
     def nvmlDeviceSetGpuLockedClocks(self, handle: str, low: int, high: int) -> None:
         if not self.permitted:
             raise self.NVMLError("Insufficient Permissions")
@@ -100,16 +105,19 @@ class FakeNvml(types.ModuleType):
         self.calls.append(("reset", handle))
 
 
-def test_nvml_locks_the_graphics_clock_to_the_planned_fraction(monkeypatch):
-    nvml = FakeNvml(max_mhz=1980, permitted=True)
+def test_nvml_locks_the_graphics_clock_to_the_planned_multiple_of_nominal(monkeypatch):
+    nvml = FakeNvml(max_mhz=1980, nominal_mhz=1755, permitted=True)
     monkeypatch.setitem(sys.modules, "pynvml", nvml)
     clocks = clock_backend("nvml", 3)
     assert nvml.calls == [("init",), ("lock", "gpu3", 1980, 1980), ("reset", "gpu3")]
     clocks.set_clock(0.8)
-    clocks.set_clock(1.2)  # never above the maximum
+    clocks.set_clock(1.1)  # a boost, applied
+    with pytest.warns(UserWarning, match=r"1.200 x nominal \(1755 MHz\) is above the GPU's "
+                                         r"maximum of 1980 MHz"):
+        clocks.set_clock(1.2)
     clocks.close()
-    assert nvml.calls[3:] == [("lock", "gpu3", 1584, 1584), ("lock", "gpu3", 1980, 1980),
-                              ("reset", "gpu3")]
+    assert nvml.calls[3:] == [("lock", "gpu3", 1404, 1404), ("lock", "gpu3", 1931, 1931),
+                              ("lock", "gpu3", 1980, 1980), ("reset", "gpu3")]
 
 
 def test_nvml_without_the_permission_is_refused_at_start_up(monkeypatch):
