@@ -258,11 +258,22 @@ def _new_named_group(world_ranks: Sequence[int], name: str, backend: str,
             backend,
             default_store,
             distributed_c10d.GroupName(name),
-            timeout=timeout,
+            timeout=_creation_timeout(timeout),
             group_desc=name,
         )
     distributed_c10d._world.pg_group_ranks[group] = {r: i for i, r in enumerate(world_ranks)}
+    group.set_timeout(timeout)
     return group
+
+
+CREATION_TIMEOUT = timedelta(seconds=10)
+"""Bound on forming a group once its members have met. Gloo keeps connecting to a member that
+died after publishing its address until the group's timeout, and the abort cannot reach
+connections still being made; the groups take their op timeout once formed."""
+
+
+def _creation_timeout(timeout: timedelta) -> timedelta:
+    return min(timeout, CREATION_TIMEOUT)
 
 
 def _store_barrier(store: Store, key: str, count: int, timeout: timedelta,
@@ -291,7 +302,7 @@ class GroupRegistry:
         self._configure(layout, rank, store, backend, timeout, generation)
         self._world_ranks = {r: r for r in layout.known_ranks()}
         for members in self._own(member_lists(self._specs)):
-            self._groups[members] = self._create_local(members)
+            self._groups[members] = self._create_local(members, abort=None)
 
     @classmethod
     def joining(cls, layout: Layout, rank: int, *, store: Store, backend: str = "gloo",
@@ -433,7 +444,7 @@ class GroupRegistry:
         if mode == EditMode.FULL:
             counts = self._rebuild(new_layout, abort)
         else:
-            counts = self._edit(plan, failed, survivors, mode)
+            counts = self._edit(plan, failed, survivors, mode, abort)
         self._layout, self._specs = new_layout, group_specs(new_layout)
         return EditReport(mode, self._generation, *counts, time.perf_counter() - started)
 
@@ -453,20 +464,20 @@ class GroupRegistry:
         return EditReport(EditMode.FULL, generation, *counts, time.perf_counter() - started)
 
     def _edit(self, plan: EditPlan, failed: frozenset[int], survivors: tuple[int, ...],
-              mode: EditMode) -> tuple[int, int, int]:
+              mode: EditMode, abort: threading.Event | None) -> tuple[int, int, int]:
         destroyed = 0
         created: dict[tuple[int, ...], ProcessGroup] = {}
         for number, members in enumerate(plan.create):
             if mode == EditMode.PARTIAL:
                 group = self._create_global(members)
-                self._wait_for_survivors(number, len(survivors))
+                self._wait_for_survivors(number, len(survivors), abort)
             elif self._rank not in members:
                 continue
             elif (source := plan.shrink_source(members, failed)) is not None and self._can_shrink():
                 group = self._shrink(source, failed)
                 destroyed += 1
             else:
-                group = self._create_local(members)
+                group = self._create_local(members, abort)
             if group is not None:
                 created[members] = group
         # Destroyed only now: a dropped group may be the source of a shrink above.
@@ -502,7 +513,7 @@ class GroupRegistry:
             group = self._create_global(members)
             if group is not None:
                 self._groups[members] = group
-            self._wait_for_survivors(number, len(survivors))
+            self._wait_for_survivors(number, len(survivors), abort)
         self._intact = True
         return len(self._groups), 0, destroyed
 
@@ -517,19 +528,27 @@ class GroupRegistry:
     def _own(self, lists: Iterable[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
         return tuple(members for members in lists if self._rank in members)
 
-    def _create_local(self, members: tuple[int, ...]) -> ProcessGroup:
+    def _create_local(self, members: tuple[int, ...],
+                      abort: threading.Event | None) -> ProcessGroup:
+        """A group created by its members only. They first meet in the store, where ``abort``
+        interrupts the wait: gloo's rendezvous would wait for a dead member (until
+        :data:`CREATION_TIMEOUT`)."""
         world = [self._world_ranks[r] for r in members]
         name = _group_name(self._generation, world)
+        _store_barrier(self._store, f"rt/gen{self._generation}/communicator/{name}", len(members),
+                       self._timeout, abort)
         return _new_named_group(world, name, self._backend, self._timeout)
 
     def _create_global(self, members: tuple[int, ...]) -> ProcessGroup | None:
         """``new_group`` without local synchronisation: every rank of the default group that is
         alive calls it for every group, in the same order; ``None`` on non-members."""
         with recording_connections():
-            group = dist.new_group(
-                [self._world_ranks[r] for r in members], timeout=self._timeout, sort_ranks=False
-            )
-        return None if group is distributed_c10d.GroupMember.NON_GROUP_MEMBER else group
+            group = dist.new_group([self._world_ranks[r] for r in members],
+                                   timeout=_creation_timeout(self._timeout), sort_ranks=False)
+        if group is distributed_c10d.GroupMember.NON_GROUP_MEMBER:
+            return None
+        group.set_timeout(self._timeout)
+        return group
 
     def _can_shrink(self) -> bool:
         return self._backend == "nccl" and hasattr(dist, "shrink_group")
@@ -539,7 +558,8 @@ class GroupRegistry:
         excluded = [source.index(r) for r in source if r in failed]
         return dist.shrink_group(excluded, group=self._groups.pop(source))
 
-    def _wait_for_survivors(self, number: int, count: int) -> None:
+    def _wait_for_survivors(self, number: int, count: int,
+                            abort: threading.Event | None) -> None:
         """The global synchronisation of partial and full modes, after creating group ``number``."""
         key = f"rt/gen{self._generation}/communicator/created/{number}"
-        _store_barrier(self._store, key, count, self._timeout)
+        _store_barrier(self._store, key, count, self._timeout, abort)

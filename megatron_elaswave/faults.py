@@ -7,6 +7,12 @@ signals itself, so the job sees exactly what an outside ``kill`` would produce:
 * ``kind=hang``: ``SIGSTOP``; only the heartbeat timeout reveals it. A detached helper sends
   ``SIGCONT`` after ``hang_s`` seconds, so the stopped rank wakes up, finds itself excluded by
   the survivors and leaves, and the job can end.
+* ``kind=raise``: :class:`InjectedError` (a ``RuntimeError``) once, as a transient fault of the
+  rank's own would (nobody fails; the iteration is re-run from its snapshot).
+* ``kind=poison``: :class:`InjectedError` every time iteration ``I`` runs, as a bad sample or a
+  bug would: re-running it does not help.
+* ``kind=nan``: the rank's last model chunk outputs NaN once in iteration ``I`` (phase
+  ``forward``), as a transient fault of a device would.
 
 Phases, within iteration ``I`` (counted from 1 like Megatron's log lines): ``forward`` (the
 first micro-batch's forward), ``backward`` (the first micro-batch's backward), ``allreduce``
@@ -33,7 +39,11 @@ from dataclasses import dataclass
 import torch
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "snapshot", "recovery")
-KINDS = ("kill", "hang")
+KINDS = ("kill", "hang", "raise", "poison", "nan")
+
+
+class InjectedError(RuntimeError):
+    """The error of an injected ``raise`` or ``poison`` failure."""
 
 
 class FailureSpecError(ValueError):
@@ -51,7 +61,8 @@ class InjectedFailure:
     phase: str = "forward"
     """Where in the iteration: one of :data:`PHASES`."""
     kind: str = "kill"
-    """``kill`` (SIGKILL) or ``hang`` (SIGSTOP, woken later to leave)."""
+    """``kill`` (SIGKILL), ``hang`` (SIGSTOP, woken later to leave), ``raise`` (an error once),
+    ``poison`` (an error every time the iteration runs) or ``nan`` (a NaN output once)."""
 
     def __post_init__(self) -> None:
         if self.rank < 0 or self.iteration < 1:
@@ -154,13 +165,21 @@ class FaultInjector:
         """Whether a failure of this rank is still due."""
         return bool(self._due)
 
-    def at(self, phase: str, iteration: int) -> None:
-        """Fail now if a failure is due in ``phase`` of ``iteration``."""
-        failure = self._due.pop((iteration, phase), None)
+    def at(self, phase: str, iteration: int) -> bool:
+        """Fail now if a failure is due in ``phase`` of ``iteration``; ``True`` when the failure
+        is a NaN output, which the caller produces."""
+        failure = self._due.get((iteration, phase))
         if failure is None:
-            return
+            return False
+        if failure.kind != "poison":
+            del self._due[iteration, phase]
         print(f" injected failure: rank {self.rank} {failure.kind} in the {phase} of iteration "
               f"{iteration}", flush=True)
+        if failure.kind == "nan":
+            return True
+        if failure.kind in ("raise", "poison"):
+            raise InjectedError(f"injected {failure.kind} failure of rank {self.rank} in the "
+                                f"{phase} of iteration {iteration}")
         if failure.kind == "hang":
             subprocess.Popen(["sh", "-c", f"sleep {self.hang_s}; kill -CONT {os.getpid()}"],
                              start_new_session=True, stdout=subprocess.DEVNULL,
@@ -168,3 +187,4 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGSTOP)
         else:
             os.kill(os.getpid(), signal.SIGKILL)
+        return False

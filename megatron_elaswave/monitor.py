@@ -108,6 +108,13 @@ class MonitorConfig:
     raising :class:`~megatron_elaswave.agreement.Excluded`), from when its monitor reads the
     decision, before the monitor ends the process."""
 
+    @property
+    def evidence_timeout_s(self) -> float:
+        """How long a rank whose collective failed waits for evidence that a member failed
+        before it takes the error for its own: the ranks of a lost node are noticed by their
+        silence alone."""
+        return self.heartbeat_timeout_s + 2 * self.heartbeat_interval_s
+
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
@@ -215,6 +222,7 @@ class FailureMonitor:
         self._committed: tuple[int, Decision, float] | None = None
         """``(generation, decision that ends it, monotonic time it was first read)``."""
         self._left = False
+        self._store_lost: str | None = None
         self._lock = threading.Lock()
         self._generation = decision.generation
         self._members = decision.survivors
@@ -270,6 +278,18 @@ class FailureMonitor:
         notice = self.failure
         if notice is not None:
             raise FailureDetected(notice)
+
+    def explains(self, error: BaseException) -> bool:
+        """Whether a failure in this generation accounts for ``error``: waits up to
+        :attr:`MonitorConfig.evidence_timeout_s` for one to be noticed (a collective that a
+        dying peer breaks often fails before the launcher's death record arrives). ``False``:
+        nobody failed, the error is this rank's own."""
+        return self.failure_detected.wait(self.config.evidence_timeout_s)
+
+    @property
+    def store_lost(self) -> str | None:
+        """Why the monitor lost the job store (its host is gone), if it did; it watches no more."""
+        return self._store_lost
 
     def report_error(self, error: BaseException) -> None:
         """Report a failed or timed-out collective: aborts and announces like any failure."""
@@ -331,6 +351,7 @@ class FailureMonitor:
                 self._check_exclusion()
                 self._stopping.wait(self.config.poll_interval_s)
         except RuntimeError as error:  # torch's store errors
+            self._store_lost = str(error).splitlines()[0] if str(error) else type(error).__name__
             self._trigger(STORE_ERROR, str(error), announce=False)
 
     def _beat(self) -> None:

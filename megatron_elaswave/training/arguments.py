@@ -125,9 +125,13 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> None:
                        help="profile JSON the planner uses after a failure (default: costs "
                             "computed from the model's FLOP counts)")
     group.add_argument("--elastic-inject-failure", action="append", default=[],
-                       metavar="rank=R,iteration=I[,phase=P][,kind=kill|hang]",
+                       metavar="rank=R,iteration=I[,phase=P][,kind=kill|hang|raise|poison]",
                        help="fail rank R during iteration I (repeatable); phases: forward, "
                             "backward, allreduce, optimizer, snapshot, recovery")
+    group.add_argument("--elastic-max-step-retries", type=int, default=1,
+                       help="times an iteration that fails with no rank failing (an error of "
+                            "its own, not a peer's death) is re-run from its snapshot before the "
+                            "job stops with that error (default 1)")
     group.add_argument("--elastic-inject-slowdown", action="append", default=[],
                        metavar="rank=R,factor=F[,iteration=I]",
                        help="make rank R's compute take F times as long from iteration I on "
@@ -248,6 +252,8 @@ def validate_elastic(args: argparse.Namespace, world_size: int) -> None:
     _fail_unless(args.elastic_rebalance_min_gain >= 1, "--elastic-rebalance-min-gain must be >= 1")
     _fail_unless(args.elastic_slow_stage_factor > 1, "--elastic-slow-stage-factor must be > 1")
     _fail_unless(args.elastic_heartbeat_timeout > 0, "--elastic-heartbeat-timeout must be positive")
+    _fail_unless(args.elastic_max_step_retries >= 0,
+                 "--elastic-max-step-retries must be 0 or more")
     _fail_unless(args.elastic or args.elastic_zero == "contiguous",
                  "--elastic-zero interleaved needs --elastic (without it Megatron shards the "
                  "optimizer as usual)")

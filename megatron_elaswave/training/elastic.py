@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pickle
 import time
@@ -67,7 +68,7 @@ from megatron_elaswave.planner.replan import (
     plan_replica_drop,
 )
 from megatron_elaswave.planner.zero import StateLostError
-from megatron_elaswave.store import connect_store, read_deaths, wait_for_keys
+from megatron_elaswave.store import STORE_ADDR_ENV, STORE_PORT_ENV, connect_store, read_deaths, wait_for_keys
 
 from . import relayout
 from .checkpoint import TrainingProgress, save_checkpoint
@@ -83,6 +84,20 @@ from .stragglers import ForwardTimer, RebalanceConfig, StageCompute, StragglerDe
 
 class CannotContinue(RuntimeError):
     """The survivors cannot hold the model any more."""
+
+
+class StepFailed(RuntimeError):
+    """An iteration failed again when re-run from its snapshot while no rank failed: its data,
+    its hyper-parameters or the code are at fault, not the job's ranks. Every member raises it;
+    the one with ``announce`` set says it."""
+
+    def __init__(self, message: str, announce: bool) -> None:
+        super().__init__(message)
+        self.announce = announce
+
+
+class NonFiniteLoss(FloatingPointError):
+    """The reduced loss of an iteration is not finite (every rank sees the same value)."""
 
 
 CPU_DEVICE = SyntheticDevice(name="CPU core (gloo)", peak_tflops=0.02, model_flops_utilisation=0.5,
@@ -133,6 +148,8 @@ class RecoveryTimes:
     """Why each failed rank was excluded, as this rank saw it."""
     bytes_moved: int = 0
     rolled_back_to: int = 0
+    rerun_cause: str = ""
+    """With no failed rank: the error that made the iteration run again."""
 
 
 @dataclass
@@ -153,6 +170,7 @@ class ElasticTrainer(Trainer):
 
     def __post_init__(self) -> None:
         self._step_started = self._pipeline_done = 0.0
+        self._nan_output = False
         self._stage_timer = self._layers_timer = None
         if self.rank in self.layout.active_ranks():  # a replacement has no stage before it joins
             super().__post_init__()
@@ -160,6 +178,12 @@ class ElasticTrainer(Trainer):
         """The layout whose snapshots the ranks hold: the last one restored."""
         self.lost: set[int] = set()
         """Ranks failed since the state was last restored; their replicas must serve it."""
+        self.reruns = 0
+        """Recoveries in which no rank failed since :attr:`rerun_iteration` last completed."""
+        self.rerun_iteration = 0
+        """The iteration that failed with no rank failing."""
+        self.nonfinite_loss: float | None = None
+        """The non-finite loss that made :attr:`rerun_iteration` run again, if that was why."""
         if self.detector is not None:
             self.detector.reset(planned=self.layout)
 
@@ -177,7 +201,7 @@ class ElasticTrainer(Trainer):
 
         self.objects.config.finalize_model_grads_func = timed_finalize
         if self.injector.armed:  # hooks only where a failure is to be injected
-            self.objects.model[-1].module.register_forward_hook(self._arm_backward_fault)
+            self.objects.model[-1].module.register_forward_hook(self._inject_into_output)
         chunks = [ddp.module for ddp in self.objects.model]
         layers = transformer_layers(chunks)
         for slowdown in self.slowdowns:
@@ -186,10 +210,19 @@ class ElasticTrainer(Trainer):
         if self.detector is not None:  # after the slowdown's hooks, so that they count
             self._stage_timer, self._layers_timer = ForwardTimer(chunks), ForwardTimer(layers)
 
-    def _arm_backward_fault(self, module, inputs, output) -> None:
+    def _inject_into_output(self, module, inputs, output):
+        """The injected failures that act on the last chunk's output: a NaN, a backward fault."""
+        if self._nan_output and torch.is_tensor(output):
+            self._nan_output = False
+            output = output * float("nan")
         if torch.is_tensor(output) and output.requires_grad:
             iteration = self.iteration + 1
-            output.register_hook(lambda grad: self.injector.at("backward", iteration))
+
+            def backward_fault(grad: torch.Tensor) -> None:
+                self.injector.at("backward", iteration)
+
+            output.register_hook(backward_fault)
+        return output
 
     def before_optimizer_step(self) -> None:
         self.injector.at("optimizer", self.iteration + 1)
@@ -207,7 +240,7 @@ class ElasticTrainer(Trainer):
         if self.detector is not None:
             self._stage_timer.restart()
             self._layers_timer.restart()
-        self.injector.at("forward", self.iteration + 1)
+        self._nan_output = self.injector.at("forward", self.iteration + 1)
         return super().train_step()
 
     def step_report(self) -> torch.Tensor:
@@ -290,11 +323,23 @@ class ElasticTrainer(Trainer):
         except (RuntimeError, FailureDetected) as error:
             self.recover(error)
             return None
+        if not math.isfinite(result.lm_loss):
+            self.nonfinite_loss = result.lm_loss
+            error = NonFiniteLoss(f"lm loss is {result.lm_loss} at iteration {self.iteration + 1}")
+            self.monitor.report_error(error)  # every rank has the same loss: nothing to wait for
+            self.recover(error)
+            return None
         gbs = len(result.sample_ids)
         self.iteration += 1
         self.consumed_samples += gbs
         if self._pending is not None:
             self._record_recovery(result.step_time_s)
+        if self.reruns and self.iteration >= self.rerun_iteration:
+            if self.nonfinite_loss is not None and self.is_logger:
+                log(f" iteration {self.iteration} had lm loss {self.nonfinite_loss}; run again "
+                    f"from its snapshot it has {result.lm_loss:.6E}: the non-finite loss did not "
+                    "reproduce (a transient fault or a faulty device), so training goes on")
+            self.reruns, self.nonfinite_loss = 0, None
         self._record(result, gbs, energy_j=self.governor.energy_j(result.step_time_s))
         self._follow_report(result.reported)
         return result
@@ -308,20 +353,34 @@ class ElasticTrainer(Trainer):
     # -- recovery ------------------------------------------------------------------------------
 
     def recover(self, error: BaseException) -> None:
-        """Steps 1-5 of the module docstring; a failure during them starts them again."""
+        """Steps 1-5 of the module docstring; a failure during them starts them again.
+
+        An error is never taken as proof that nobody failed: this rank first waits (at most
+        ``MonitorConfig.evidence_timeout_s``) for a failure to account for it. Without one, the
+        error is this rank's own: the others are told, the agreement fails nobody and the
+        iteration is re-run from its snapshot, at most ``--elastic-max-step-retries`` times
+        (once for a non-finite loss) before :class:`StepFailed`. Raises
+        :class:`CannotContinue` when the job store is lost or the state is gone."""
+        raised_at = time.time()
         while True:
+            if not self.monitor.explains(error):
+                log(f" rank {self.rank}: {type(error).__name__}: {error}; no rank failed, so "
+                    "the iteration runs again from its snapshot")
+            if self.monitor.store_lost:
+                address = f"{os.environ.get(STORE_ADDR_ENV)}:{os.environ.get(STORE_PORT_ENV)}"
+                raise CannotContinue(f"lost the job store at {address} "
+                                     f"({self.monitor.store_lost})")
             try:
-                self._recover_once(error)
+                self._recover_once(error, raised_at)
                 return
-            except CannotContinue:
-                raise
             except (RuntimeError, FailureDetected) as again:
-                if self.monitor.failure is None:
+                if isinstance(again, (CannotContinue, StepFailed)):
                     raise
                 error = again
 
-    def _recover_once(self, error: BaseException) -> None:
-        self.injector.at("recovery", self.iteration + 1)
+    def _recover_once(self, error: BaseException, raised_at: float) -> None:
+        attempted = self.iteration + 1
+        self.injector.at("recovery", attempted)
         noticed = time.time()
         self.monitor.report_error(error)
         # A hang is older than its detection by the heartbeat timeout.
@@ -329,11 +388,14 @@ class ElasticTrainer(Trainer):
         evidence = [self.monitor.failure.time] + [
             s.time - (timeout_s if s.cause == HEARTBEAT else 0.0)
             for s in self.monitor.suspects().values()]
-        times = self._pending or RecoveryTimes(failure_at=min(evidence + [noticed]),
-                                               noticed_at=noticed)
+        # One record for a recovery however many failures interrupt it.
+        times = self._pending = self._pending or RecoveryTimes(
+            failure_at=min(evidence + [raised_at]), noticed_at=noticed)
         decision = agree(self.store, self.monitor)
         suspects = self.monitor.suspects()
         if decision.joined:  # a grow was committed before the failure: it is the next one's
+            if not times.failed_ranks:
+                self._pending = None
             timeout = timedelta(seconds=self.monitor.config.agreement_timeout_s)
             self._follow_change(relayout.committed_plan(self.store, decision.generation, timeout))
             return
@@ -356,39 +418,72 @@ class ElasticTrainer(Trainer):
                                 *self._announced_at(decision)])
         failed &= self.layout.known_ranks()
         self.lost |= failed
+        if not failed:
+            notice = self._round_notice(decision)
+            times.rerun_cause = (f"rank {notice['rank']}: {notice['detail']}" if notice
+                                 else "an error with no rank failing")
         # Every connection was shut down to unblock the training thread: re-create all groups
-        # of the new layout, each by its own members only.
-        old_lists = member_lists(group_specs(self.layout))
+        # of the new layout, each by its own members only. An interrupted recovery may have
+        # left the groups on a layout the trainer never reached.
+        grouped = self.registry.layout
+        old_lists, ungrouped = member_lists(group_specs(grouped)), failed - grouped.known_ranks()
         try:
             new_layout, clocks = self._plan(self.layout, failed)
         except PlanError as plan_error:
-            self._stop_with_checkpoint(str(plan_error), failed, decision, old_lists, times)
+            self._stop_with_checkpoint(str(plan_error), failed, decision, old_lists, ungrouped,
+                                       times)
         except StateLostError as lost:
             raise CannotContinue(str(lost)) from None
         times.planned_at = time.time()
-        self.registry.edit(failed, new_layout, EditMode.INPLACE, broken=old_lists,
+        self.registry.edit(failed - ungrouped, new_layout, EditMode.INPLACE, broken=old_lists,
                            generation=decision.generation, abort=self.monitor.failure_detected)
         times.edited_at = time.time()
         self._restore(decision, new_layout, times)
+        if not failed:
+            self._count_rerun(times, attempted)
         self.governor.apply(clocks, new_layout)
-        self._pending = times
+        if not self.is_active:  # a spare runs no step to record the recovery with
+            self._pending = None
         self.state_layout, self.lost = new_layout, set()
         if self.detector is not None:
             self.detector.reset(planned=new_layout)
 
     def _stop_with_checkpoint(self, reason: str, failed: set[int], decision: Decision,
-                              old_lists, times: RecoveryTimes) -> None:
+                              old_lists, ungrouped: set[int], times: RecoveryTimes) -> None:
         """Gather the rollback iteration's state into the checkpoint layout, save it, stop."""
         layout = checkpoint_layout(self.layout, failed)
         if layout is None:
             raise CannotContinue(f"{reason}; no stage has a tensor-parallel group left whole, so "
                                  "the survivors cannot save a checkpoint either")
-        self.registry.edit(failed, layout, EditMode.INPLACE, broken=old_lists,
+        self.registry.edit(failed - ungrouped, layout, EditMode.INPLACE, broken=old_lists,
                            generation=decision.generation)
         self._restore(decision, layout, times)
+        raise CannotContinue(self._save_rollback_state(reason, times.rolled_back_to))
+
+    def _save_rollback_state(self, reason: str, iteration: int) -> str:
+        """Save the restored state of ``iteration``; ``reason`` with where it went."""
         directory = self.save_checkpoint(self.args.save or os.path.abspath(RESCUE_DIRECTORY))
-        raise CannotContinue(f"{reason}. The state of iteration {times.rolled_back_to} is saved "
-                             f"in {directory}: resume with --load {os.path.dirname(directory)}")
+        return (f"{reason}. The state of iteration {iteration} is saved in {directory}: resume "
+                f"with --load {os.path.dirname(directory)}")
+
+    def _count_rerun(self, times: RecoveryTimes, attempted: int) -> None:
+        """Count a recovery that failed nobody while iteration ``attempted`` ran; past the
+        limit, save the state it restored and stop every member with :class:`StepFailed`."""
+        self.reruns += 1
+        self.rerun_iteration = max(self.rerun_iteration, attempted)
+        limit = 1 if self.nonfinite_loss is not None else self.args.elastic_max_step_retries
+        if self.reruns <= limit:
+            return
+        if self.nonfinite_loss is not None:
+            reason = (f"lm loss is {self.nonfinite_loss} at iteration {self.rerun_iteration}, "
+                      f"again when re-run from the snapshot of iteration {times.rolled_back_to}: "
+                      "it reproduces, so the data or the hyper-parameters are at fault")
+        else:
+            reason = (f"iteration {self.rerun_iteration} failed {self.reruns} times with no rank "
+                      f"failing ({times.rerun_cause}); --elastic-max-step-retries "
+                      f"{self.args.elastic_max_step_retries}")
+        raise StepFailed(self._save_rollback_state(reason, times.rolled_back_to),
+                         announce=self.is_logger)
 
     def save_checkpoint(self, root: str) -> str:
         """Save the active ranks' state under ``root`` with ``dist_checkpointing``; returns the
@@ -435,12 +530,16 @@ class ElasticTrainer(Trainer):
         self.pg_collection = self.objects.schedule_groups
         self._bind()
 
+    def _round_notice(self, decision: Decision) -> dict | None:
+        """The failure notice of the first rank that announced the round ``decision`` ends."""
+        key = round_key(decision.generation - 1)
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
     def _announced_at(self, decision: Decision) -> list[float]:
         """When the first rank to notice the failure dates it (a hang: its last heartbeat)."""
-        key = round_key(decision.generation - 1)
-        if not self.store.check([key]):
+        notice = self._round_notice(decision)
+        if notice is None:
             return []
-        notice = json.loads(self.store.get(key))
         timeout_s = self.monitor.config.heartbeat_timeout_s
         return [notice["time"] - (timeout_s if notice["cause"] == HEARTBEAT else 0.0)]
 
@@ -651,13 +750,16 @@ class ElasticTrainer(Trainer):
             total_s=total,
             bytes_moved=times.bytes_moved,
             rolled_back_to=times.rolled_back_to,
+            rerun_cause=times.rerun_cause,
             layout=self.layout.to_json(),
             clocks=[list(replica) for replica in self.governor.plan.clocks],
             dvfs=self.governor.backend.name,
         )
         if self.is_logger:
             causes = "; ".join(f"{rank}: {times.causes[rank]}" for rank in times.failed_ranks)
-            log(f" recovered from the failure of ranks {times.failed_ranks} ({causes}): rolled "
+            what = (f"the failure of ranks {times.failed_ranks} ({causes})" if times.failed_ranks
+                    else f"an error with no rank failing ({times.rerun_cause})")
+            log(f" recovered from {what}: rolled "
                 f"back to iteration {times.rolled_back_to}, re-ran iteration {self.iteration} on "
                 f"{len(self.layout.active_ranks())} ranks in {total:.2f} s (detect "
                 f"{times.noticed_at - times.failure_at:.2f}, agree "

@@ -192,13 +192,15 @@ class Trainer:
         self.objects.scheduler.step(increment=gbs)
         loss_sum, num_tokens, sample_ids, reported = self._reduce(data, losses, gbs,
                                                                   self.step_report())
-        if self.snapshots is not None:
+        lm_loss = loss_sum / max(num_tokens, 1)
+        # A step whose loss is not finite leaves no snapshot: a rollback goes to the one before.
+        if self.snapshots is not None and math.isfinite(lm_loss):
             self.take_snapshot(self.iteration + 1, self.consumed_samples + gbs)
             if self.iteration + 1 >= self.args.train_iters:  # no next step to settle it in
                 self.snapshots.settle()
         self.backend.synchronize()
         return StepResult(
-            lm_loss=loss_sum / max(num_tokens, 1),
+            lm_loss=lm_loss,
             num_tokens=num_tokens,
             sample_ids=sample_ids,
             grad_norm=float(grad_norm) if grad_norm is not None else None,

@@ -24,6 +24,8 @@ from .arguments import ArgumentError, parse_args
 EXIT_BAD_INPUT = 2
 EXIT_CANNOT_CONTINUE = 3
 """The survivors of failures cannot hold the model or lost part of its state."""
+EXIT_STEP_FAILED = 1
+"""An iteration fails however often it is re-run (as Megatron's exit on a non-finite loss)."""
 
 # Warnings megatron-core and torch print on every rank that a user cannot act on.
 _KNOWN_WARNINGS = (
@@ -80,7 +82,7 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
 
     from .checkpoint import CheckpointError
     from .data import DataError
-    from .elastic import CannotContinue
+    from .elastic import CannotContinue, StepFailed
     from .job import CannotRejoin, train_job
     from .migration import StateLost
 
@@ -96,6 +98,10 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
         # Every survivor reaches the same verdict; each says it, since rank 0 may be gone.
         print(f"pretrain_gpt.py: cannot continue: {error}", file=sys.stderr, flush=True)
         return EXIT_CANNOT_CONTINUE
+    except StepFailed as error:
+        if error.announce:
+            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        return EXIT_STEP_FAILED
     return 0
 
 
