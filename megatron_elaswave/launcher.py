@@ -22,6 +22,13 @@ decide what to do. It guarantees:
   that node 0 declared lost takes the node's place, clears the declaration and starts its
   workers. Such workers have ``ELASWAVE_REJOIN=1`` in their environment: they ask to join
   (:mod:`megatron_elaswave.training.relayout`) instead of forming the job's first process group.
+* **Excluded workers are fenced.** The agent reads the decisions the workers commit in the
+  store (:mod:`megatron_elaswave.agreement`); a worker of its node that a decision excluded
+  (stopped or hung, not dead) and that still runs ``--exclusion-grace`` seconds later is
+  killed, so that the job can end. Its end is a survived failure.
+* **Losing the store ends the job.** An agent that loses the job store (node 0's agent died)
+  says so in one line, gives its workers ``--shutdown-grace`` seconds to leave (they notice on
+  their own), kills the rest and exits with 1.
 * **No orphans.** SIGINT, SIGTERM and SIGHUP are forwarded to the workers; those still running
   ``--shutdown-grace`` seconds later, or at a second signal, are killed with SIGKILL. Whatever
   goes wrong in the agent itself, it kills its workers before it exits.
@@ -32,7 +39,7 @@ Exit status of an agent, judged on its own node's workers:
   did so before the first one exited with 0 (the failures were survived);
 * otherwise the status of the first worker that failed: its exit code, or 128 + signal number;
 * ``128 + signal number`` when the agent was stopped by a signal; ``1`` when its node was
-  declared lost or the job could not form; ``2`` for a bad command line (including a port
+  declared lost, it lost the job store, or the job could not form; ``2`` for a bad command line (including a port
   already in use, and node agents that disagree on ``--nproc-per-node`` or ``--run-id``).
 """
 
@@ -52,6 +59,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import IO, TYPE_CHECKING, TypeVar
 
+from megatron_elaswave.agreement import Decision, decision_key
 from megatron_elaswave.store import (
     EXITED,
     NODE_LOST,
@@ -85,6 +93,9 @@ POLL_INTERVAL_S = 0.05
 
 LOST_NODE_EXIT_STATUS = 1
 """Exit status of an agent that found its node declared lost."""
+
+LOST_STORE_EXIT_STATUS = 1
+"""Exit status of an agent that lost the job store (node 0's agent is gone, and the job with it)."""
 
 _JOIN_POLL_INTERVAL_S = 0.1
 # Bounds every store call of an agent, so that a stalled store host cannot freeze its supervision.
@@ -156,6 +167,9 @@ class LaunchConfig:
     """With ``rejoin``: seconds between a worker's death and its replacement's start."""
     max_rejoins: int = 3
     """With ``rejoin``: how many times one slot is started again."""
+    exclusion_grace_s: float = 10.0
+    """How long a worker that the job excluded (stopped or hung, not dead) has to leave by
+    itself before the agent kills it."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -170,8 +184,9 @@ class LaunchConfig:
             raise UsageError(f"--master-port must be in 1..65535, got {self.master_port}")
         if self.shutdown_grace_s < 0 or self.join_timeout_s <= 0 or self.node_timeout_s <= 0:
             raise UsageError("timeouts must be positive (and --shutdown-grace not negative)")
-        if self.rejoin_delay_s < 0 or self.max_rejoins < 0:
-            raise UsageError("--rejoin-delay and --max-rejoins must not be negative")
+        if self.rejoin_delay_s < 0 or self.max_rejoins < 0 or self.exclusion_grace_s < 0:
+            raise UsageError("--rejoin-delay, --max-rejoins and --exclusion-grace must not be "
+                             "negative")
         if not self.run_as_module and not os.path.isfile(self.script):
             raise UsageError(f"no such script: {self.script}")
 
@@ -505,10 +520,21 @@ class _NodeAgent:
         """How many times each local rank was started."""
         self._heartbeat_interval_s = min(1.0, config.node_timeout_s / 4)
         self._next_heartbeat = 0.0
-        self._store_lost = False
+        self._store_lost: str | None = None
+        """Why the job store was lost, once it was."""
+        self._members: dict[int, int] = {}
+        """``{rank: pid}`` of this node's workers that are members of the job: a replacement
+        becomes one when a decision takes it in."""
+        self._excluded: dict[int, tuple[int, float]] = {}
+        """``{rank: (pid, monotonic time)}``: members a decision excluded while they ran."""
+        self._fenced: set[int] = set()
+        """Pids of the workers this agent killed because the job had excluded them."""
+        self._next_generation = 0
+        """The generation whose ending decision the agent reads next."""
 
     def run(self) -> int:
         try:
+            self._skip_past_decisions()
             self._spawn_workers()
             if self._config.is_store_host:
                 self._peers = {n: _PeerWatch() for n in range(1, self._config.nnodes)}
@@ -530,7 +556,12 @@ class _NodeAgent:
 
     def _start(self, local_rank: int) -> None:
         worker = self._spawn(local_rank)
-        self._running[worker.record.rank] = worker
+        rank = worker.record.rank
+        self._running[rank] = worker
+        if self._starts[local_rank] == 1 and not self._rejoining:
+            self._members[rank] = worker.record.pid
+        else:  # a replacement: a member once the job takes it in
+            self._members.pop(rank, None)
         self._with_store(lambda store: publish_worker(store, worker.record))
 
     def _spawn(self, local_rank: int) -> _Worker:
@@ -581,6 +612,9 @@ class _NodeAgent:
                 elif self._heartbeat_finds_node_lost():
                     _log("this node was declared lost by node rank 0; killing its workers")
                     return LOST_NODE_EXIT_STATUS
+                self._fence_excluded()
+                if self._store_lost is not None:
+                    return self._stop_without_store()
             time.sleep(POLL_INTERVAL_S)
         return job_exit_status(self._returncodes)
 
@@ -589,7 +623,8 @@ class _NodeAgent:
             returncode = worker.process.poll()
             if returncode is not None:
                 del self._running[rank]
-                self._returncodes.append(returncode)
+                if worker.record.pid not in self._fenced:  # the job went on without it
+                    self._returncodes.append(returncode)
                 self._report_end(worker.record, returncode)
                 if returncode != 0:
                     self._schedule_restart(worker.record)
@@ -655,6 +690,12 @@ class _NodeAgent:
             f"{_plural(len(self._running), 'worker')}, SIGKILL after {grace_s:g} s"
         )
         self._signal_workers(signum)
+        self._wait_then_kill(grace_s)
+        return 128 + signum
+
+    def _wait_then_kill(self, grace_s: float) -> None:
+        """Give the workers ``grace_s`` seconds (or until a second signal) to end, then
+        SIGKILL those still running."""
         deadline = time.monotonic() + grace_s
         while self._running and time.monotonic() < deadline:
             if len(self._signals.received) > 1:
@@ -667,7 +708,16 @@ class _NodeAgent:
             for worker in self._running.values():
                 worker.process.wait()
             self._reap()
-        return 128 + signum
+
+    def _stop_without_store(self) -> int:
+        """The store host is gone, and the job with it: the workers, which lose it too, get the
+        shutdown grace to say so and leave; then the rest are killed."""
+        config = self._config
+        _log(f"lost the job store at {config.master_addr}:{config.master_port} (node 0's agent; "
+             f"{self._store_lost}): the job cannot go on; stopping this node's workers")
+        self._restarts.clear()
+        self._wait_then_kill(config.shutdown_grace_s)
+        return LOST_STORE_EXIT_STATUS
 
     def _signal_workers(self, signum: int) -> None:
         for worker in self._running.values():
@@ -739,13 +789,48 @@ class _NodeAgent:
         _log(f"node {node_rank} lost: no heartbeat for {silence_s:.1f} s; {deaths}")
 
     def _with_store(self, call: Callable[[TCPStore], _T], default: _T | None = None) -> _T | None:
-        """Run a store call. If the store is gone (its host died), say so once and carry on
-        supervising without it: the workers are still ours to watch."""
-        if self._store_lost:
+        """Run a store call; ``default`` once the store is gone (its host died), which the
+        supervision loop then acts on."""
+        if self._store_lost is not None:
             return default
         try:
             return call(self._store)
         except RuntimeError as error:  # torch.distributed.DistError
-            self._store_lost = True
-            _log(f"lost the job store ({_first_line(error)}); supervising without it")
+            self._store_lost = _first_line(error)
             return default
+
+    # ---- fencing ------------------------------------------------------------------------------
+
+    def _read_decision(self, store: TCPStore) -> Decision | None:
+        """The decision that ended generation :attr:`_next_generation`, if committed."""
+        key = decision_key(self._next_generation)
+        return Decision.from_json(store.get(key)) if store.check([key]) else None
+
+    def _skip_past_decisions(self) -> None:
+        """Start reading decisions after those committed before this agent's workers exist
+        (an agent that replaces a lost node arrives in a running job)."""
+        while self._with_store(self._read_decision) is not None:
+            self._next_generation += 1
+
+    def _fence_excluded(self) -> None:
+        """Kill this node's workers that the job excluded, ``exclusion_grace_s`` after reading
+        the decision: a stopped or hung process never leaves by itself, and the job (and its
+        agent) could not end while it runs."""
+        while (decision := self._with_store(self._read_decision)) is not None:
+            self._next_generation += 1
+            for rank in decision.failed:
+                worker = self._running.get(rank)
+                if worker is not None and self._members.get(rank) == worker.record.pid:
+                    self._excluded[rank] = (worker.record.pid, time.monotonic())
+            for rank in decision.joined:
+                if rank in self._running:
+                    self._members[rank] = self._running[rank].record.pid
+        for rank, (pid, since) in list(self._excluded.items()):
+            worker = self._running.get(rank)
+            if worker is None or worker.record.pid != pid:
+                del self._excluded[rank]  # it left by itself
+            elif time.monotonic() - since >= self._config.exclusion_grace_s:
+                del self._excluded[rank]
+                self._fenced.add(pid)
+                _log(f"worker rank {rank} (pid {pid}) was excluded by the job; killing it")
+                worker.process.kill()

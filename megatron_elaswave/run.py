@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="with --rejoin: start one slot again at most N times",
     )
+    _seconds(parser, "exclusion-grace", "exclusion_grace_s",
+             "a worker the job excluded (stopped or hung, not dead) is killed this long after "
+             "the decision")
     parser.add_argument(
         "-m", "--module", action="store_true", help="run the entry point as a Python module"
     )
@@ -131,6 +134,7 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         rejoin=args.rejoin,
         rejoin_delay_s=args.rejoin_delay,
         max_rejoins=args.max_rejoins,
+        exclusion_grace_s=args.exclusion_grace,
     )
 
 

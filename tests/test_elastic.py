@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import free_port, launch
+from harness import free_port, is_gone, launch
 from megatron_elaswave.metrics import read_metrics
 from test_pretrain_gpt import PRETRAIN, model_flags, text_data  # noqa: F401  (fixture)
 
@@ -44,12 +44,13 @@ real stragglers, and the tests that compare layouts must not follow them."""
 
 
 def run(tmp_path: Path, name: str, flags: list[str], nproc: int = 8, kills=(),
-        stop: int | None = None, timeout: float = 240, resumed_at: int = 0,
+        stop: int | None = None, resume: bool = True, timeout: float = 240, resumed_at: int = 0,
         launcher_args: tuple[str, ...] = ()) -> tuple[list[dict], list[dict], str]:
     """Train; ``kills`` are ``(rank, after_iteration)``: SIGKILL ``rank`` once the metrics file
-    holds that iteration. ``stop`` SIGSTOPs that rank after iteration 3 and wakes it once the
-    survivors have recovered. ``resumed_at`` is the iteration a ``--load`` starts from.
-    Returns the iteration records, the recovery records and the log."""
+    holds that iteration. ``stop`` SIGSTOPs that rank after iteration 3 and, with ``resume``,
+    wakes it once the survivors have recovered. ``resumed_at`` is the iteration a ``--load``
+    starts from. Returns the iteration records, the recovery records and the log; the launcher
+    must have exited with 0."""
     metrics = tmp_path / f"{name}.jsonl"
 
     def reached(iteration: int) -> bool:
@@ -66,8 +67,10 @@ def run(tmp_path: Path, name: str, flags: list[str], nproc: int = 8, kills=(),
             job.wait_for(lambda: reached(3), 120, "iteration 3")
             job.kill_worker(stop, signal.SIGSTOP)
             job.wait_for(lambda: bool(read_metrics(str(metrics), "recovery")), 120, "a recovery")
-            job.kill_worker(stop, signal.SIGCONT)
+            if resume:
+                job.kill_worker(stop, signal.SIGCONT)
         returncode, output = job.wait(timeout)
+    assert returncode == 0, output[-4000:]
     iterations = read_metrics(str(metrics), "iteration")
     recoveries = read_metrics(str(metrics), "recovery")
     assert [r["iteration"] for r in iterations] == list(range(resumed_at + 1, TRAIN_ITERS + 1)), \
@@ -196,6 +199,20 @@ def test_a_stopped_worker_is_excluded_and_the_rest_continue(text_data, reference
     assert recoveries[0]["causes"]["6"].startswith("no heartbeat for")
     assert recoveries[0]["detect_s"] >= 2.9  # found by the 3 s heartbeat timeout
     assert "rank 6 was excluded from the job" in output
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_stopped_for_good_is_fenced_by_its_launcher_and_the_job_ends(  # noqa: F811
+        text_data, small_reference, tmp_path):
+    """Rank 3 is SIGSTOPped and never resumed: the others exclude it and train on; its launcher
+    kills it a grace period after the decision, so the job ends, with status 0."""
+    iterations, recoveries, output = run(
+        tmp_path, "fenced", [*small_flags(text_data), "--elastic-heartbeat-timeout", "3"], nproc=4,
+        stop=3, resume=False, launcher_args=("--exclusion-grace", "2"))
+    assert_on_trajectory(small_reference, iterations)
+    assert [r["failed_ranks"] for r in recoveries] == [[3]], output[-6000:]
+    assert re.search(r"worker rank 3 \(pid \d+\) was excluded by the job; killing it", output)
+    assert "Traceback" not in output
 
 
 def small_flags(data_prefix: str) -> list[str]:
@@ -485,6 +502,39 @@ def test_a_lost_node_takes_half_the_job_and_the_other_half_continues(text_data, 
     assert recovery["failed_ranks"] == [4, 5, 6, 7]
     assert [[stage["ranks"] for stage in replica["stages"]] for replica in recovery["layout"]] == [
         [[0, 1]], [[2, 3]]]
+
+
+@pytest.mark.timeout(200)
+def test_losing_the_store_host_stops_every_other_node_in_one_line_each(text_data, tmp_path):  # noqa: F811
+    """Node 0's launcher, which hosts the job store, is SIGKILLed with its workers: node 1's
+    launcher and workers each say in one line that the job store is lost and exit non-zero,
+    within a bound, leaving no process behind."""
+    metrics = tmp_path / "store.jsonl"
+    flags = [PRETRAIN, *small_flags(text_data), "--elastic-metrics-file", str(metrics)]
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        node0, node1 = (
+            stack.enter_context(launch(flags, 2, nnodes=2, node_rank=node, master_port=port,
+                                       launcher_args=["--node-timeout=2", "--shutdown-grace=10"],
+                                       log_path=tmp_path / f"node{node}.log"))
+            for node in (0, 1))
+        pids = node1.worker_pids()
+        node0.wait_for(lambda: metrics.exists() and len(read_metrics(str(metrics), "iteration")) >= 3,
+                       120, "iteration 3")
+        node0.send_signal(signal.SIGKILL)
+        started = time.monotonic()
+        returncode, output = node1.wait(60)
+        took = time.monotonic() - started
+    assert returncode != 0, output[-4000:]
+    assert took < 45, took
+    agent_lines = [line for line in output.splitlines() if "lost the job store" in line
+                   and line.startswith("[elaswave-run]")]
+    assert len(agent_lines) == 1 and f"127.0.0.1:{port}" in agent_lines[0], output[-4000:]
+    worker_lines = [line for line in output.splitlines()
+                    if line.startswith("pretrain_gpt.py: cannot continue: lost the job store")]
+    assert len(worker_lines) == 2, output[-4000:]
+    assert "Traceback" not in output and "Broken pipe" not in output
+    assert all(is_gone(pid) for pid in pids.values())
 
 
 @pytest.mark.timeout(60)

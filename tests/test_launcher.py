@@ -416,7 +416,8 @@ def assert_one_line_error(result: subprocess.CompletedProcess, status: int, frag
         (["--nnodes=2", "--node-rank=2", "SCRIPT"], "--node-rank 2 is out of range"),
         (["--master-port=70000", "SCRIPT"], "--master-port must be in"),
         (["--no-such-flag", "SCRIPT"], "unrecognized arguments"),
-        (["--rejoin-delay=-1", "SCRIPT"], "--rejoin-delay and --max-rejoins must not be negative"),
+        (["--rejoin-delay=-1", "SCRIPT"], "--rejoin-delay, --max-rejoins and --exclusion-grace must"),
+        (["--exclusion-grace=-2", "SCRIPT"], "--exclusion-grace must not be negative"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(args, fragment):

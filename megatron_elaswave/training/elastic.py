@@ -444,7 +444,6 @@ class ElasticTrainer(Trainer):
         self.governor.apply(clocks, new_layout)
         if not self.is_active:  # a spare runs no step to record the recovery with
             self._pending = None
-        self.state_layout, self.lost = new_layout, set()
         if self.detector is not None:
             self.detector.reset(planned=new_layout)
 
@@ -616,7 +615,6 @@ class ElasticTrainer(Trainer):
                               edited_at=edited)
         self._restore(plan.decision, plan.layout, times)
         self.governor.apply(plan.clocks, plan.layout)
-        self.state_layout, self.lost = plan.layout, set()
         if self.detector is not None:  # a grow is planned; moved layers keep the planned counts
             self.detector.reset(planned=plan.layout if plan.decision.joined else None)
         total = times.migrated_at - plan.announced_at
@@ -701,8 +699,13 @@ class ElasticTrainer(Trainer):
             self.objects.scheduler.load_state_dict(state["scheduler"])
             # Only Megatron's stateful streams need this; layout-invariant ones are keyed.
             restore_rng_states(state["rng"])
+        self._commit_restore(prefix, members, layout)
+        if active:
+            # The snapshots held so far stay: named globally, they serve any later layout, and a
+            # failure before the new ones are replicated still finds its state in them.
             self.snapshots = StepSnapshots(layout, self.rank, self.snapshots.store.config,
-                                           group=self.registry.group(Role.WORLD))
+                                           group=self.registry.group(Role.WORLD),
+                                           store=self.snapshots.store)
             self._snapshot_now()
         times.migrated_at = time.time()
         if self.is_logger and self.metrics.path is None:
@@ -712,6 +715,16 @@ class ElasticTrainer(Trainer):
         if not self.is_logger and self.metrics.path is not None:  # a lower rank is back
             self.metrics.close()
             self.metrics = MetricsWriter(None)
+
+    def _commit_restore(self, prefix: str, members: list[int], layout: Layout) -> None:
+        """Wait until every member has restored, then take ``layout`` as the one whose state
+        the ranks hold. A failure before every member got here interrupts them all alike, so
+        the next recovery starts from the same view of the state on every rank."""
+        self.store.set(f"{prefix}/restored/{self.rank}", "")
+        wait_for_keys(self.store, [f"{prefix}/restored/{member}" for member in members],
+                      timedelta(seconds=self.monitor.config.agreement_timeout_s),
+                      self.monitor.failure_detected)
+        self.state_layout, self.lost = layout, set()
 
     def _share_state(self, prefix: str, layout: Layout, state: dict | None) -> dict | None:
         """The small state (iteration, schedule, Adam step, RNG) for a rank that held no stage

@@ -95,10 +95,12 @@ class StepSnapshots:
     """
 
     def __init__(self, layout: Layout, rank: int, config: SnapshotConfig,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None,
+                 store: SnapshotStore | None = None) -> None:
         """``group`` carries the replicas: the group of the layout's stage holders in launch-rank
-        order, or the default group (``None``) while it still numbers ranks as launched."""
-        self.store = SnapshotStore(rank, config)
+        order, or the default group (``None``) while it still numbers ranks as launched.
+        ``store`` keeps the snapshots held so far (those of an earlier layout); default: none."""
+        self.store = SnapshotStore(rank, config) if store is None else store
         self.group = group
         members = [r for replica in layout.replicas for stage in replica.stages for r in stage.ranks]
         holds_stage = layout.position(rank) is not None
