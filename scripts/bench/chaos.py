@@ -253,15 +253,18 @@ def summarise(faults: list[Fault], records: list[dict], reference: list[dict],
     seen = [r["iteration"] for r in iterations]
     by_iteration = {r["iteration"]: r for r in iterations}
     gbs = reference[0]["global_batch_size"]
-    lost = gbs * (len(reference) - len(set(seen))) + gbs * (len(seen) - len(set(seen)))
+    missing = sorted({r["iteration"] for r in reference} - set(seen))
+    repeated = sorted({i for i in seen if seen.count(i) > 1})
+    other_samples = []
     worst = 0.0
     for ref in reference:
         got = by_iteration.get(ref["iteration"])
         if got is None:
             continue
         if got["samples_digest"] != ref["samples_digest"]:
-            lost += gbs
+            other_samples.append(ref["iteration"])
         worst = max(worst, abs(got["lm_loss"] - ref["lm_loss"]) / abs(ref["lm_loss"]))
+    lost = gbs * (len(missing) + len(seen) - len(set(seen)) + len(other_samples))
     mttr = {}
     for kind in KINDS:
         values = [f.mttr_s for f in faults if f.kind == kind and f.mttr_s is not None]
@@ -277,6 +280,9 @@ def summarise(faults: list[Fault], records: list[dict], reference: list[dict],
         "clean_stops": output.count("cannot continue"),
         "iterations": len(reference),
         "samples_lost": lost,
+        "iterations_missing": missing,
+        "iterations_recorded_twice": repeated,
+        "iterations_on_other_samples": other_samples,
         "largest_relative_loss_difference": worst,
         "on_trajectory": lost == 0 and worst <= LOSS_TOLERANCE,
         "mttr": mttr,
@@ -313,6 +319,9 @@ def main() -> None:
     for kind, figures in summary["mttr"].items():
         print(f"  MTTR {kind:14s} n={figures['count']:3d}  median {figures['median_s']:.2f} s  "
               f"p90 {figures['p90_s']:.2f} s  max {figures['max_s']:.2f} s")
+    for name in ("iterations_missing", "iterations_recorded_twice", "iterations_on_other_samples"):
+        if summary[name]:
+            print(f"{name.replace('_', ' ')}: {summary[name]}")
     if summary["faults_without_recovery"]:
         print(f"faults with no recovery record: {summary['faults_without_recovery']}")
     if args.json_out:
