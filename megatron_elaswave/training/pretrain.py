@@ -49,10 +49,17 @@ class RankInfo:
     local_rank: int
 
 
+def say(line: str) -> None:
+    """``line`` on stderr in one write: the workers of a node share their launcher's output, and
+    lines that several of them print at once must not run into each other."""
+    sys.stderr.write(f"pretrain_gpt.py: {line}\n")
+    sys.stderr.flush()
+
+
 def report_error(message: str, rank: int) -> None:
     """One line on stderr, from rank 0 only (every rank fails the same checks)."""
     if rank == 0:
-        print(f"pretrain_gpt.py: error: {message}", file=sys.stderr, flush=True)
+        say(f"error: {message}")
 
 
 def pretrain(argv: Sequence[str] | None = None) -> int:
@@ -92,15 +99,15 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
         report_error(str(error), info.rank)
         return EXIT_BAD_INPUT
     except CannotRejoin as error:
-        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        say(f"error: {error}")
         return EXIT_BAD_INPUT
     except (CannotContinue, StateLost) as error:
         # Every survivor reaches the same verdict; each says it, since rank 0 may be gone.
-        print(f"pretrain_gpt.py: cannot continue: {error}", file=sys.stderr, flush=True)
+        say(f"cannot continue: {error}")
         return EXIT_CANNOT_CONTINUE
     except StepFailed as error:
         if error.announce:
-            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+            say(f"error: {error}")
         return EXIT_STEP_FAILED
     return 0
 
