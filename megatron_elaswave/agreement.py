@@ -25,12 +25,11 @@ uses only the job store, which the launcher hosts outside every worker. It guara
   process with a message, rather than rejoin a job that has moved on without it; its monitor
   ends the process the same way if its loop is stuck in an old collective.
 
-Keys, besides those of :mod:`megatron_elaswave.monitor`:
+The decision also says why each failed rank was excluded and when the failure began, as the
+proposer saw it (the launchers' death records first), so every survivor reports the same.
 
-===================================  ==========================================================
-``rt/gen<g>/joined/<rank>``          set when launch rank ``rank`` enters the agreement of ``g``
-``rt/gen<g>/decision``               the :class:`Decision` (JSON) that ends generation ``g``
-===================================  ==========================================================
+Keys (:mod:`megatron_elaswave.keys`): ``rt/gen<g>/joined/<rank>`` is set when ``rank`` enters
+the agreement that ends ``g``; ``rt/gen<g>/decision`` holds the :class:`Decision` (JSON).
 """
 
 from __future__ import annotations
@@ -38,80 +37,19 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
+
+from megatron_elaswave.decisions import Decision, Excluded
+from megatron_elaswave.keys import decision_key, joined_key, round_key
+from megatron_elaswave.monitor import HEARTBEAT, FailureMonitor
+from megatron_elaswave.store import read_deaths
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
-    from megatron_elaswave.monitor import FailureMonitor
-
 AGREEMENT_DELAY_ENV = "ELASWAVE_AGREEMENT_DELAY_S"
 """Fault injection for tests: the proposer pauses this many seconds once it could commit, then
 looks again, so that a test can fail another rank while the agreement is in progress."""
-
-
-def joined_key(generation: int, rank: int) -> str:
-    return f"rt/gen{generation}/joined/{rank}"
-
-
-def decision_key(generation: int) -> str:
-    return f"rt/gen{generation}/decision"
-
-
-@dataclass(frozen=True)
-class Decision:
-    """Who continues after a failure: the membership of a new generation."""
-
-    generation: int
-    """The generation this decision starts; it ends generation ``generation - 1``."""
-    survivors: tuple[int, ...]
-    """Launch ranks that continue, in order: ``survivors[i]`` has rank ``i`` in the new
-    generation's process group."""
-    failed: tuple[int, ...]
-    """Launch ranks of the ended generation that are excluded, sorted."""
-    joined: tuple[int, ...] = ()
-    """Launch ranks that join the job in the new generation, sorted: a decision that grows the
-    job (:mod:`megatron_elaswave.training.relayout`) rather than one that ends a failure."""
-
-    @classmethod
-    def initial(cls, world_size: int) -> Decision:
-        """Generation 0: every launched rank, in launch order."""
-        return cls(0, tuple(range(world_size)), ())
-
-    @property
-    def new_ranks(self) -> dict[int, int]:
-        """``{launch rank: rank in the new generation}`` of every survivor."""
-        return {rank: index for index, rank in enumerate(self.survivors)}
-
-    def new_rank(self, rank: int) -> int:
-        """Rank of launch rank ``rank`` in the new generation's process group."""
-        return self.survivors.index(rank)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, raw: str | bytes) -> Decision:
-        fields = json.loads(raw)
-        return cls(fields["generation"], tuple(fields["survivors"]), tuple(fields["failed"]),
-                   tuple(fields.get("joined", ())))
-
-
-class Excluded(SystemExit):
-    """This rank was declared failed by the others: it must leave the job.
-
-    A :class:`SystemExit`, so that a training loop catching ``Exception`` does not swallow it and
-    an uncaught one ends the process with status 1 and the message, without a traceback.
-    """
-
-    def __init__(self, rank: int, decision: Decision) -> None:
-        super().__init__(
-            f"rank {rank} was excluded from the job: the other ranks decided it had failed in "
-            f"generation {decision.generation - 1} and continue without it as generation "
-            f"{decision.generation} (survivors {list(decision.survivors)}); exiting"
-        )
-        self.decision = decision
 
 
 def agree(store: Store, monitor: FailureMonitor) -> Decision:
@@ -183,11 +121,46 @@ class _Round:
         if missing and waited <= self.timeout_s:
             return None
         self.unresponsive |= missing
+        failed |= missing
+        causes, failed_at = self._evidence(failed)
         return Decision(
             generation=self.generation + 1,
             survivors=tuple(rank for rank in survivors if rank not in missing),
-            failed=tuple(sorted(failed | missing)),
+            failed=tuple(sorted(failed)),
+            causes=tuple(sorted(causes.items())),
+            failed_at=failed_at,
+            error=self._error() if not failed else "",
         )
+
+    def _evidence(self, failed: set[int]) -> tuple[dict[int, str], float]:
+        """Why each of ``failed`` failed and when the first sign of it was: the launchers'
+        death records, else this rank's suspicions, else its wait in the agreement. A hang
+        dates from its last heartbeat, ``heartbeat_timeout_s`` before it was noticed."""
+        heartbeat_s = self.monitor.config.heartbeat_timeout_s
+        suspects = self.monitor.suspects()
+        deaths = {death.rank: death for death in read_deaths(self.store) if death.rank in failed}
+        causes = {rank: (deaths[rank].describe() if rank in deaths
+                         else suspects[rank].detail if rank in suspects
+                         else f"did not join the agreement within {self.timeout_s:g} s")
+                  for rank in failed}
+        signs = [death.time for death in deaths.values()]
+        signs += [s.time - (heartbeat_s if s.cause == HEARTBEAT else 0.0)
+                  for rank, s in suspects.items() if rank in failed]
+        notice = self._notice()
+        if notice is not None:
+            signs.append(notice["time"] - (heartbeat_s if notice["cause"] == HEARTBEAT else 0.0))
+        return causes, min(signs, default=time.time())
+
+    def _notice(self) -> dict | None:
+        """The failure notice of the first rank that announced this round."""
+        key = round_key(self.generation)
+        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+
+    def _error(self) -> str:
+        """The error that started a round in which no rank failed."""
+        notice = self._notice()
+        return (f"rank {notice['rank']}: {notice['detail']}" if notice
+                else "an error with no rank failing")
 
     def _waited_for(self, proposer: int) -> float:
         """Seconds since ``proposer`` became the proposer, as far as this rank knows."""

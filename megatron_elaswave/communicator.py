@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from megatron_elaswave.layout import Layout, Replica
+from megatron_elaswave.keys import communicator_key, generation_prefix
 from megatron_elaswave.store import wait_for_keys
 from megatron_elaswave.world import recording_connections
 
@@ -499,11 +500,11 @@ class GroupRegistry:
         self._groups.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
-        _store_barrier(self._store, f"rt/gen{self._generation}/communicator/meet", len(survivors),
+        _store_barrier(self._store, communicator_key(self._generation, "meet"), len(survivors),
                        self._timeout, abort)
         dist.init_process_group(
             self._backend,
-            store=dist.PrefixStore(f"gen{self._generation}/", self._store),
+            store=dist.PrefixStore(generation_prefix(self._generation), self._store),
             rank=survivors.index(self._rank),
             world_size=len(survivors),
             timeout=self._timeout,
@@ -535,7 +536,7 @@ class GroupRegistry:
         :data:`CREATION_TIMEOUT`)."""
         world = [self._world_ranks[r] for r in members]
         name = _group_name(self._generation, world)
-        _store_barrier(self._store, f"rt/gen{self._generation}/communicator/{name}", len(members),
+        _store_barrier(self._store, communicator_key(self._generation, name), len(members),
                        self._timeout, abort)
         return _new_named_group(world, name, self._backend, self._timeout)
 
@@ -561,5 +562,5 @@ class GroupRegistry:
     def _wait_for_survivors(self, number: int, count: int,
                             abort: threading.Event | None) -> None:
         """The global synchronisation of partial and full modes, after creating group ``number``."""
-        key = f"rt/gen{self._generation}/communicator/created/{number}"
+        key = communicator_key(self._generation, f"created/{number}")
         _store_barrier(self._store, key, count, self._timeout, abort)

@@ -59,7 +59,8 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import IO, TYPE_CHECKING, TypeVar
 
-from megatron_elaswave.agreement import Decision, decision_key
+from megatron_elaswave.decisions import Decision
+from megatron_elaswave.keys import decision_key, node_done_key, node_heartbeat_key, node_key, node_lost_key
 from megatron_elaswave.store import (
     EXITED,
     NODE_LOST,
@@ -71,11 +72,7 @@ from megatron_elaswave.store import (
     WorkerDeath,
     WorkerExit,
     WorkerRecord,
-    done_key,
     from_json,
-    heartbeat_key,
-    lost_key,
-    node_key,
     publish_worker,
     read_deaths,
     read_exit,
@@ -458,7 +455,7 @@ def _replace_lost_node(store: TCPStore, config: LaunchConfig, signals: _SignalLa
                          "to replace a lost node, start its launcher with --rejoin")
     if config.is_store_host:
         raise UsageError("node rank 0 hosts the job store: it cannot be replaced")
-    lost = lost_key(config.node_rank)
+    lost = node_lost_key(config.node_rank)
     if not store.check([lost]):
         _log(f"node rank {config.node_rank} is held by {where}: waiting until node rank 0 "
              "declares it lost")
@@ -541,7 +538,7 @@ class _NodeAgent:
             status = self._supervise()
         finally:
             self._kill_workers()
-        self._with_store(lambda store: store.set(done_key(self._config.node_rank), str(status)))
+        self._with_store(lambda store: store.set(node_done_key(self._config.node_rank), str(status)))
         failed = sum(1 for code in self._returncodes if code != 0)
         if status or failed:
             _log(
@@ -735,8 +732,8 @@ class _NodeAgent:
         me = self._config.node_rank
 
         def beat(store: TCPStore) -> bool:
-            store.add(heartbeat_key(me), 1)
-            return store.check([lost_key(me)])
+            store.add(node_heartbeat_key(me), 1)
+            return store.check([node_lost_key(me)])
 
         return self._with_store(beat, default=False)
 
@@ -744,15 +741,15 @@ class _NodeAgent:
         """On node 0: settle the nodes that finished, declare lost those that fell silent."""
         now = time.monotonic()
         for node_rank in list(self._lost_nodes):
-            if not self._store.check([lost_key(node_rank)]):  # an agent took the node's place
+            if not self._store.check([node_lost_key(node_rank)]):  # an agent took the node's place
                 self._lost_nodes.discard(node_rank)
                 self._peers[node_rank] = _PeerWatch()
                 _log(f"node {node_rank} rejoined the job")
         for node_rank, peer in list(self._peers.items()):
-            if self._store.check([done_key(node_rank)]):
+            if self._store.check([node_done_key(node_rank)]):
                 del self._peers[node_rank]
                 continue
-            heartbeat = self._store.add(heartbeat_key(node_rank), 0)
+            heartbeat = self._store.add(node_heartbeat_key(node_rank), 0)
             if heartbeat != peer.heartbeat:
                 peer.heartbeat, peer.changed_at = heartbeat, now
             elif now - peer.changed_at > self._config.node_timeout_s:
@@ -764,7 +761,7 @@ class _NodeAgent:
         """Fence the node first (if it comes back, its agent kills its workers), then record
         the deaths of its workers that have not already ended."""
         now = time.time()
-        self._store.set(lost_key(node_rank), json.dumps({"time": now, "silence_s": silence_s}))
+        self._store.set(node_lost_key(node_rank), json.dumps({"time": now, "silence_s": silence_s}))
         already_dead = {(death.rank, death.pid) for death in read_deaths(self._store)}
         recorded = []
         for local_rank in range(self._config.nproc_per_node):

@@ -20,20 +20,14 @@ does the same, so no survivor stays blocked in a collective: they all reach
 :func:`megatron_elaswave.agreement.agree`, which decides who failed.
 
 A rank that the decision excludes (it was stopped or too slow, not dead) normally leaves through
-:class:`~megatron_elaswave.agreement.Excluded` from its own loop. Its pending collective can
+:class:`~megatron_elaswave.decisions.Excluded` from its own loop. Its pending collective can
 outlive the abort, though (gloo sometimes keeps a resumed rank's all-reduce waiting for the op
 timeout although every pair is closed), so the monitor ends the process itself, with the same
 message and status, once the committed decision has excluded it for ``exclusion_grace_s``.
 
-Runtime keys live under ``rt/`` (the launcher owns ``elaswave/``):
-
-===========================  ==============================================================
-``rt/heartbeat/<rank>``      heartbeat counter of launch rank ``rank`` (``store.add``)
-``rt/gen<g>/round``          :class:`FailureNotice` (JSON) of the first rank that announced a
-                             failure in generation ``g``; its presence starts the agreement
-``rt/join/<rank>``           a replacement for launch rank ``rank`` asks to join
-                             (:mod:`megatron_elaswave.training.relayout`)
-===========================  ==============================================================
+Its keys are ``rt/heartbeat/<rank>`` (a counter), ``rt/gen<g>/round`` (the first
+:class:`FailureNotice` of generation ``g``; its presence starts the agreement) and
+``rt/join/<rank>`` (a replacement asks to join), named in :mod:`megatron_elaswave.keys`.
 
 Ranks are launch ranks (``RANK`` as set by the launcher) throughout: they identify a process for
 the whole job, whatever its rank in the process group of the current generation.
@@ -51,7 +45,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
-from megatron_elaswave.agreement import Decision, Excluded, decision_key
+from megatron_elaswave.decisions import Decision, Excluded
+from megatron_elaswave.keys import decision_key, heartbeat_key, join_key, round_key
 from megatron_elaswave.store import read_deaths
 from megatron_elaswave.world import abort_collectives
 
@@ -69,18 +64,6 @@ ANNOUNCED = "announced"
 """Another member announced a failure in the store."""
 STORE_ERROR = "store_error"
 """The monitor lost the job store; it stops watching."""
-
-
-def heartbeat_key(rank: int) -> str:
-    return f"rt/heartbeat/{rank}"
-
-
-def round_key(generation: int) -> str:
-    return f"rt/gen{generation}/round"
-
-
-def join_key(rank: int) -> str:
-    return f"rt/join/{rank}"
 
 
 @dataclass(frozen=True)
@@ -105,7 +88,7 @@ class MonitorConfig:
     else unblocks (see :mod:`megatron_elaswave.world`)."""
     exclusion_grace_s: float = 5.0
     """How long a rank that the committed decision excludes has to leave by itself (its loop
-    raising :class:`~megatron_elaswave.agreement.Excluded`), from when its monitor reads the
+    raising :class:`~megatron_elaswave.decisions.Excluded`), from when its monitor reads the
     decision, before the monitor ends the process."""
 
     @property

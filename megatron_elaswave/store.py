@@ -5,22 +5,8 @@ rank 0, at ``MASTER_ADDR:MASTER_PORT``. Because no worker hosts it, it stays rea
 worker dies, including rank 0. Workers reach it with :func:`connect_store`.
 
 The launchers own every key under ``elaswave/``; workers only read them. Workers keep their own
-keys elsewhere and, since a job outlives its process groups, namespace them by generation (for
-example ``PrefixStore(f"gen{n}/", store)``) so that a rebuilt group never reads a stale key.
-
-=================================  ===========================================================
-key                                value
-=================================  ===========================================================
-``elaswave/workers/<rank>``        :class:`WorkerRecord` (JSON), set when the worker is spawned
-``elaswave/exits/<rank>``          :class:`WorkerExit` (JSON), set when the worker exits with 0
-``elaswave/deaths/count``          number of deaths recorded so far (a ``store.add`` counter)
-``elaswave/deaths/<i>``            :class:`WorkerDeath` (JSON), the i-th death of the job
-``elaswave/nodes/<n>``             :class:`NodeRecord` (JSON) of the launcher of node ``n``
-``elaswave/nodes/<n>/heartbeat``   counter the launcher of node ``n`` bumps while it is alive
-``elaswave/nodes/<n>/done``        set when node ``n``'s workers have all ended
-``elaswave/nodes/<n>/lost``        set when node ``n`` was declared lost; its launcher then kills
-                                   its workers if it is still alive
-=================================  ===========================================================
+keys under ``rt/``, namespaced by generation where a job outlives its process groups, so that a
+rebuilt group never reads a stale key. :mod:`megatron_elaswave.keys` names them all.
 
 Deaths are numbered in the order they were recorded, so a reader polls with a cursor::
 
@@ -40,6 +26,8 @@ from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from megatron_elaswave.keys import DEATH_COUNT_KEY, death_key, exit_key, worker_key
+
 if TYPE_CHECKING:
     from torch.distributed import Store, TCPStore
 
@@ -49,41 +37,10 @@ REJOIN_ENV = "ELASWAVE_REJOIN"
 """Set to ``1`` in a worker that replaces a dead one in a running job: it joins the job at a step
 boundary instead of forming generation 0 with the others."""
 
-DEATH_COUNT_KEY = "elaswave/deaths/count"
-
 # Causes of a WorkerDeath.
 EXITED = "exit"
 SIGNALED = "signal"
 NODE_LOST = "node_lost"
-
-
-def worker_key(rank: int) -> str:
-    return f"elaswave/workers/{rank}"
-
-
-def exit_key(rank: int) -> str:
-    return f"elaswave/exits/{rank}"
-
-
-def death_key(index: int) -> str:
-    return f"elaswave/deaths/{index}"
-
-
-def node_key(node_rank: int) -> str:
-    return f"elaswave/nodes/{node_rank}"
-
-
-def heartbeat_key(node_rank: int) -> str:
-    return f"elaswave/nodes/{node_rank}/heartbeat"
-
-
-def done_key(node_rank: int) -> str:
-    return f"elaswave/nodes/{node_rank}/done"
-
-
-def lost_key(node_rank: int) -> str:
-    return f"elaswave/nodes/{node_rank}/lost"
-
 
 _Record = TypeVar("_Record")
 

@@ -1,7 +1,7 @@
 """Process groups that can be aborted from any thread, one world per generation.
 
 A generation is one membership of the job: generation 0 is every launched rank, and each
-:class:`~megatron_elaswave.agreement.Decision` starts the next one with the survivors. Each
+:class:`~megatron_elaswave.decisions.Decision` starts the next one with the survivors. Each
 generation gets a fresh default process group on ``PrefixStore(f"gen{g}/", store)``, so a rebuilt
 group never reads a key written by an older one. Before the rendezvous of that group, which can
 only time out, the survivors meet in the store (``rt/gen<g>/ready/<rank>``), a wait that a
@@ -44,10 +44,12 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from megatron_elaswave.keys import generation_prefix, ready_key
+
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store
 
-    from megatron_elaswave.agreement import Decision
+    from megatron_elaswave.decisions import Decision
 
 _FD_DIR = "/proc/self/fd"
 _MEET_POLL_INTERVAL_S = 0.02
@@ -173,7 +175,7 @@ def init_generation(
     with recording_connections():
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(f"gen{decision.generation}/", store),
+            store=dist.PrefixStore(generation_prefix(decision.generation), store),
             rank=decision.new_rank(rank),
             world_size=len(decision.survivors),
             timeout=timeout,
@@ -188,11 +190,8 @@ def _meet_survivors(
     timeout: timedelta,
     abort: threading.Event | None,
 ) -> None:
-    def ready_key(survivor: int) -> str:
-        return f"rt/gen{decision.generation}/ready/{survivor}"
-
-    store.set(ready_key(rank), "")
-    everyone = [ready_key(survivor) for survivor in decision.survivors]
+    store.set(ready_key(decision.generation, rank), "")
+    everyone = [ready_key(decision.generation, survivor) for survivor in decision.survivors]
     deadline = time.monotonic() + timeout.total_seconds()
     while not store.check(everyone):
         if abort is not None and abort.is_set():

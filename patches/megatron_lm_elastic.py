@@ -242,7 +242,7 @@ class ElasticHooks:
             from megatron.core.num_microbatches_calculator import get_num_microbatches
             from megatron.training import get_args
 
-            from megatron_elaswave.training.elastic import CannotContinue
+            from megatron_elaswave.training.recovery import CannotContinue
             from megatron_elaswave.training.migration import StateLost
 
             args = get_args()

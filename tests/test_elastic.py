@@ -202,8 +202,8 @@ def test_a_stopped_worker_is_excluded_and_the_rest_continue(text_data, reference
 
 
 @pytest.mark.timeout(300)
-def test_a_worker_stopped_for_good_is_fenced_by_its_launcher_and_the_job_ends(  # noqa: F811
-        text_data, small_reference, tmp_path):
+def test_a_worker_stopped_for_good_is_fenced_by_its_launcher_and_the_job_ends(
+        text_data, small_reference, tmp_path):  # noqa: F811
     """Rank 3 is SIGSTOPped and never resumed: the others exclude it and train on; its launcher
     kills it a grace period after the decision, so the job ends, with status 0."""
     iterations, recoveries, output = run(

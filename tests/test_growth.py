@@ -18,10 +18,11 @@ import time
 import pytest
 
 from harness import free_port, launch
-from megatron_elaswave.agreement import Decision, decision_key
+from megatron_elaswave.decisions import Decision
+from megatron_elaswave.keys import FINISHED_KEY, accepted_key, decision_key, join_key
 from megatron_elaswave.layout import Layout, Replica
 from megatron_elaswave.metrics import read_metrics
-from megatron_elaswave.monitor import FailureMonitor, MonitorConfig, join_key
+from megatron_elaswave.monitor import FailureMonitor, MonitorConfig
 from megatron_elaswave.planner.frequency import ClockPlan
 from megatron_elaswave.store import REJOIN_ENV, WorkerDeath, record_death
 from megatron_elaswave.training import relayout
@@ -95,12 +96,12 @@ def test_a_committed_grow_accepts_its_joiners(store):
     assert not store.check([join_key(3)])
     assert relayout.wait_for_acceptance(store, 3) == plan
     relayout.request_join(store, 3)  # a later incarnation of rank 3 is not accepted by this one
-    assert not store.check([relayout.accepted_key(3)])
+    assert not store.check([accepted_key(3)])
 
 
 def test_a_replacement_leaves_when_the_job_has_finished(store):
     relayout.request_join(store, 3)
-    threading.Timer(0.2, lambda: store.set(relayout.FINISHED_KEY, "")).start()
+    threading.Timer(0.2, lambda: store.set(FINISHED_KEY, "")).start()
     with pytest.raises(relayout.JobFinished, match="finished before rank 3 could rejoin"):
         relayout.wait_for_acceptance(store, 3)
 
@@ -272,7 +273,7 @@ def test_a_replacement_that_dies_while_joining_is_recovered_from(text_data, smal
         job.wait_for(lambda: bool(recorded("recovery")), 120, "the recovery")
         job.wait_for(lambda: job.worker_pids()[3] != first, 60, "the replacement of rank 3")
         hold_rank_0(job, [3])
-        job.wait_for(lambda: job.store().check([relayout.accepted_key(3)]), 60, "the acceptance")
+        job.wait_for(lambda: job.store().check([accepted_key(3)]), 60, "the acceptance")
         job.kill_worker(3)
         returncode, output = job.wait(240)
     assert returncode == 0, output[-4000:]

@@ -22,7 +22,8 @@ from harness import free_port, is_gone, launch, wait_until, worker_script
 
 from megatron_elaswave.launcher import LaunchConfig, accepts_connections, job_exit_status
 from megatron_elaswave.run import parse_config
-from megatron_elaswave.store import WorkerDeath, death_key, read_deaths, read_exit, record_death
+from megatron_elaswave.keys import death_key
+from megatron_elaswave.store import WorkerDeath, read_deaths, read_exit, record_death
 
 multiprocess = pytest.mark.multiprocess
 

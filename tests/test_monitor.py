@@ -20,7 +20,9 @@ from harness import free_port, launch, wait_until, worker_script
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatron_elaswave.agreement import AGREEMENT_DELAY_ENV, Decision, decision_key, joined_key
+from megatron_elaswave.agreement import AGREEMENT_DELAY_ENV
+from megatron_elaswave.decisions import Decision
+from megatron_elaswave.keys import decision_key, joined_key
 from megatron_elaswave.monitor import HEARTBEAT, FailureMonitor, MonitorConfig
 from megatron_elaswave.store import WorkerDeath
 
@@ -68,7 +70,7 @@ STUCK_EXCLUDED_RANK = """
 import sys, time
 from datetime import timedelta
 from torch.distributed import TCPStore
-from megatron_elaswave.agreement import Decision
+from megatron_elaswave.decisions import Decision
 from megatron_elaswave.monitor import FailureMonitor, MonitorConfig
 store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=10))
 config = MonitorConfig(heartbeat_timeout_s=5.0, exclusion_grace_s=float(sys.argv[2]))
@@ -152,14 +154,21 @@ def death_of(job, rank: int, timeout: float = 10) -> WorkerDeath:
     return next(death for death in job.deaths() if death.rank == rank)
 
 
-def check_outcome(reports: dict[int, dict], victims: set[int]) -> list[dict]:
-    """Every survivor went through the same decisions, the last one excludes exactly the
-    victims, and its group all-reduced over exactly the survivors. Returns the decisions."""
+def check_outcome(reports: dict[int, dict], victims: set[int],
+                  cause: str = "killed by SIGKILL") -> list[dict]:
+    """Every survivor went through the same decisions, each gives a reason starting with
+    ``cause`` for every rank it excludes, the last one excludes exactly the victims, and its group all-reduced over exactly
+    the survivors. Returns the decisions' memberships."""
     decisions = {
         rank: [r["decision"] for r in report["rounds"]] for rank, report in reports.items()
     }
     first = next(iter(decisions.values()))
     assert all(d == first for d in decisions.values()), decisions
+    for decision in first:
+        causes = dict(decision["causes"])
+        assert set(causes) == set(decision["failed"]), decision
+        assert all(reason.startswith(cause) for reason in causes.values()), decision
+        assert 0 < decision["failed_at"] <= time.time(), decision
     survivors = sorted(set(range(WORLD_SIZE)) - victims)
     assert {rank for d in first for rank in d["failed"]} == victims
     assert first[-1]["survivors"] == survivors
@@ -170,7 +179,8 @@ def check_outcome(reports: dict[int, dict], victims: set[int]) -> list[dict]:
             "rank": survivors.index(rank),
             "sum": sum(survivors),
         }
-    return first
+    membership = ("generation", "survivors", "failed", "joined")
+    return [{field: decision[field] for field in membership} for decision in first]
 
 
 def identified_at(report: dict, rank: int) -> float:
@@ -262,7 +272,7 @@ def test_stopped_rank_is_detected_by_heartbeat_and_leaves_when_resumed(tmp_path)
         job.store().set("test/release", "")
         returncode, output = job.wait(timeout=30)
     assert returncode == 0, output
-    assert check_outcome(reports, {victim})[0]["generation"] == 1
+    assert check_outcome(reports, {victim}, "no heartbeat for ")[0]["generation"] == 1
     latencies = []
     for rank, report in reports.items():
         (round_,) = report["rounds"]

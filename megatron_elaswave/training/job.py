@@ -13,7 +13,9 @@ from megatron_elaswave.store import REJOIN_ENV
 from .checkpoint import TrainingProgress, load_checkpoint, save_checkpoint
 from .data import MicrobatchSource, build_datasets, load_tokenizer, padded_vocab_size
 from .distributed import init_default_group, init_model_parallel, shutdown
-from .elastic import build_elastic_trainer, failure_free_layout, join_elastic_job, run_elastic
+from .elastic import run_elastic
+from .elastic_setup import build_elastic_trainer, join_elastic_job
+from .planning import failure_free_layout
 from .relayout import JobFinished
 from .loop import Trainer, log
 from .model import (

@@ -31,7 +31,8 @@ from megatron_elaswave.communicator import Role
 from megatron_elaswave.device import DeviceBackend
 
 from .data import MicrobatchSource, gpt_datasets
-from .elastic import ElasticTrainer, build_elastic_trainer, run_elastic
+from .elastic import ElasticTrainer, run_elastic
+from .elastic_setup import build_elastic_trainer
 from .layer_groups import ModelFactory
 from .loop import StepResult
 

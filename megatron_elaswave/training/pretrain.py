@@ -89,7 +89,7 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
 
     from .checkpoint import CheckpointError
     from .data import DataError
-    from .elastic import CannotContinue, StepFailed
+    from .recovery import CannotContinue, StepFailed
     from .job import CannotRejoin, train_job
     from .migration import StateLost
 

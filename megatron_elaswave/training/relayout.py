@@ -12,7 +12,7 @@ their failure monitors and add it to the next iteration's all-reduce, so every s
 learns of it after the same iteration. Then, at that step boundary:
 
 1. the lowest active rank plans the grown layout (the failure-free one when every lost rank is
-   back) and commits a :class:`~megatron_elaswave.agreement.Decision` with ``joined`` set on the
+   back) and commits a :class:`~megatron_elaswave.decisions.Decision` with ``joined`` set on the
    generation's decision key. The key takes one decision per generation: if a failure's
    agreement committed first, the grow is abandoned and the failure recovered as usual;
 2. it publishes the :class:`LayoutChange` and accepts the joiners;
@@ -24,14 +24,8 @@ learns of it after the same iteration. Then, at that step boundary:
 The grow changes nothing in the training trajectory: the state is that of the step boundary, and
 the global batch, micro-batch ids and layout-invariant RNG do not depend on the layout.
 
-Keys (under ``rt/``):
-
-===============================  ==================================================================
-``rt/join/<rank>``               a replacement for launch rank ``rank`` asks to join (JSON)
-``rt/join/<rank>/accepted``      the generation it joins, set when accepted
-``rt/gen<g>/change``             the :class:`LayoutChange` that starts generation ``g``
-``rt/finished``                  every member is done: a replacement still waiting leaves
-===============================  ==================================================================
+Its keys (``rt/join/<rank>``, ``rt/join/<rank>/accepted``, ``rt/gen<g>/change``,
+``rt/finished``) are named in :mod:`megatron_elaswave.keys`.
 """
 
 from __future__ import annotations
@@ -44,24 +38,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from megatron_elaswave.agreement import Decision, decision_key
+from megatron_elaswave.decisions import Decision
+from megatron_elaswave.keys import FINISHED_KEY, accepted_key, change_key, decision_key, join_key
 from megatron_elaswave.layout import Layout
-from megatron_elaswave.monitor import join_key
 from megatron_elaswave.planner.frequency import ClockPlan
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
-FINISHED_KEY = "rt/finished"
 _POLL_INTERVAL_S = 0.05
-
-
-def accepted_key(rank: int) -> str:
-    return f"rt/join/{rank}/accepted"
-
-
-def plan_key(generation: int) -> str:
-    return f"rt/gen{generation}/change"
 
 
 class JobFinished(Exception):
@@ -142,7 +127,7 @@ def wait_for_acceptance(store: Store, rank: int) -> LayoutChange:
             raise JobFinished(f"the job finished before rank {rank} could rejoin it")
         time.sleep(_POLL_INTERVAL_S)
     generation = int(store.get(accepted_key(rank)))
-    return LayoutChange.from_json(store.get(plan_key(generation)))
+    return LayoutChange.from_json(store.get(change_key(generation)))
 
 
 # -- the members ---------------------------------------------------------------------------------
@@ -154,7 +139,7 @@ def commit(store: Store, plan: LayoutChange) -> bool:
     mine = plan.decision.to_json()
     if store.compare_set(decision_key(ended), "", mine).decode() != mine:
         return False
-    store.set(plan_key(plan.decision.generation), plan.to_json())
+    store.set(change_key(plan.decision.generation), plan.to_json())
     for rank in plan.decision.joined:
         store.set(accepted_key(rank), str(plan.decision.generation))
         store.delete_key(join_key(rank))
@@ -163,14 +148,14 @@ def commit(store: Store, plan: LayoutChange) -> bool:
 
 def published_plan(store: Store, generation: int) -> LayoutChange | None:
     """The plan of ``generation`` if one was published."""
-    key = plan_key(generation)
+    key = change_key(generation)
     return LayoutChange.from_json(store.get(key)) if store.check([key]) else None
 
 
 def committed_plan(store: Store, generation: int, timeout: timedelta) -> LayoutChange:
     """The plan of ``generation``, whose decision is known to be committed: its committer
     publishes the plan right after."""
-    key = plan_key(generation)
+    key = change_key(generation)
     store.wait([key], timeout)
     return LayoutChange.from_json(store.get(key))
 

@@ -11,7 +11,7 @@ when its loop was unblocked, the failure notice, its suspects, the decision and 
 ``--pause-after-decision`` makes every rank wait between a decision and forming the group, so
 that a test can fail one in that gap. With ``--hold`` a survivor waits for the test to set
 ``test/release`` before exiting 0. A victim that is excluded rather than killed exits with
-:class:`~megatron_elaswave.agreement.Excluded`.
+:class:`~megatron_elaswave.decisions.Excluded`.
 """
 
 import argparse
@@ -25,7 +25,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_elaswave.agreement import Decision, agree
+from megatron_elaswave.agreement import agree
+from megatron_elaswave.decisions import Decision
 from megatron_elaswave.monitor import FailureMonitor, MonitorConfig
 from megatron_elaswave.store import connect_store
 from megatron_elaswave.world import init_generation

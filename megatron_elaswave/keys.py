@@ -1,0 +1,163 @@
+"""Every key of the job store, named in one place.
+
+The launchers own the keys under ``elaswave/``; workers only read them. The workers' runtime keys
+live under ``rt/`` and, since a job outlives its process groups, most are namespaced by the
+generation ``g`` they belong to, so that a later generation never reads a stale key. Ranks are
+launch ranks. ``docs/runtime.md`` lists the same keys with the module that writes each.
+
+Launchers (:mod:`megatron_elaswave.launcher`, :mod:`megatron_elaswave.store`):
+
+=====================================  ==================================================================
+``elaswave/workers/<rank>``            ``WorkerRecord`` (JSON), set when the worker is spawned
+``elaswave/exits/<rank>``              ``WorkerExit`` (JSON), set when the worker exits with 0
+``elaswave/deaths/count``              deaths recorded so far (a ``store.add`` counter)
+``elaswave/deaths/<i>``                ``WorkerDeath`` (JSON), the i-th death of the job
+``elaswave/nodes/<n>``                 ``NodeRecord`` (JSON) of the launcher of node ``n``
+``elaswave/nodes/<n>/heartbeat``       counter the launcher of node ``n`` bumps while alive
+``elaswave/nodes/<n>/done``            set when node ``n``'s workers have all ended
+``elaswave/nodes/<n>/lost``            node ``n`` was declared lost; its launcher kills its workers
+=====================================  ==================================================================
+
+Failure detection and agreement (:mod:`~megatron_elaswave.monitor`,
+:mod:`~megatron_elaswave.agreement`, :mod:`~megatron_elaswave.world`):
+
+=====================================  ==================================================================
+``rt/heartbeat/<rank>``                heartbeat counter of ``rank`` (``store.add``)
+``rt/gen<g>/round``                    ``FailureNotice`` (JSON) of the first rank that announced a
+                                       failure in ``g``; its presence starts the agreement
+``rt/gen<g>/joined/<rank>``            ``rank`` entered the agreement that ends ``g``
+``rt/gen<g>/decision``                 the ``Decision`` (JSON) that ends ``g``, written once with
+                                       ``compare_set`` (a failure's or a grow's)
+``rt/gen<g>/ready/<rank>``             ``rank`` is about to form the default group of ``g``
+``gen<g>/...``                         torch's own rendezvous keys of ``g``'s default group
+=====================================  ==================================================================
+
+Process groups (:mod:`~megatron_elaswave.communicator`); each barrier key is a ``store.add``
+counter, and ``<barrier>/released`` is set by the last member to arrive:
+
+=======================================  ================================================================
+``rt/gen<g>/communicator/meet``          the survivors meet before a new default group
+``rt/gen<g>/communicator/<group>``       the members of one group meet before creating it
+``rt/gen<g>/communicator/created/<i>``   every survivor has created the ``i``-th group
+=======================================  ================================================================
+
+State restore after a recovery or a layout change (:mod:`~megatron_elaswave.training`):
+
+=============================================  ==========================================================
+``rt/gen<g>/restore/held/<rank>``              the snapshots ``rank`` holds (JSON ``[[rank, iteration]]``)
+``rt/gen<g>/restore/state/tp<t>``              the small state (pickled) for ranks that held no stage
+``rt/gen<g>/restore/migrate/holds/<rank>``     the pieces ``rank`` can serve
+``rt/gen<g>/restore/migrate/needs/<rank>``     the pieces ``rank`` needs
+``rt/gen<g>/restore/restored/<rank>``          ``rank`` restored; the layout is committed when all have
+``rt/gen<g>/saved``                            the directory of the checkpoint saved in ``g``
+``rt/gen<g>/done/<rank>``                      ``rank`` finished training in ``g``
+``rt/finished``                                every member finished: the job ends
+=============================================  ==========================================================
+
+Growth (:mod:`~megatron_elaswave.training.relayout`):
+
+=====================================  ==================================================================
+``rt/join/<rank>``                     a replacement for ``rank`` asks to join (JSON: pid, time)
+``rt/join/<rank>/accepted``            the generation that takes ``rank`` in
+``rt/gen<g>/change``                   the ``LayoutChange`` (JSON) that starts ``g`` at a step boundary
+=====================================  ==================================================================
+"""
+
+from __future__ import annotations
+
+# -- launchers ---------------------------------------------------------------------------------
+
+DEATH_COUNT_KEY = "elaswave/deaths/count"
+
+
+def worker_key(rank: int) -> str:
+    return f"elaswave/workers/{rank}"
+
+
+def exit_key(rank: int) -> str:
+    return f"elaswave/exits/{rank}"
+
+
+def death_key(index: int) -> str:
+    return f"elaswave/deaths/{index}"
+
+
+def node_key(node_rank: int) -> str:
+    return f"elaswave/nodes/{node_rank}"
+
+
+def node_heartbeat_key(node_rank: int) -> str:
+    return f"elaswave/nodes/{node_rank}/heartbeat"
+
+
+def node_done_key(node_rank: int) -> str:
+    return f"elaswave/nodes/{node_rank}/done"
+
+
+def node_lost_key(node_rank: int) -> str:
+    return f"elaswave/nodes/{node_rank}/lost"
+
+
+# -- failure detection and agreement -----------------------------------------------------------
+
+def heartbeat_key(rank: int) -> str:
+    return f"rt/heartbeat/{rank}"
+
+
+def round_key(generation: int) -> str:
+    return f"rt/gen{generation}/round"
+
+
+def joined_key(generation: int, rank: int) -> str:
+    return f"rt/gen{generation}/joined/{rank}"
+
+
+def decision_key(generation: int) -> str:
+    return f"rt/gen{generation}/decision"
+
+
+def ready_key(generation: int, rank: int) -> str:
+    return f"rt/gen{generation}/ready/{rank}"
+
+
+def generation_prefix(generation: int) -> str:
+    """The ``PrefixStore`` prefix of the default group's rendezvous in ``generation``."""
+    return f"gen{generation}/"
+
+
+# -- process groups ----------------------------------------------------------------------------
+
+def communicator_key(generation: int, barrier: str) -> str:
+    return f"rt/gen{generation}/communicator/{barrier}"
+
+
+# -- state restore -----------------------------------------------------------------------------
+
+def restore_prefix(generation: int) -> str:
+    """Prefix of the keys of the restore that starts ``generation``."""
+    return f"rt/gen{generation}/restore"
+
+
+def saved_key(generation: int) -> str:
+    return f"rt/gen{generation}/saved"
+
+
+def done_key(generation: int, rank: int) -> str:
+    return f"rt/gen{generation}/done/{rank}"
+
+
+FINISHED_KEY = "rt/finished"
+
+
+# -- growth ------------------------------------------------------------------------------------
+
+def join_key(rank: int) -> str:
+    return f"rt/join/{rank}"
+
+
+def accepted_key(rank: int) -> str:
+    return f"rt/join/{rank}/accepted"
+
+
+def change_key(generation: int) -> str:
+    return f"rt/gen{generation}/change"

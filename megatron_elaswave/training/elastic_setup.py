@@ -1,0 +1,110 @@
+"""Building an :class:`~.elastic.ElasticTrainer`: for a rank launched with the job, or for a
+replacement that joins a running one."""
+
+from __future__ import annotations
+
+import argparse
+from datetime import timedelta
+
+from megatron_elaswave.communicator import GroupRegistry, Role
+from megatron_elaswave.decisions import Decision
+from megatron_elaswave.device import DeviceBackend
+from megatron_elaswave.dvfs import DvfsGovernor, clock_backend
+from megatron_elaswave.faults import FaultInjector
+from megatron_elaswave.metrics import MetricsWriter
+from megatron_elaswave.monitor import FailureMonitor, MonitorConfig
+from megatron_elaswave.planner.frequency import PowerModel
+from megatron_elaswave.planner.replan import nominal_clock_plan
+from megatron_elaswave.store import connect_store
+
+from . import relayout
+from .data import MicrobatchSource
+from .elastic import ElasticTrainer
+from .layer_groups import ModelFactory, build_stage_objects
+from .loop import log
+from .model import seed_random_generators
+from .planning import cost_model, failure_free_layout
+from .snapshots import StepSnapshots, snapshot_config
+from .stragglers import RebalanceConfig, StragglerDetector
+
+
+def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int,
+                          world_size: int, vocab_size: int, train_source: MicrobatchSource,
+                          valid_source: MicrobatchSource | None, *,
+                          model_factory: ModelFactory | None = None,
+                          **trainer_fields) -> ElasticTrainer:
+    """Groups from the registry, the stage objects of the failure-free layout, the monitor.
+    ``model_factory`` builds the chunks (default: from the flags); ``trainer_fields`` are passed
+    on to :class:`ElasticTrainer`."""
+    store = connect_store(timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    config = MonitorConfig(heartbeat_timeout_s=args.elastic_heartbeat_timeout)
+    timeout = timedelta(seconds=config.collective_timeout_s)
+    layout = failure_free_layout(args)
+    registry = GroupRegistry(layout, rank, store=store, backend=backend.dist_backend, timeout=timeout)
+    seed_random_generators(args.seed, registry.process_group_collection())
+    model_factory = model_factory or ModelFactory.from_flags(args, vocab_size)
+    objects = build_stage_objects(args, layout, registry, model_factory, backend.device())
+    monitor = FailureMonitor(store, rank, Decision.initial(world_size), config, job_size=world_size)
+    snapshots = StepSnapshots(layout, rank, snapshot_config(args, backend),
+                              group=registry.group(Role.WORLD))
+    parts = _runtime_parts(args, backend, rank, vocab_size, config, model_factory)
+    parts["governor"].apply(nominal_clock_plan(parts["cost"], layout, 0, PowerModel()), layout)
+    return ElasticTrainer(
+        args=args, objects=objects, pg_collection=objects.schedule_groups, backend=backend,
+        layout=layout, train_source=train_source, valid_source=valid_source,
+        metrics=MetricsWriter(args.elastic_metrics_file if rank == 0 else None), rank=rank,
+        snapshots=snapshots, registry=registry, monitor=monitor, store=store, **parts,
+        **trainer_fields)
+
+
+def _runtime_parts(args: argparse.Namespace, backend: DeviceBackend, rank: int, vocab_size: int,
+                   config: MonitorConfig, model_factory: ModelFactory) -> dict:
+    """The trainer's model factory, planner costs, clock governor, fault injection and
+    straggler handling, from the flags."""
+    return dict(
+        model_factory=model_factory,
+        cost=cost_model(args, vocab_size, backend),
+        governor=DvfsGovernor(clock_backend(args.elastic_dvfs, backend.device().index or 0,
+                                            args.elastic_dvfs_command), rank),
+        injector=FaultInjector(args.elastic_inject_failure, rank,
+                               hang_s=3 * config.heartbeat_timeout_s),
+        slowdowns=tuple(args.elastic_inject_slowdown),
+        detector=(StragglerDetector(RebalanceConfig(
+            window=args.elastic_rebalance_window, min_gain=args.elastic_rebalance_min_gain,
+            slow_stage_factor=args.elastic_slow_stage_factor))
+                  if args.elastic_rebalance_window else None),
+    )
+
+
+def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int,
+                     world_size: int, vocab_size: int, train_source: MicrobatchSource,
+                     valid_source: MicrobatchSource | None) -> ElasticTrainer:
+    """A replacement's trainer: ask to join, wait until the job takes this rank in at a step
+    boundary, form the grown generation's groups with the members and receive the state.
+    Raises :class:`~.relayout.JobFinished` if the job ends first."""
+    store = connect_store(timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    config = MonitorConfig(heartbeat_timeout_s=args.elastic_heartbeat_timeout)
+    log(f" rank {rank} asks to rejoin the running job")
+    relayout.request_join(store, rank)
+    plan = relayout.wait_for_acceptance(store, rank)
+    monitor = FailureMonitor(store, rank, plan.decision, config, job_size=world_size,
+                             skip_recorded_deaths=True)
+    monitor.start()  # the members watch this rank's heartbeat from the plan on
+    registry = GroupRegistry.joining(plan.layout, rank, store=store,
+                                     backend=backend.dist_backend,
+                                     timeout=timedelta(seconds=config.collective_timeout_s),
+                                     generation=plan.decision.generation,
+                                     abort=monitor.failure_detected)
+    if rank in plan.layout.active_ranks():  # its stage may span several layer groups
+        seed_random_generators(args.seed,
+                               registry.process_group_collection(registry.layer_groups()[0]))
+    trainer = ElasticTrainer(
+        args=args, objects=None, pg_collection=None, backend=backend, layout=plan.state_layout,
+        train_source=train_source, valid_source=valid_source, metrics=MetricsWriter(None),
+        rank=rank, iteration=plan.iteration,
+        snapshots=StepSnapshots(plan.state_layout, rank, snapshot_config(args, backend)),
+        registry=registry, monitor=monitor, store=store,
+        **_runtime_parts(args, backend, rank, vocab_size, config,
+                         ModelFactory.from_flags(args, vocab_size)))
+    trainer.complete_change(plan)
+    return trainer

@@ -1,0 +1,96 @@
+"""The store protocol of a state restore, after a recovery or at a layout change: agree on the
+iteration to roll back to, hand the small state to ranks that held no stage, and commit the new
+layout once every member has restored.
+
+Every member of the restore calls the same steps in the same order; each waits for the others
+through the store (keys under ``rt/gen<g>/restore/``, :mod:`megatron_elaswave.keys`), and a
+failure noticed meanwhile interrupts the wait, so no member commits a layout another one has not
+reached.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from megatron_elaswave.keys import restore_prefix
+from megatron_elaswave.layout import Layout
+from megatron_elaswave.store import wait_for_keys
+
+from .recovery import CannotContinue
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
+
+
+@dataclass(frozen=True)
+class RestoreRound:
+    """One rank's part in the restore that starts ``generation``."""
+
+    store: Store
+    generation: int
+    rank: int
+    members: tuple[int, ...]
+    """Launch ranks that take part, sorted."""
+    timeout: timedelta
+    """How long a step waits for every member."""
+    abort: threading.Event
+    """Set when a failure is noticed: interrupts every wait."""
+
+    @property
+    def prefix(self) -> str:
+        return restore_prefix(self.generation)
+
+    def rollback_iteration(self, held: list[tuple[int, int]], holders: set[int]) -> int:
+        """The newest iteration whose state survives whole: every surviving stage holder (of
+        ``holders``, the ranks whose snapshots the state is in) has its own snapshot of it and
+        every failed one has a replica on some member. ``held`` is this rank's ``(rank,
+        iteration)`` snapshots. Raises :class:`~.recovery.CannotContinue` if there is none."""
+        self.store.set(f"{self.prefix}/held/{self.rank}", json.dumps(held))
+        everything = {member: {tuple(x) for x in json.loads(raw)}
+                      for member, raw in zip(self.members, self._wait_and_get("held"))}
+        candidates = None
+        for rank in holders:
+            mine = ({i for r, i in everything[rank] if r == rank} if rank in everything
+                    else {i for by in everything.values() for r, i in by if r == rank})
+            candidates = mine if candidates is None else candidates & mine
+        if not candidates:
+            failed = sorted(set(holders) - set(self.members))
+            raise CannotContinue("no iteration has a complete set of surviving snapshots after "
+                            f"ranks {failed} failed")
+        return max(candidates)
+
+    def share_state(self, state: dict | None, old: Layout, new: Layout,
+                    lost: set[int]) -> dict | None:
+        """The small state (iteration, schedule, Adam step, RNG) for a rank that held no stage
+        in ``old`` (a replacement, or a spare back at work): the lowest surviving holder of each
+        TP rank publishes its own when ``new`` has such ranks. ``state`` is this rank's own."""
+        newcomers = new.active_ranks() - old.active_ranks()
+        if not newcomers:
+            return state
+        holders = sorted(old.active_ranks() - lost)
+        position = old.position(self.rank)
+        if position is not None and self.rank == min(
+                r for r in holders if old.position(r)[2] == position[2]):
+            self.store.set(f"{self.prefix}/state/tp{position[2]}", pickle.dumps(state))
+        if state is not None or self.rank not in newcomers:
+            return state
+        key = f"{self.prefix}/state/tp{new.position(self.rank)[2]}"
+        wait_for_keys(self.store, [key], self.timeout, self.abort)
+        return pickle.loads(self.store.get(key))
+
+    def commit(self) -> None:
+        """Return once every member has restored: then, and only then, each takes the new
+        layout as the one whose state the ranks hold. A failure before every member got here
+        interrupts them all alike, so the next recovery starts from one view of the state."""
+        self.store.set(f"{self.prefix}/restored/{self.rank}", "")
+        self._wait_and_get("restored")
+
+    def _wait_and_get(self, what: str) -> list[bytes]:
+        keys = [f"{self.prefix}/{what}/{member}" for member in self.members]
+        wait_for_keys(self.store, keys, self.timeout, self.abort)
+        return self.store.multi_get(keys)
