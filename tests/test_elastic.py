@@ -165,6 +165,8 @@ def test_a_rank_killed_during_the_recovery_of_another(text_data, reference, tmp_
     iterations, recoveries, output = run_with_faults(tmp_path, "during", flags, inject)
     assert_on_trajectory(reference, iterations)
     assert sorted(r for rec in recoveries for r in rec["failed_ranks"]) == [2, 5], output[-6000:]
+    causes = {rank: cause for rec in recoveries for rank, cause in rec["causes"].items()}
+    assert causes == {"2": "killed by SIGKILL", "5": "killed by SIGKILL"}, recoveries
     assert "Traceback" not in output
     assert iterations[-1]["world_size"] == 4  # the TP partners of 2 and 5 are spares
 

@@ -171,7 +171,10 @@ class Recovery:
         times.agreed_at = time.time()
         failed = members - set(decision.survivors)
         times.failed_ranks = sorted(set(times.failed_ranks) | failed)
-        times.causes.update({rank: decision.cause(rank) for rank in failed})
+        # A rank excluded by an interrupted attempt keeps the cause that attempt's decision gave.
+        for rank in failed:
+            if rank in decision.failed or rank not in times.causes:
+                times.causes[rank] = decision.cause(rank)
         times.failure_at = min(times.failure_at, decision.failed_at or times.failure_at)
         failed &= trainer.layout.known_ranks()
         trainer.lost |= failed
