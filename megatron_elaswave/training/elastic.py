@@ -244,6 +244,12 @@ class ElasticTrainer(Trainer):
         self._follow_report(result.reported)
         return result
 
+    def holds_record(self) -> bool:
+        """Always: a rank that settled its own snapshot does not know that every other rank has
+        (a node lost while its ranks send their replicas rolls the job back past an iteration
+        this rank has settled). The next step's reduction tells, or the end of training."""
+        return True
+
     def train(self, on_iteration=None) -> None:
         self.ensure_initial_snapshot()
         while self.iteration < self.args.train_iters and self.is_active:
@@ -266,18 +272,19 @@ class ElasticTrainer(Trainer):
         spares wait for the save and take no part in the job afterwards.
         """
         actives = sorted(self.layout.active_ranks())
+        saved = saved_key(self.registry.generation)  # before a re-formed group moves it on
         if self.rank not in actives:
-            while not self.store.check([saved_key(self.registry.generation)]):
+            while not self.store.check([saved]):
                 if self.monitor.failure_detected.is_set():
                     raise CannotContinue("a rank failed while the survivors saved a checkpoint")
                 time.sleep(0.05)
-            return self.store.get(saved_key(self.registry.generation)).decode()
+            return self.store.get(saved).decode()
         if self.registry.world_members != frozenset(actives):
             self._reform_default_group()
         directory = save_checkpoint(root, self.objects,
                                     TrainingProgress(self.iteration, self.consumed_samples))
         if self.rank == actives[0]:
-            self.store.set(saved_key(self.registry.generation), directory)
+            self.store.set(saved, directory)
         return directory
 
     def _reform_default_group(self) -> None:
@@ -408,11 +415,11 @@ class ElasticTrainer(Trainer):
         times.migrated_at = time.time()
         if self.is_logger and self.metrics.path is None:
             self.metrics = MetricsWriter(self.args.elastic_metrics_file)
-        # Every rank holds the same records back; the one with the file writes them.
-        self.write_records(up_to=iteration)
-        if not self.is_logger and self.metrics.path is not None:  # a lower rank is back
+        elif not self.is_logger and self.metrics.path is not None:  # another rank logs now
             self.metrics.close()
             self.metrics = MetricsWriter(None)
+        # Every rank holds the same records back; the logger of the new layout writes them.
+        self.write_records(up_to=iteration)
 
 
 def run_elastic(trainer: ElasticTrainer) -> None:
@@ -424,6 +431,7 @@ def run_elastic(trainer: ElasticTrainer) -> None:
             trainer.train()
         outcome = _wait_for_the_others(trainer)
         if outcome is None:
+            trainer.write_records()  # every member is done: every snapshot is settled
             if trainer.args.save:
                 directory = trainer.save_checkpoint(trainer.args.save)
                 if trainer.is_logger:

@@ -224,8 +224,8 @@ class Trainer:
 
     def _record(self, result: StepResult, gbs: int, **extra) -> None:
         """The iteration's metrics record (with ``extra`` fields) and, every ``--log-interval``
-        iterations, Megatron-LM's log line. The record is held back while the iteration's
-        snapshot is pending, so that none is written for an iteration a rollback may re-run."""
+        iterations, Megatron-LM's log line. The record is held back while :meth:`holds_record`, so
+        that none is written for an iteration a rollback may re-run."""
         fields = dict(
             iteration=self.iteration,
             lm_loss=result.lm_loss,
@@ -257,8 +257,13 @@ class Trainer:
         # Every rank settled the earlier iterations' snapshots before this step's reduction.
         self.write_records()
         self._unwritten.append(fields)
-        if self.snapshots is None or not self.snapshots.pending:
+        if not self.holds_record():
             self.write_records()
+
+    def holds_record(self) -> bool:
+        """Whether the record of the iteration just done waits for the next step: here while
+        its snapshot is pending on this rank."""
+        return self.snapshots is not None and self.snapshots.pending
 
     def write_records(self, up_to: int | None = None) -> None:
         """Write the held-back iteration records, or only those of iterations up to ``up_to``
