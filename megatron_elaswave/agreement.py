@@ -88,6 +88,9 @@ class _Round:
         self.pause_s = float(os.environ.get(AGREEMENT_DELAY_ENV, "0"))
 
     def run(self) -> Decision:
+        committed = self._committed()
+        if committed is not None:  # a rank resumed after the others decided writes nothing
+            return committed
         self.store.set(joined_key(self.generation, self.rank), "")
         while True:
             committed = self._committed()

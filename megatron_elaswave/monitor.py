@@ -324,7 +324,7 @@ class FailureMonitor:
         try:
             while not self._stopping.is_set():
                 now = time.monotonic()
-                if now >= next_beat:
+                if now >= next_beat and not self.excluded():
                     self._beat()
                     self._check_heartbeats()
                     self._check_join_requests()
@@ -387,21 +387,31 @@ class FailureMonitor:
         if self.failure is None and self._store.check([key]):
             self._trigger(ANNOUNCED, self._store.get(key).decode(), generation=generation)
 
-    def _check_exclusion(self) -> None:
-        """Once a failure is noticed: end this rank if the committed decision has excluded it
-        for ``exclusion_grace_s`` (a survivor's loop advances the monitor well before that)."""
-        if self.failure is None or self._left:
-            return
+    def _decision(self) -> tuple[Decision, float] | None:
+        """The committed decision that ends the current generation and when this monitor first
+        read it, if there is one."""
         generation = self.generation
         if self._committed is None or self._committed[0] != generation:
             key = decision_key(generation)
             if not self._store.check([key]):
-                return
-            decision = Decision.from_json(self._store.get(key))
-            self._committed = (generation, decision, time.monotonic())
-        _, decision, read_at = self._committed
-        if (self.rank not in decision.survivors
-                and time.monotonic() - read_at > self.config.exclusion_grace_s):
+                return None
+            self._committed = (generation, Decision.from_json(self._store.get(key)),
+                               time.monotonic())
+        return self._committed[1:]
+
+    def excluded(self) -> bool:
+        """Whether the others decided this rank failed: it then writes nothing more to the
+        store (no heartbeat, no announcement), whatever its loop is still doing."""
+        committed = self._decision()
+        return committed is not None and self.rank not in committed[0].survivors
+
+    def _check_exclusion(self) -> None:
+        """Once a failure is noticed: end this rank if the committed decision has excluded it
+        for ``exclusion_grace_s`` (a survivor's loop advances the monitor well before that)."""
+        if self.failure is None or self._left or not self.excluded():
+            return
+        decision, read_at = self._decision()
+        if time.monotonic() - read_at > self.config.exclusion_grace_s:
             self._left = True
             self._on_excluded(Excluded(self.rank, decision))
 
@@ -432,7 +442,7 @@ class FailureMonitor:
             self._failure = notice
         self.failure_detected.set()
         self._on_failure()
-        if announce:
+        if announce and not self.excluded():
             self._store.compare_set(round_key(notice.generation), "", notice.to_json())
 
 

@@ -204,6 +204,20 @@ def test_a_stopped_worker_is_excluded_and_the_rest_continue(text_data, reference
 
 
 @pytest.mark.timeout(300)
+def test_the_logger_stopped_and_resumed_after_its_exclusion_writes_nothing(
+        text_data, reference, tmp_path):  # noqa: F811
+    """Rank 0 writes the metrics file; it is SIGSTOPped, excluded, and woken once the others have
+    recovered under a new logger: it leaves without writing a record, so every iteration is
+    recorded exactly once."""
+    flags = elastic_flags(text_data, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    iterations, recoveries, output = run(tmp_path, "logger",
+                                         [*flags, "--elastic-heartbeat-timeout", "3"], stop=0)
+    assert_on_trajectory(reference, iterations)
+    assert [r["failed_ranks"] for r in recoveries] == [[0]], output[-6000:]
+    assert "rank 0 was excluded from the job" in output
+
+
+@pytest.mark.timeout(300)
 def test_a_worker_stopped_for_good_is_fenced_by_its_launcher_and_the_job_ends(
         text_data, small_reference, tmp_path):  # noqa: F811
     """Rank 3 is SIGSTOPped and never resumed: the others exclude it and train on; its launcher

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from megatron_elaswave.agreement import AGREEMENT_DELAY_ENV
 from megatron_elaswave.decisions import Decision
-from megatron_elaswave.keys import decision_key, joined_key
+from megatron_elaswave.keys import decision_key, heartbeat_key, joined_key
 from megatron_elaswave.monitor import HEARTBEAT, FailureMonitor, MonitorConfig
 from megatron_elaswave.store import WorkerDeath
 
@@ -264,11 +264,16 @@ def test_stopped_rank_is_detected_by_heartbeat_and_leaves_when_resumed(tmp_path)
         wait_until_training(job)
         stopped_at = fail(job, victim, signal.SIGSTOP)
         reports = survivor_reports(job, tmp_path, {victim})
+        store = job.store()
+        beats = store.add(heartbeat_key(victim), 0)
         job.kill_worker(victim, signal.SIGCONT)
         # A resumed rank usually leaves at once; about one resume in thirteen finds its gloo pairs
         # closed by the survivors and its all-reduce waiting for the op timeout: then its monitor
         # ends it after the exclusion grace (5 s), well before that timeout.
         death = death_of(job, victim, timeout=OP_TIMEOUT_S - 2)
+        # Excluded, it wrote nothing after it resumed: no heartbeat, no place in the agreement.
+        assert store.add(heartbeat_key(victim), 0) == beats
+        assert not store.check([joined_key(0, victim)])
         job.store().set("test/release", "")
         returncode, output = job.wait(timeout=30)
     assert returncode == 0, output

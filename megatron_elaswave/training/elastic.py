@@ -244,6 +244,13 @@ class ElasticTrainer(Trainer):
         self._follow_report(result.reported)
         return result
 
+    def write_records(self, up_to: int | None = None) -> None:
+        # A logger stopped and resumed after the others excluded it must not write: the
+        # logger of their layout writes the same records.
+        if self.metrics.path is not None and self.monitor.excluded():
+            return
+        super().write_records(up_to)
+
     def holds_record(self) -> bool:
         """Always: a rank that settled its own snapshot does not know that every other rank has
         (a node lost while its ranks send their replicas rolls the job back past an iteration
