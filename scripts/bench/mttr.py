@@ -2,11 +2,15 @@
 
 Every arm trains the same GPT on 8 CPU ranks (TP2 x PP2 x DP2, 8 layers) and loses rank
 ``--fail-rank`` to a SIGKILL sent from outside the job once iteration ``--fail-at - 1`` is in
-the metrics file, i.e. during iteration ``--fail-at``. MTTR is the time from that SIGKILL to the
-moment iteration ``--fail-at`` is completed again (its metrics record's timestamp):
+the metrics file. MTTR is the time from that SIGKILL to the moment the iteration it broke is
+completed again:
 
-* ``elaswave``: ``pretrain_gpt.py --elastic``; the survivors recover in place.
-* ``restart``: ``pretrain_gpt.py --save DIR --save-interval N`` without ``--elastic``. As
+* ``elaswave``: ``pretrain_gpt.py --elastic``; the survivors recover in place and re-run the
+  broken iteration; its end is the timestamp of the ``recovery`` record, written right after it
+  (an ``--elastic`` iteration record waits for the next step, so the kill lands one iteration
+  later than in the other arm).
+* ``restart``: ``pretrain_gpt.py --save DIR --save-interval N`` without ``--elastic``; the kill
+  lands in iteration ``--fail-at``, completed again when its record appears. As
   torchrun does when a worker dies, every worker is stopped at once, then all are launched again
   with ``--load DIR``; the iterations since the last checkpoint are computed again (counted as
   ``lost_iterations``).
@@ -68,16 +72,23 @@ class Job:
         return [json.loads(line) for line in self.metrics.read_text().splitlines() if line]
 
     def wait_for_iteration(self, iteration: int, timeout: float = 600) -> dict:
+        return self.wait_for_record("iteration", f"iteration {iteration}", timeout,
+                                    lambda record: record["iteration"] == iteration)
+
+    def wait_for_record(self, event: str, what: str, timeout: float = 600,
+                        matches=lambda record: True) -> dict:
+        """The first ``event`` record that ``matches``; exits with a message after
+        ``timeout`` seconds or if training ends first."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for record in self.records():
-                if record["event"] == "iteration" and record["iteration"] == iteration:
+                if record["event"] == event and matches(record):
                     return record
             if self.process.poll() is not None:
-                sys.exit(f"training ended (status {self.process.returncode}) before iteration "
-                         f"{iteration}; see {self.log.name}")
+                sys.exit(f"training ended (status {self.process.returncode}) before {what}; "
+                         f"see {self.log.name}")
             time.sleep(0.02)
-        sys.exit(f"no iteration {iteration} within {timeout} s; see {self.log.name}")
+        sys.exit(f"no {what} within {timeout} s; see {self.log.name}")
 
     def worker_pid(self, rank: int) -> int:
         for child in Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split():
@@ -100,16 +111,15 @@ class Job:
 
 
 def elaswave(data: str, workdir: Path, fail_at: int, fail_rank: int) -> dict:
-    job = Job([*model_flags(data, fail_at + 2), "--elastic"], workdir / "elaswave.jsonl",
+    job = Job([*model_flags(data, fail_at + 3), "--elastic"], workdir / "elaswave.jsonl",
               workdir / "elaswave.log")
     job.wait_for_iteration(fail_at - 1)
     os.kill(job.worker_pid(fail_rank), signal.SIGKILL)
     killed_at = time.time()
-    done = job.wait_for_iteration(fail_at)
+    recovery = job.wait_for_record("recovery", "the recovery")
     job.finish()
-    recovery = [r for r in job.records() if r["event"] == "recovery"]
-    return {"mttr_s": done["time"] - killed_at, "lost_iterations": 0,
-            "breakdown": {k: v for k, v in recovery[0].items() if k.endswith("_s")} if recovery else {}}
+    return {"mttr_s": recovery["time"] - killed_at, "lost_iterations": 0,
+            "breakdown": {k: v for k, v in recovery.items() if k.endswith("_s")}}
 
 
 def restart(data: str, workdir: Path, fail_at: int, fail_rank: int, save_interval: int) -> dict:
