@@ -53,7 +53,7 @@ from torch.distributed import distributed_c10d
 from megatron_elaswave.layout import Layout, Replica
 from megatron_elaswave.keys import communicator_key, generation_prefix
 from megatron_elaswave.store import wait_for_keys
-from megatron_elaswave.world import recording_connections
+from megatron_elaswave.world import InterruptibleStore, recording_connections
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -240,26 +240,26 @@ def _group_name(generation: int, world_ranks: Sequence[int]) -> str:
 
 
 def _new_named_group(world_ranks: Sequence[int], name: str, backend: str,
-                     timeout: timedelta) -> ProcessGroup:
+                     timeout: timedelta, store: Store, creation_timeout: timedelta) -> ProcessGroup:
     """A group created by its members only, under a name they all derive the same way.
 
     ``new_group(ranks, use_local_synchronization=True)`` cannot be used as is: torch 2.13 names
     such a group by hashing its ranks *together with the number of groups the calling process
     holds*, so members that hold different numbers of groups (the normal case after an edit, and
     between ranks of a heterogeneous layout) rendezvous under different store prefixes and time
-    out (observed). This is that function's body with the name given. Checked against torch 2.13.
+    out (observed). This is that function's body with the name and the store given (the
+    rendezvous runs on ``store``, bounded by ``creation_timeout``). Checked against torch 2.13.
     """
     default_group = distributed_c10d._get_default_group()
-    _, default_store = distributed_c10d._world.pg_map[default_group]
     with recording_connections():  # so that a failure can abort what runs on it
         group, _ = distributed_c10d._new_process_group_helper(
             len(world_ranks),
             list(world_ranks).index(default_group.rank()),
             list(world_ranks),
             backend,
-            default_store,
+            store,
             distributed_c10d.GroupName(name),
-            timeout=_creation_timeout(timeout),
+            timeout=creation_timeout,
             group_desc=name,
         )
     distributed_c10d._world.pg_group_ranks[group] = {r: i for i, r in enumerate(world_ranks)}
@@ -267,14 +267,13 @@ def _new_named_group(world_ranks: Sequence[int], name: str, backend: str,
     return group
 
 
-CREATION_TIMEOUT = timedelta(seconds=10)
-"""Bound on forming a group once its members have met. Gloo keeps connecting to a member that
-died after publishing its address until the group's timeout, and the abort cannot reach
+CREATION_TIMEOUT = timedelta(seconds=2)
+"""Bound on connecting the members of a group formed while a failure monitor watches (a recovery,
+a grow), once they have met in the store and read one another's addresses (a read that a
+detected failure interrupts, see :class:`~megatron_elaswave.world.InterruptibleStore`). Gloo
+keeps connecting to a member that died after publishing its address, and waiting for one that
+gave up, for about five times this (measured with torch 2.13), and the abort cannot reach
 connections still being made; the groups take their op timeout once formed."""
-
-
-def _creation_timeout(timeout: timedelta) -> timedelta:
-    return min(timeout, CREATION_TIMEOUT)
 
 
 def _store_barrier(store: Store, key: str, count: int, timeout: timedelta,
@@ -330,6 +329,7 @@ class GroupRegistry:
         self._layout = layout
         self._specs = group_specs(layout)
         self._groups: dict[tuple[int, ...], ProcessGroup] = {}
+        self._interruptible: dict[threading.Event | None, InterruptibleStore] = {}
         self._intact = True
         """False while a ``full`` rebuild is under way, and after one was interrupted."""
 
@@ -470,7 +470,7 @@ class GroupRegistry:
         created: dict[tuple[int, ...], ProcessGroup] = {}
         for number, members in enumerate(plan.create):
             if mode == EditMode.PARTIAL:
-                group = self._create_global(members)
+                group = self._create_global(members, abort)
                 self._wait_for_survivors(number, len(survivors), abort)
             elif self._rank not in members:
                 continue
@@ -504,14 +504,15 @@ class GroupRegistry:
                        self._timeout, abort)
         dist.init_process_group(
             self._backend,
-            store=dist.PrefixStore(generation_prefix(self._generation), self._store),
+            store=self._rendezvous_store(abort),
             rank=survivors.index(self._rank),
             world_size=len(survivors),
-            timeout=self._timeout,
+            timeout=self._creation_timeout(abort),
         )
+        dist.group.WORLD.set_timeout(self._timeout)
         self._world_ranks = {r: i for i, r in enumerate(survivors)}
         for number, members in enumerate(lists):
-            group = self._create_global(members)
+            group = self._create_global(members, abort)
             if group is not None:
                 self._groups[members] = group
             self._wait_for_survivors(number, len(survivors), abort)
@@ -538,14 +539,29 @@ class GroupRegistry:
         name = _group_name(self._generation, world)
         _store_barrier(self._store, communicator_key(self._generation, name), len(members),
                        self._timeout, abort)
-        return _new_named_group(world, name, self._backend, self._timeout)
+        return _new_named_group(world, name, self._backend, self._timeout,
+                                self._rendezvous_store(abort), self._creation_timeout(abort))
 
-    def _create_global(self, members: tuple[int, ...]) -> ProcessGroup | None:
+    def _creation_timeout(self, abort: threading.Event | None) -> timedelta:
+        """:data:`CREATION_TIMEOUT` where a monitor tells of failures; at start-up, when the
+        processes are still busy importing and building, the op timeout."""
+        return self._timeout if abort is None else min(self._timeout, CREATION_TIMEOUT)
+
+    def _rendezvous_store(self, abort: threading.Event | None) -> Store:
+        """Where this generation's groups meet: reads there end as soon as ``abort`` is set."""
+        # torch keeps only the C++ half of a store written in Python: the Python object must
+        # live as long as a group may use it, so there is one per ``abort`` for the registry.
+        if abort not in self._interruptible:
+            self._interruptible[abort] = InterruptibleStore(self._store, abort, self._timeout)
+        return dist.PrefixStore(generation_prefix(self._generation), self._interruptible[abort])
+
+    def _create_global(self, members: tuple[int, ...],
+                       abort: threading.Event | None) -> ProcessGroup | None:
         """``new_group`` without local synchronisation: every rank of the default group that is
         alive calls it for every group, in the same order; ``None`` on non-members."""
         with recording_connections():
             group = dist.new_group([self._world_ranks[r] for r in members],
-                                   timeout=_creation_timeout(self._timeout), sort_ranks=False)
+                                   timeout=self._creation_timeout(abort), sort_ranks=False)
         if group is distributed_c10d.GroupMember.NON_GROUP_MEMBER:
             return None
         group.set_timeout(self._timeout)

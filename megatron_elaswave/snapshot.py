@@ -40,6 +40,8 @@ from typing import Any, Iterator, Mapping
 import torch
 import torch.distributed as dist
 
+from megatron_elaswave.patches.p2p_communication import wait as p2p_wait
+
 
 class SnapshotCorrupted(RuntimeError):
     """A snapshot whose bytes no longer match the checksums taken when it was captured."""
@@ -338,7 +340,7 @@ class SnapshotStore:
         sends = [dist.isend(message, group=group, group_dst=peer)
                  for peer in send_to for message in (sizes, header_tensor, snapshot.payload)]
         for request in size_requests:
-            request.wait()
+            p2p_wait(request, group)
         incoming = {peer: (torch.empty(int(size[0]), dtype=torch.uint8),
                            self._payload_buffer(peer, snapshot.iteration, int(size[1])))
                     for peer, size in peer_sizes.items()}
@@ -346,7 +348,7 @@ class SnapshotStore:
                     for peer, messages in incoming.items()}
         for peer, (peer_header, peer_payload) in incoming.items():
             for request in receives[peer]:
-                request.wait()
+                p2p_wait(request, group)
             self._keep(Snapshot.from_header(peer_header.numpy().tobytes(), peer_payload))
         for request in sends:
-            request.wait()
+            p2p_wait(request, group)

@@ -194,7 +194,10 @@ class WaitInterrupted(RuntimeError):
     keys did not all appear in time."""
 
 
+_FIRST_KEY_POLL_S = 0.001
 _KEY_POLL_INTERVAL_S = 0.02
+"""Polls of a wait for keys start at ``_FIRST_KEY_POLL_S`` and double up to this: the peers of
+a barrier usually arrive within milliseconds, and a long wait costs the store little."""
 
 
 def wait_for_keys(store: Store, keys: list[str], timeout: timedelta,
@@ -203,10 +206,12 @@ def wait_for_keys(store: Store, keys: list[str], timeout: timedelta,
     ``failure`` is set (the peer that was to set a key may be dead: the caller recovers instead
     of waiting the timeout out), or after ``timeout``."""
     deadline = time.monotonic() + timeout.total_seconds()
+    pause = _FIRST_KEY_POLL_S
     while not store.check(keys):
         if failure is not None and failure.is_set():
             raise WaitInterrupted(f"a failure was detected while waiting for {len(keys)} keys")
         if time.monotonic() >= deadline:
             missing = [key for key in keys if not store.check([key])]
             raise WaitInterrupted(f"keys not set within {timeout.total_seconds():g} s: {missing}")
-        time.sleep(_KEY_POLL_INTERVAL_S)
+        time.sleep(pause)
+        pause = min(2 * pause, _KEY_POLL_INTERVAL_S)

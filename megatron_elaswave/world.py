@@ -21,6 +21,19 @@ comparing ``/proc/self/fd`` before and after, Linux only) and :func:`abort_colle
 them down. The listening socket is left alone: gloo aborts the process if its ``accept`` fails.
 A socket that another thread opens while a group is being created would be recorded too, which is
 why the failure monitor opens its store connection when it is constructed, not from its thread.
+An abort that runs while a group is being created (a failure detected in the middle of a
+recovery) also shuts down that group's connections once they exist: otherwise the group would
+escape the abort, and a survivor that went on to use it would wait in a collective for a peer
+that had already left, until the op timeout.
+
+Interrupting a group's rendezvous
+---------------------------------
+Gloo forms a group in two steps: every member publishes its address in the store and reads the
+others' (a blocking read), then the members connect to one another. A member that dies before
+publishing leaves the others in the read until the creation timeout. Groups are therefore
+created on an :class:`InterruptibleStore`, whose blocking reads poll and give up as soon as a
+failure is detected. The connections of the second step cannot be interrupted: a member that
+dies after publishing keeps the others until the creation timeout.
 
 The op timeout given to :func:`init_generation` remains the backstop for what cannot be
 aborted: a group whose creation is still in progress, groups created with
@@ -45,6 +58,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from megatron_elaswave.keys import generation_prefix, ready_key
+from megatron_elaswave.store import wait_for_keys
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store
@@ -77,6 +91,8 @@ class _Connection:
 
 _lock = threading.Lock()
 _connections: list[_Connection] = []
+_aborts = 0
+"""How many times :func:`abort_collectives` ran."""
 
 
 def _inode(fd: int) -> str | None:
@@ -117,8 +133,11 @@ def recording_connections() -> Iterator[None]:
     """Record the TCP connections opened inside the block, for :func:`abort_collectives`.
 
     Only the calling thread should open sockets meanwhile: a socket another thread opens inside
-    the block would be recorded too.
+    the block would be recorded too. If :func:`abort_collectives` runs while the block does, the
+    connections are shut down at its end instead: the abort covers a group still forming.
     """
+    with _lock:
+        aborts_before = _aborts
     before = _open_sockets()
     yield
     opened = [
@@ -127,20 +146,74 @@ def recording_connections() -> Iterator[None]:
         if before.get(fd) != inode and _is_tcp_connection(fd)
     ]
     with _lock:
-        _connections.extend(opened)
+        overlapped = _aborts != aborts_before
+        if not overlapped:
+            _connections.extend(opened)
+    if overlapped:
+        for connection in opened:
+            connection.shutdown()
 
 
 def abort_collectives() -> None:
-    """Make every pending and future collective of the groups created here fail at once.
+    """Make every pending and future collective of the groups created here fail at once,
+    including a group whose creation is under way (see :func:`recording_connections`).
 
     Safe to call from any thread, any number of times. The groups stay registered with
     ``torch.distributed``; destroy them (:func:`init_generation` does) before forming new ones.
     """
+    global _aborts
     with _lock:
+        _aborts += 1
         aborted = list(_connections)
         _connections.clear()
     for connection in aborted:
         connection.shutdown()
+
+
+class InterruptibleStore(dist.Store):
+    """A view of ``store`` whose blocking reads (``get`` and ``wait``) give up with
+    :class:`~megatron_elaswave.store.WaitInterrupted` as soon as ``failure`` is set, or after
+    ``timeout``, whatever timeout the caller asks for: a group's rendezvous on it ends when a
+    failure is detected instead of waiting for a member that is gone. Every other call goes
+    straight to ``store``."""
+
+    def __init__(self, store: Store, failure: threading.Event | None, timeout: timedelta) -> None:
+        super().__init__()
+        self._store = store
+        self._failure = failure
+        self._timeout = timeout
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        wait_for_keys(self._store, [key], self._timeout, self._failure)
+        return self._store.get(key)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        wait_for_keys(self._store, list(keys), self._timeout, self._failure)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check(keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(key, amount)
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        return self._store.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._store.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+
+
+_generation_store: InterruptibleStore | None = None
+"""The store of the current generation's default group."""
 
 
 class GenerationAbandoned(RuntimeError):
@@ -168,14 +241,17 @@ def init_generation(
     soon as ``abort`` is set (pass the monitor's ``failure_detected``, after
     ``monitor.advance(decision)``), or after ``timeout``.
     """
+    global _generation_store
     abort_collectives()
     if dist.is_initialized():
         dist.destroy_process_group()
     _meet_survivors(decision, store, rank, timeout, abort)
+    # Held here: torch keeps only the C++ half of a store written in Python.
+    _generation_store = InterruptibleStore(store, abort, timeout)
     with recording_connections():
         dist.init_process_group(
             backend,
-            store=dist.PrefixStore(generation_prefix(decision.generation), store),
+            store=dist.PrefixStore(generation_prefix(decision.generation), _generation_store),
             rank=decision.new_rank(rank),
             world_size=len(decision.survivors),
             timeout=timeout,

@@ -16,6 +16,7 @@ from . import (
     distrib_optimizer,
     language_model_embedding,
     optimizer,
+    p2p_communication,
     tensor_parallel_random,
     transformer_block,
     transformer_layer,
@@ -50,6 +51,7 @@ def compatibility_registry(backend: DeviceBackend, *, layout_invariant_rng: bool
         device_compat.register(registry, backend)
         tensor_parallel_random.register(registry, backend)
     distrib_optimizer.register(registry)
+    p2p_communication.register(registry)
     # Inert unless a heterogeneous layout asks for them (see each module).
     optimizer.register(registry)
     transformer_block.register(registry)

@@ -7,13 +7,19 @@ The multi-process tests run gloo workers under ``elaswave-run`` (``tests/workers
 from __future__ import annotations
 
 import json
+import threading
+import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 from harness import free_port, launch, worker_script
 
 from megatron_elaswave.communicator import EditMode, GroupSpec, Role, group_specs, member_lists, plan_edit
 from megatron_elaswave.layout import Layout, Replica, StageInstance
+from megatron_elaswave.store import WaitInterrupted
+from megatron_elaswave.world import InterruptibleStore
 
 multiprocess = pytest.mark.multiprocess
 
@@ -135,6 +141,32 @@ def test_specs_validate_their_members():
         GroupSpec(Role.TP, (0, 0), ())
     with pytest.raises(ValueError, match="bad ranks"):
         GroupSpec(Role.TP, (0, 0), (1, 1))
+
+
+# --- a rendezvous that a failure interrupts -----------------------------------------------------
+
+
+def test_a_rendezvous_waiting_for_a_missing_member_ends_when_a_failure_is_detected():
+    """Rank 1 of the group never comes (it died before publishing its address): the read of its
+    address ends when the failure is detected, not at the 60 s timeout."""
+    failure = threading.Event()
+    store = InterruptibleStore(dist.HashStore(), failure, timedelta(seconds=60))
+    detection = threading.Timer(0.5, failure.set)
+    detection.start()
+    started = time.monotonic()
+    with pytest.raises(WaitInterrupted, match="a failure was detected"):
+        dist.init_process_group("gloo", store=dist.PrefixStore("gen1/", store), rank=0,
+                                world_size=2, timeout=timedelta(seconds=60))
+    assert 0.4 < time.monotonic() - started < 10
+    assert not dist.is_initialized()
+
+
+def test_an_interruptible_store_reads_and_writes_through():
+    store = InterruptibleStore(dist.HashStore(), threading.Event(), timedelta(seconds=5))
+    store.set("key", "value")
+    assert store.get("key") == b"value"
+    assert store.add("count", 2) == 2 and store.check(["key", "count"])
+    store.wait(["key"])
 
 
 # --- processes: edits after a death -----------------------------------------------------------

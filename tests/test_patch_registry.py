@@ -1,9 +1,11 @@
 """The patch registry: replacement, stacked wrappers, aliases, idempotence, removal, versions."""
 
+import json
 import sys
 import types
 
 import pytest
+from harness import free_port, launch, worker_script
 from packaging.version import Version
 
 from megatron_elaswave.patches import (
@@ -124,3 +126,22 @@ def test_megatron_core_version_range():
         check_megatron_core_version(Version("0.15.0"))
     with pytest.raises(UnsupportedMegatronVersion, match="0.17.0"):
         check_megatron_core_version(Version("0.17.0"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
+def test_pipeline_receives_wait_for_the_op_timeout_not_the_creation_timeout(tmp_path, patched):
+    """A gloo group created with 1 s and set to 60 s: megatron-core's pipeline receive waits out
+    a peer 3 s late once patched, and fails after about 1 s without the patch."""
+    args = [worker_script("p2p_wait.py"), str(tmp_path)] + (["--patched"] if patched else [])
+    with launch(args, nproc_per_node=2, master_port=free_port()) as job:
+        returncode, output = job.wait(timeout=90)
+    assert returncode == 0, output
+    report = json.loads((tmp_path / "rank1.json").read_text())
+    if patched:
+        assert report.get("received") == [0.0] * 4, report
+        assert report["waited_s"] > 2.5
+    else:
+        assert "Timed out" in report.get("error", ""), report
+        assert report["waited_s"] < 2.5

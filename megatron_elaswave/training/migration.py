@@ -28,6 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_elaswave.patches.p2p_communication import wait as p2p_wait
 from megatron_elaswave.planner.zero import assign_waves
 from megatron_elaswave.store import wait_for_keys
 
@@ -229,7 +230,7 @@ def _send(held: Mapping[str, torch.Tensor], items: list[Transfer], group_peer: i
     requests = [dist.isend(buffer, group=group, tag=1, group_dst=group_peer),
                 dist.isend(checksum, group=group, tag=2, group_dst=group_peer)]
     for request in requests:
-        request.wait()
+        p2p_wait(request, group)
 
 
 def _place_received(results: list[torch.Tensor], needs: Sequence[Piece], items: list[Transfer],
@@ -239,7 +240,7 @@ def _place_received(results: list[torch.Tensor], needs: Sequence[Piece], items: 
     requests = [dist.irecv(buffer, group=group, tag=1, group_src=group_peer),
                 dist.irecv(checksum, group=group, tag=2, group_src=group_peer)]
     for request in requests:
-        request.wait()
+        p2p_wait(request, group)
     if zlib.crc32(buffer.numpy().tobytes()) != int(checksum):
         raise TransferCorrupted(f"state received from rank {peer} fails its CRC-32")
     offset = 0
