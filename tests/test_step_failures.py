@@ -86,9 +86,13 @@ def test_a_transient_fault_of_one_rank_is_run_again_on_the_trajectory(text_data,
         assert "injected raise failure of rank 3" in recoveries[0]["rerun_cause"]
         assert "no rank failed, so the iteration runs again" in output
     else:
-        assert "NonFiniteLoss: lm loss is nan at iteration 4" in recoveries[0]["rerun_cause"]
+        where = "the loss of rank 3, last stage of the pipeline of ranks [1, 3]"
+        assert (f"NonFiniteLoss: lm loss is nan at iteration 4 (not finite: {where})"
+                in recoveries[0]["rerun_cause"]), recoveries
         assert re.search(r"iteration 4 had lm loss nan; run again from its snapshot it has "
-                         r"\S+: the non-finite loss did not reproduce", output), output[-6000:]
+                         r"\S+: the non-finite loss did not reproduce \(a transient fault or a "
+                         rf"faulty device; not finite then: {re.escape(where)}\)", output), \
+            output[-6000:]
     assert "Traceback" not in output
 
 

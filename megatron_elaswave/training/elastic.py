@@ -144,22 +144,37 @@ class ElasticTrainer(Trainer):
         self._nan_output = self.injector.at("forward", self.iteration + 1)
         return super().train_step()
 
-    def step_report(self) -> torch.Tensor:
-        """Blocks of one value per launch rank: the ranks asking to join, then (with a straggler
-        detector) each stage's time to the gradient reduction, its forward time and the part of
-        it spent in transformer layers."""
+    def step_report(self, losses: list[dict]) -> torch.Tensor:
+        """Blocks of one value per launch rank: the ranks asking to join, the loss sum of each
+        loss-reporting rank (so that a non-finite loss names where it arose), then (with a
+        straggler detector) each stage's time to the gradient reduction, its forward time and
+        the part of it spent in transformer layers."""
         size = self.monitor.job_size
-        report = torch.zeros(size if self.detector is None else 4 * size, dtype=torch.float64)
+        report = torch.zeros((2 if self.detector is None else 5) * size, dtype=torch.float64)
         report[list(self.monitor.waiting_to_join())] = 1.0
+        if self.is_data_reporter and losses:
+            report[size + self.rank] = sum(float(entry["lm loss"][0]) for entry in losses)
         if self.detector is not None and self.tp_rank == 0:
-            report[size + self.rank] = self._pipeline_done - self._step_started
-            report[2 * size + self.rank] = self._stage_timer.total_s
-            report[3 * size + self.rank] = self._layers_timer.total_s
+            report[2 * size + self.rank] = self._pipeline_done - self._step_started
+            report[3 * size + self.rank] = self._stage_timer.total_s
+            report[4 * size + self.rank] = self._layers_timer.total_s
         return report
+
+    def _nonfinite_losses(self, report: torch.Tensor) -> str:
+        """Where the step's loss went non-finite, from its summed reports."""
+        replicas = self.layout.replica_by_index()
+        where = []
+        for rank, loss in enumerate(report.view(-1, self.monitor.job_size)[1].tolist()):
+            if not math.isfinite(loss):
+                replica = replicas[self.layout.position(rank)[0]]
+                pipeline = sorted(r for stage in replica.stages for r in stage.ranks)
+                where.append(f"the loss of rank {rank}, last stage of the pipeline of ranks "
+                             f"{pipeline}")
+        return "; ".join(where)
 
     def _follow_report(self, report: torch.Tensor) -> None:
         """Act on the step's summed reports: the same on every stage holder."""
-        joined_flags, *stage_times = report.view(-1, self.monitor.job_size)
+        joined_flags, _, *stage_times = report.view(-1, self.monitor.job_size)
         joined = frozenset(int(rank) for rank in torch.nonzero(joined_flags).flatten())
         if self.iteration >= self.args.train_iters:
             return
@@ -224,7 +239,8 @@ class ElasticTrainer(Trainer):
             self.recover(error)
             return None
         if not math.isfinite(result.lm_loss):
-            error = self.recovery.retries.nonfinite(result.lm_loss, self.iteration + 1)
+            error = self.recovery.retries.nonfinite(result.lm_loss, self.iteration + 1,
+                                                    self._nonfinite_losses(result.reported))
             self.monitor.report_error(error)  # every rank has the same loss: nothing to wait for
             self.recover(error)
             return None

@@ -191,7 +191,7 @@ class Trainer:
         succeeded, grad_norm, _ = self.objects.optimizer.step()
         self.objects.scheduler.step(increment=gbs)
         loss_sum, num_tokens, sample_ids, reported = self._reduce(data, losses, gbs,
-                                                                  self.step_report())
+                                                                  self.step_report(losses))
         lm_loss = loss_sum / max(num_tokens, 1)
         # A step whose loss is not finite leaves no snapshot: a rollback goes to the one before.
         if self.snapshots is not None and math.isfinite(lm_loss):
@@ -212,8 +212,9 @@ class Trainer:
     def before_optimizer_step(self) -> None:
         """Called between the last backward and the optimizer step."""
 
-    def step_report(self) -> torch.Tensor | None:
-        """Values of this rank to sum over the job with the step's results (none here)."""
+    def step_report(self, losses: list[dict]) -> torch.Tensor | None:
+        """Values of this rank to sum over the job with the step's results (none here);
+        ``losses`` are this rank's micro-batch losses as the schedule returned them."""
         return None
 
     def take_snapshot(self, iteration: int, consumed_samples: int) -> None:

@@ -77,11 +77,14 @@ class StepRetries:
     """The iteration that failed with no rank failing."""
     nonfinite_loss: float | None = None
     """The non-finite loss that made :attr:`iteration` run again, if that was why."""
+    nonfinite_where: str = ""
+    """Which ranks' losses were not finite, and their pipelines."""
 
-    def nonfinite(self, loss: float, iteration: int) -> NonFiniteLoss:
-        """Note that ``iteration`` reduced to ``loss``; the error to recover from."""
-        self.nonfinite_loss = loss
-        return NonFiniteLoss(f"lm loss is {loss} at iteration {iteration}")
+    def nonfinite(self, loss: float, iteration: int, where: str) -> NonFiniteLoss:
+        """Note that ``iteration`` reduced to ``loss``, not finite on the ranks ``where``
+        says; the error to recover from."""
+        self.nonfinite_loss, self.nonfinite_where = loss, where
+        return NonFiniteLoss(f"lm loss is {loss} at iteration {iteration} (not finite: {where})")
 
     def failed(self, attempted: int, rolled_back_to: int, cause: str) -> str | None:
         """Count a recovery that failed nobody while iteration ``attempted`` ran; past the limit,
@@ -106,7 +109,8 @@ class StepRetries:
         if self.nonfinite_loss is not None:
             said = (f"iteration {iteration} had lm loss {self.nonfinite_loss}; run again from its "
                     f"snapshot it has {loss:.6E}: the non-finite loss did not reproduce (a "
-                    "transient fault or a faulty device), so training goes on")
+                    f"transient fault or a faulty device; not finite then: "
+                    f"{self.nonfinite_where}), so training goes on")
         self.count, self.nonfinite_loss = 0, None
         return said
 
