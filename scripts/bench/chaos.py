@@ -13,14 +13,15 @@ soak sends, at random moments (seeded), faults drawn from:
 
 Every dead worker is started again (``--rejoin``) and joins at a step boundary. Before the next
 fault the soak waits until the job runs on all eight ranks again, then a random number of
-iterations. Afterwards the failure-free run of the same flags is the reference: every
-iteration must be recorded exactly once, with the same samples and a loss within 1e-4.
+iterations. After the last fault the job trains a few iterations on every rank and the soak
+stops it; the failure-free run of the same flags, up to the same iteration, is the reference:
+every iteration must be recorded exactly once, with the same samples and a loss within 1e-4.
 
 Prints the faults injected, recoveries, grows, clean stops, samples lost, the largest relative
 loss difference, and the MTTR (from the fault's first signal to the recovery record of its last
 victim: the first step after the recovery done) median, p90 and max per fault kind;
-``--json-out`` writes them as JSON. Exit status 1 when a sample was lost or the trajectory left
-the reference.
+``--json-out`` writes them as JSON. Exit status 1 when a sample was lost, the trajectory left
+the reference, a fault was never recovered from, or the job ended before every fault was sent.
 
     python scripts/bench/chaos.py --faults 50 --seed 1 --json-out chaos.json
 """
@@ -52,7 +53,10 @@ KINDS = ("kill", "stop", "recovery-kill", "burst", "node")
 LOSS_TOLERANCE = 1e-4
 HEARTBEAT_TIMEOUT_S = 3.0
 ITERATIONS_PER_FAULT = 150
-"""Training iterations budgeted per fault: the replacement's start (imports) dominates."""
+"""Training iterations budgeted per fault: the replacement's start (imports) dominates. The
+soak stops the job once every fault is recovered from, so the budget only sets the schedule."""
+TRAILING_ITERATIONS = 5
+"""Iterations trained on every rank after the last fault, before the soak stops the job."""
 
 
 def model_flags(train_iters: int) -> list[str]:
@@ -95,6 +99,21 @@ class Node:
     def kill(self) -> None:
         os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
+
+    def stop(self) -> None:
+        """SIGTERM to the launcher and its workers; SIGKILL if they outlive its grace period."""
+        stop(self.process)
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 @dataclass
@@ -211,27 +230,41 @@ def run_soak(faults: int, seed: int, kinds: tuple[str, ...],
             soak.wait(lambda: soak.recoveries() > recovered, 60)
             print(f"  fault {len(injected)}: {injected[-1].kind} of ranks {injected[-1].victims}",
                   flush=True)
-        soak.nodes[0].process.wait(timeout=3600)
-        for node in soak.nodes[1:]:
-            node.process.wait(timeout=120)
+        # The soak ends once the last fault is recovered from and the job is whole again.
+        soak.wait(soak.whole, 300)
+        if soak.iterations():
+            end = soak.iterations()[-1]["iteration"] + TRAILING_ITERATIONS
+            soak.wait(lambda: soak.iterations()[-1]["iteration"] >= end, 120)
     finally:
         for node in soak.nodes:
-            if node.process.poll() is None:
-                node.kill()
+            node.stop()
     return injected, read_metrics(str(metrics)), "".join(
         path.read_text() for path in sorted(workdir.glob("node*.log")))
 
 
-def reference_run(train_iters: int, workdir: Path) -> list[dict]:
+def reference_run(train_iters: int, until: int, workdir: Path) -> list[dict]:
+    """Iterations 1 to ``until`` of the failure-free run of a ``train_iters`` job."""
     metrics = workdir / "reference.jsonl"
     command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={RANKS}",
                f"--master-port={free_port()}", str(SCRIPTS / "pretrain_gpt.py"),
                *model_flags(train_iters), "--elastic-metrics-file", str(metrics)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
-    if result.returncode != 0:
-        sys.exit(f"the failure-free run failed:\n{result.stdout[-3000:]}")
-    return read_metrics(str(metrics), "iteration")
+    with open(workdir / "reference.log", "w") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                   start_new_session=True)
+        try:
+            while process.poll() is None:
+                done = read_metrics(str(metrics), "iteration") if metrics.exists() else []
+                if done and done[-1]["iteration"] >= until:
+                    break
+                time.sleep(0.5)
+        finally:
+            stop(process)
+    iterations = read_metrics(str(metrics), "iteration") if metrics.exists() else []
+    if not iterations or iterations[-1]["iteration"] < until:
+        sys.exit(f"the failure-free run ended before iteration {until}:\n"
+                 f"{(workdir / 'reference.log').read_text()[-3000:]}")
+    return [r for r in iterations if r["iteration"] <= until]
 
 
 def attribute(faults: list[Fault], recoveries: list[dict]) -> None:
@@ -308,7 +341,8 @@ def main() -> None:
         print(f"soak: {args.faults} faults, seed {args.seed}, logs in {workdir}", flush=True)
         faults, records, output = run_soak(args.faults, args.seed, kinds, workdir)
         print("failure-free reference run", flush=True)
-        reference = reference_run(ITERATIONS_PER_FAULT * args.faults + 50, workdir)
+        trained = max((r["iteration"] for r in records if r["event"] == "iteration"), default=0)
+        reference = reference_run(ITERATIONS_PER_FAULT * args.faults + 50, trained, workdir)
         summary = summarise(faults, records, reference, output)
     print(f"faults injected: {summary['faults']} {summary['faults_per_kind']}")
     print(f"recoveries: {summary['recoveries']}, grows: {summary['grows']}, "
@@ -324,9 +358,13 @@ def main() -> None:
             print(f"{name.replace('_', ' ')}: {summary[name]}")
     if summary["faults_without_recovery"]:
         print(f"faults with no recovery record: {summary['faults_without_recovery']}")
+    if summary["faults"] < args.faults:
+        print(f"only {summary['faults']} of {args.faults} faults injected: the job did not run "
+              "on every rank again, or ended, before the next one")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(summary, indent=2))
-    sys.exit(0 if summary["on_trajectory"] else 1)
+    complete = summary["faults"] == args.faults and not summary["faults_without_recovery"]
+    sys.exit(0 if summary["on_trajectory"] and complete else 1)
 
 
 if __name__ == "__main__":
