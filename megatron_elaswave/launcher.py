@@ -18,7 +18,8 @@ decide what to do. It guarantees:
   workers, so a node the job has given up on cannot come back into it.
 * **Replacements join the running job.** With ``--rejoin``, a worker that dies is started again
   in its slot (same rank) after ``--rejoin-delay`` seconds, at most ``--max-rejoins`` times per
-  slot and never once a worker of the node has finished; and an agent started for a node rank
+  slot and never once a worker of the node has finished or stopped the job (status 2, bad
+  input, or 3, cannot continue: there is no job left to join); and an agent started for a node rank
   that node 0 declared lost takes the node's place, clears the declaration and starts its
   workers. Such workers have ``ELASWAVE_REJOIN=1`` in their environment: they ask to join
   (:mod:`megatron_elaswave.training.relayout`) instead of forming the job's first process group.
@@ -90,6 +91,11 @@ POLL_INTERVAL_S = 0.05
 
 LOST_NODE_EXIT_STATUS = 1
 """Exit status of an agent that found its node declared lost."""
+
+JOB_OVER_STATUSES = frozenset({0, 2, 3})
+"""Worker exit statuses that end the job for every worker: training finished, bad input (the
+training script's one-line error), and cannot continue (the state is lost; the survivors
+stopped). ``--rejoin`` starts no worker once one has ended with any of them."""
 
 LOST_STORE_EXIT_STATUS = 1
 """Exit status of an agent that lost the job store (node 0's agent is gone, and the job with it)."""
@@ -623,14 +629,14 @@ class _NodeAgent:
                 if worker.record.pid not in self._fenced:  # the job went on without it
                     self._returncodes.append(returncode)
                 self._report_end(worker.record, returncode)
-                if returncode != 0:
-                    self._schedule_restart(worker.record)
+                if returncode in JOB_OVER_STATUSES:
+                    self._restarts.clear()  # the job is ending: nothing left to join
                 else:
-                    self._restarts.clear()  # the job is finishing: nothing left to join
+                    self._schedule_restart(worker.record)
 
     def _schedule_restart(self, worker: WorkerRecord) -> None:
         config = self._config
-        if not config.rejoin or 0 in self._returncodes:
+        if not config.rejoin or JOB_OVER_STATUSES.intersection(self._returncodes):
             return
         restarts = self._starts[worker.local_rank] - 1
         if restarts >= config.max_rejoins:

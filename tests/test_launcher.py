@@ -344,7 +344,7 @@ def test_rejoin_starts_a_killed_worker_again_in_its_slot(tmp_path):
 @multiprocess
 @pytest.mark.timeout(60)
 def test_rejoin_gives_up_after_max_rejoins(tmp_path):
-    plan = [worker_script("rejoin_plan.py"), str(tmp_path), "1:3"]
+    plan = [worker_script("rejoin_plan.py"), str(tmp_path), "1:4"]
     with launch(plan, 2, master_port=free_port(),
                 launcher_args=["--rejoin", "--rejoin-delay=0", "--max-rejoins=2"]) as job:
         returncode, output = job.wait(timeout=30)
@@ -362,6 +362,20 @@ def test_no_worker_is_restarted_once_one_has_finished(tmp_path):
         returncode, output = job.wait(timeout=30)
     assert [s["rank"] for s in starts(tmp_path)].count(1) == 1
     assert returncode == 5, output
+
+
+@multiprocess
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("status", [2, 3], ids=["bad-input", "cannot-continue"])
+def test_no_worker_is_restarted_once_one_has_stopped_the_job(tmp_path, status):
+    """Rank 0 stops the job (exit 2 or 3) and rank 1 dies after it: nothing is left to join."""
+    plan = [worker_script("rejoin_plan.py"), str(tmp_path), f"0:{status}", "1:5@1.5"]
+    with launch(plan, 2, master_port=free_port(),
+                launcher_args=["--rejoin", "--rejoin-delay=0"]) as job:
+        returncode, output = job.wait(timeout=30)
+    assert sorted(s["rank"] for s in starts(tmp_path)) == [0, 1], output
+    assert "restarting worker" not in output
+    assert returncode != 0, output
 
 
 @multiprocess

@@ -52,6 +52,9 @@ RANKS = NODES * PER_NODE
 KINDS = ("kill", "stop", "recovery-kill", "burst", "node")
 LOSS_TOLERANCE = 1e-4
 HEARTBEAT_TIMEOUT_S = 3.0
+NODE_TIMEOUT_S = 3.0
+"""Launcher heartbeat silence after which node 0 declares a node lost. One second, on two cores
+shared by eight workers and their replacements starting up, declared a live node lost."""
 ITERATIONS_PER_FAULT = 150
 """Training iterations budgeted per fault: the replacement's start (imports) dominates. The
 soak stops the job once every fault is recovered from, so the budget only sets the schedule."""
@@ -90,7 +93,7 @@ class Node:
         self.log = open(workdir / f"{name}.log", "a")
         command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={PER_NODE}",
                    f"--nnodes={NODES}", f"--node-rank={node_rank}", f"--master-port={port}",
-                   "--node-timeout=1", "--rejoin", "--rejoin-delay=0.2", "--max-rejoins=1000",
+                   f"--node-timeout={NODE_TIMEOUT_S:g}", "--rejoin", "--rejoin-delay=0.2", "--max-rejoins=1000",
                    str(SCRIPTS / "pretrain_gpt.py"), *flags]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
@@ -196,7 +199,7 @@ class Soak:
         else:
             victims = list(range(PER_NODE, 2 * PER_NODE))
             self.nodes[1].kill()
-            time.sleep(2.0)  # node 0 declares the node lost (--node-timeout 1)
+            time.sleep(NODE_TIMEOUT_S + 1.0)  # until node 0 has declared the node lost
             self.nodes[1] = Node(1, self.port, self.flags, self.workdir, rejoin_node=True)
         return Fault(kind, sorted(victims), started)
 
