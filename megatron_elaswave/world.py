@@ -33,7 +33,7 @@ others' (a blocking read), then the members connect to one another. A member tha
 publishing leaves the others in the read until the creation timeout. Groups are therefore
 created on an :class:`InterruptibleStore`, whose blocking reads poll and give up as soon as a
 failure is detected. The connections of the second step cannot be interrupted: a member that
-dies after publishing keeps the others until the creation timeout.
+dies after publishing keeps the others for about five times the creation timeout.
 
 The op timeout given to :func:`init_generation` remains the backstop for what cannot be
 aborted: a group whose creation is still in progress, groups created with

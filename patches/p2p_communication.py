@@ -41,22 +41,22 @@ def op_timeout(group: dist.ProcessGroup | None) -> timedelta | None:
 
 def wait(request: dist.Work, group: dist.ProcessGroup | None) -> None:
     """Wait for a point-to-point ``request`` of ``group`` up to the group's op timeout."""
-    timeout = op_timeout(group)
-    if timeout is None:
-        request.wait()
-    else:
-        request.wait(timeout)
+    _wait(request, op_timeout(group))
+
+
+def _wait(request: dist.Work, timeout: timedelta | None) -> Any:
+    return request.wait() if timeout is None else request.wait(timeout)
 
 
 class _BoundedRequest:
-    """A request whose ``wait()`` waits at most its group's op timeout."""
+    """A request whose ``wait()`` waits at most ``timeout``."""
 
-    def __init__(self, request: dist.Work, group: dist.ProcessGroup) -> None:
+    def __init__(self, request: dist.Work, timeout: timedelta) -> None:
         self._request = request
-        self._group = group
+        self._timeout = timeout
 
     def wait(self, *args: Any) -> Any:
-        return self._request.wait(*args) if args else wait(self._request, self._group)
+        return self._request.wait(*args) if args else _wait(self._request, self._timeout)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._request, name)
@@ -66,11 +66,12 @@ def _bounded(p2p_ops):
     @functools.wraps(p2p_ops)
     def p2p_ops_bounded_by_op_timeout(*args, group: dist.ProcessGroup, **kwargs):
         requests = p2p_ops(*args, group=group, **kwargs)
-        if op_timeout(group) is None:
+        timeout = op_timeout(group)
+        if timeout is None:
             return requests
         if isinstance(requests, dict):
-            return {name: _BoundedRequest(r, group) for name, r in requests.items()}
-        return [_BoundedRequest(r, group) for r in requests]
+            return {name: _BoundedRequest(r, timeout) for name, r in requests.items()}
+        return [_BoundedRequest(r, timeout) for r in requests]
 
     return p2p_ops_bounded_by_op_timeout
 

@@ -153,7 +153,8 @@ class ElasticTrainer(Trainer):
         report = torch.zeros((2 if self.detector is None else 5) * size, dtype=torch.float64)
         report[list(self.monitor.waiting_to_join())] = 1.0
         if self.is_data_reporter and losses:
-            report[size + self.rank] = sum(float(entry["lm loss"][0]) for entry in losses)
+            local_loss = torch.stack([entry["lm loss"][0] for entry in losses]).sum()
+            report[size + self.rank] = local_loss.item()
         if self.detector is not None and self.tp_rank == 0:
             report[2 * size + self.rank] = self._pipeline_done - self._step_started
             report[3 * size + self.rank] = self._stage_timer.total_s

@@ -111,7 +111,7 @@ class StepRetries:
                     f"snapshot it has {loss:.6E}: the non-finite loss did not reproduce (a "
                     f"transient fault or a faulty device; not finite then: "
                     f"{self.nonfinite_where}), so training goes on")
-        self.count, self.nonfinite_loss = 0, None
+        self.count, self.nonfinite_loss, self.nonfinite_where = 0, None, ""
         return said
 
 
