@@ -58,6 +58,8 @@ shared by eight workers and their replacements starting up, declared a live node
 ITERATIONS_PER_FAULT = 150
 """Training iterations budgeted per fault: the replacement's start (imports) dominates. The
 soak stops the job once every fault is recovered from, so the budget only sets the schedule."""
+REFERENCE_START_S, REFERENCE_ITERATION_S = 300.0, 5.0
+"""Bound on the failure-free run: start-up, then per iteration (about 0.3 s here)."""
 TRAILING_ITERATIONS = 5
 """Iterations trained on every rank after the last fault, before the soak stops the job."""
 
@@ -255,8 +257,9 @@ def reference_run(train_iters: int, until: int, workdir: Path) -> list[dict]:
     with open(workdir / "reference.log", "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                    start_new_session=True)
+        deadline = time.monotonic() + REFERENCE_START_S + REFERENCE_ITERATION_S * until
         try:
-            while process.poll() is None:
+            while process.poll() is None and time.monotonic() < deadline:
                 done = read_metrics(str(metrics), "iteration") if metrics.exists() else []
                 if done and done[-1]["iteration"] >= until:
                     break
