@@ -141,7 +141,9 @@ class _Round:
         dates from its last heartbeat, ``heartbeat_timeout_s`` before it was noticed."""
         heartbeat_s = self.monitor.config.heartbeat_timeout_s
         suspects = self.monitor.suspects()
-        deaths = {death.rank: death for death in read_deaths(self.store) if death.rank in failed}
+        known, unread = self.monitor.recorded_deaths()
+        deaths = {death.rank: death for death in read_deaths(self.store, start=unread)}
+        deaths = {rank: death for rank, death in {**deaths, **known}.items() if rank in failed}
         causes = {rank: (deaths[rank].describe() if rank in deaths
                          else suspects[rank].detail if rank in suspects
                          else f"did not join the agreement within {self.timeout_s:g} s")

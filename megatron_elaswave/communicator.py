@@ -53,7 +53,7 @@ from torch.distributed import distributed_c10d
 from megatron_elaswave.layout import Layout, Replica
 from megatron_elaswave.keys import communicator_key, generation_prefix
 from megatron_elaswave.store import wait_for_keys
-from megatron_elaswave.world import InterruptibleStore, recording_connections
+from megatron_elaswave.world import InterruptibleStore, recording_connections, retire
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -485,6 +485,7 @@ class GroupRegistry:
         for members in plan.drop:
             group = self._groups.pop(members, None)
             if group is not None:
+                retire([group], self._timeout)
                 dist.destroy_process_group(group)
                 destroyed += 1
         self._groups.update(created)
@@ -497,6 +498,8 @@ class GroupRegistry:
         survivors, lists = tuple(sorted(layout.known_ranks())), member_lists(group_specs(layout))
         destroyed = len(self._groups)
         self._intact = False
+        retire([*self._groups.values(), *([dist.group.WORLD] if dist.is_initialized() else [])],
+               self._timeout)
         self._groups.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -521,6 +524,7 @@ class GroupRegistry:
 
     def destroy(self) -> None:
         """Destroy every group of this registry (not the default group)."""
+        retire(list(self._groups.values()), self._timeout)
         for group in self._groups.values():
             dist.destroy_process_group(group)
         self._groups.clear()

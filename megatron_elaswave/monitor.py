@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING
 
 from megatron_elaswave.decisions import Decision, Excluded
 from megatron_elaswave.keys import decision_key, heartbeat_key, join_key, round_key
-from megatron_elaswave.store import read_deaths
+from megatron_elaswave.store import WorkerDeath, read_deaths
 from megatron_elaswave.world import abort_collectives
 
 if TYPE_CHECKING:
@@ -211,7 +211,9 @@ class FailureMonitor:
         self._members = decision.survivors
         self._failure: FailureNotice | None = None
         self._suspects: dict[int, Suspicion] = {}
-        self._dead: dict[int, Suspicion] = {}
+        self._dead: dict[int, tuple[WorkerDeath, float]] = {}
+        """The recorded death of each rank's current process, as read so far, and when it was
+        read."""
         self._death_cursor = len(read_deaths(self._store)) if skip_recorded_deaths else 0
         self._job_size = max(decision.survivors) + 1 if job_size is None else job_size
         self._waiting: frozenset[int] = frozenset()
@@ -249,6 +251,13 @@ class FailureMonitor:
     def job_size(self) -> int:
         """Launch ranks are ``0 .. job_size - 1``."""
         return self._job_size
+
+    def recorded_deaths(self) -> tuple[dict[int, WorkerDeath], int]:
+        """The death recorded for each rank's current process, as read so far, and the index of
+        the first death record not read yet. A rank's records from before it last joined are
+        not among them: they belong to a process that is gone."""
+        with self._lock:
+            return {rank: death for rank, (death, _) in self._dead.items()}, self._death_cursor
 
     def waiting_to_join(self) -> frozenset[int]:
         """Launch ranks, not members, that asked to join the job (as of the last heartbeat
@@ -372,14 +381,14 @@ class FailureMonitor:
                 self._waiting = waiting
 
     def _read_deaths(self) -> None:
-        for death in read_deaths(self._store, start=self._death_cursor):
-            self._death_cursor += 1
-            self._dead.setdefault(
-                death.rank, Suspicion(death.rank, DEATH, time.time(), death.describe())
-            )
-        for rank in self.members:
-            if rank in self._dead:
-                self._suspect(self._dead[rank])
+        deaths, read_at = read_deaths(self._store, start=self._death_cursor), time.time()
+        with self._lock:
+            self._death_cursor += len(deaths)
+            for death in deaths:
+                self._dead.setdefault(death.rank, (death, read_at))
+            dead = [self._dead[rank] for rank in self._members if rank in self._dead]
+        for death, read_at in dead:
+            self._suspect(Suspicion(death.rank, DEATH, read_at, death.describe()))
 
     def _check_announcement(self) -> None:
         generation = self.generation

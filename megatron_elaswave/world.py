@@ -35,12 +35,16 @@ created on an :class:`InterruptibleStore`, whose blocking reads poll and give up
 failure is detected. The connections of the second step cannot be interrupted: a member that
 dies after publishing keeps the others for about five times the creation timeout.
 
+Now and then a send of a ring all-reduce is not failed by the closed connections: gloo's
+worker thread stays in ``UnboundBuffer::waitSend`` until its deadline. The training thread does
+not wait for it: its wait for the collective is given up once the monitor detects the failure
+(``patches.distributed_work``), and the groups destroyed afterwards stay referenced for their op
+timeout (:func:`retire`), since dropping a group joins its worker threads.
+
 The op timeout given to :func:`init_generation` remains the backstop for what cannot be
 aborted: a group whose creation is still in progress, groups created with
-``TORCH_GLOO_LAZY_INIT=1`` (their connections open after creation and are not recorded), and, now
-and then, a send of a ring all-reduce that the closed connections do not fail (gloo's worker
-thread stays in ``UnboundBuffer::waitSend`` until its deadline). The failure monitor and the
-agreement are built to live with that last one (see :mod:`megatron_elaswave.monitor`).
+``TORCH_GLOO_LAZY_INIT=1`` (their connections open after creation and are not recorded), and
+point-to-point requests, whose gloo works have no future to wait on.
 """
 
 from __future__ import annotations
@@ -170,6 +174,26 @@ def abort_collectives() -> None:
         connection.shutdown()
 
 
+_retired: list[tuple[float, ProcessGroup]] = []
+
+
+def retire(groups: list[ProcessGroup], hold: timedelta) -> None:
+    """Keep ``groups``, about to be destroyed, referenced for ``hold`` (their op timeout), and
+    release those retired longer ago.
+
+    A collective abandoned after an abort (``patches.distributed_work``) may hold one of gloo's
+    worker threads until its deadline, and dropping a group's last reference joins that thread:
+    without this, destroying the group would block whoever dropped it for the rest of the op
+    timeout.
+    """
+    now = time.monotonic()
+    with _lock:
+        expired = [group for until, group in _retired if until <= now]
+        _retired[:] = [(until, group) for until, group in _retired if until > now]
+        _retired.extend((now + hold.total_seconds(), group) for group in groups)
+    del expired  # released outside the lock: their threads are done
+
+
 class InterruptibleStore(dist.Store):
     """A view of ``store`` whose blocking reads (``get`` and ``wait``) give up with
     :class:`~megatron_elaswave.store.WaitInterrupted` as soon as ``failure`` is set, or after
@@ -244,6 +268,7 @@ def init_generation(
     global _generation_store
     abort_collectives()
     if dist.is_initialized():
+        retire([dist.group.WORLD], timeout)
         dist.destroy_process_group()
     _meet_survivors(decision, store, rank, timeout, abort)
     # Held here: torch keeps only the C++ half of a store written in Python.

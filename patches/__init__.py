@@ -14,6 +14,7 @@ from megatron_elaswave.device import DeviceBackend
 from . import (
     device_compat,
     distrib_optimizer,
+    distributed_work,
     language_model_embedding,
     optimizer,
     p2p_communication,
@@ -52,6 +53,7 @@ def compatibility_registry(backend: DeviceBackend, *, layout_invariant_rng: bool
         tensor_parallel_random.register(registry, backend)
     distrib_optimizer.register(registry)
     p2p_communication.register(registry)
+    distributed_work.register(registry)  # inert until the elastic runtime arms it
     # Inert unless a heterogeneous layout asks for them (see each module).
     optimizer.register(registry)
     transformer_block.register(registry)

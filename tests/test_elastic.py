@@ -144,12 +144,16 @@ def run_with_faults(tmp_path: Path, name: str, flags: list[str], inject, nproc: 
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("when", ["death-recorded+0.15s", "restore-started"])
+@pytest.mark.parametrize("when", ["death-recorded+0.15s", "restore-started",
+                                  "restore-committed"])
 def test_a_rank_killed_during_the_recovery_of_another(text_data, reference, tmp_path, when):  # noqa: F811
     """Rank 5 is SIGKILLed after iteration 5; rank 2 is SIGKILLed in the middle of the
     survivors' recovery, chosen from what the job reports: 0.15 s after the launcher recorded
-    the first death, or as soon as a survivor starts restoring state (it has published which
-    snapshots it holds). The survivors recover from both and stay on the trajectory."""
+    the first death, as soon as a survivor starts restoring state (it has published which
+    snapshots it holds), or as soon as every survivor has restored (each then snapshots the
+    rolled-back state in the new layout, and rank 2 dies before its new snapshot is
+    replicated: its older replicas must serve). The survivors recover from both and stay on the
+    trajectory."""
 
     def inject(job, reached):
         job.wait_for(lambda: reached(5), 120, "iteration 5")
@@ -157,6 +161,9 @@ def test_a_rank_killed_during_the_recovery_of_another(text_data, reference, tmp_
         if when == "restore-started":
             restore = "rt/gen1/restore/held/0"
             job.wait_for(lambda: job.store().check([restore]), 60, "the restore")
+        elif when == "restore-committed":
+            restored = [f"rt/gen1/restore/restored/{rank}" for rank in (0, 1, 2, 3, 4, 6, 7)]
+            job.wait_for(lambda: job.store().check(restored), 60, "the restore's commit")
         else:
             job.wait_for_deaths(1, timeout=30)
             time.sleep(0.15)

@@ -1,8 +1,9 @@
 """Replacement ranks rejoin a running ``--elastic`` job at a step boundary.
 
 A worker SIGKILLed from outside is started again in its slot by ``elaswave-run --rejoin``; a node
-whose launcher was SIGKILLed with its workers is replaced by a new launcher. Rank 0 is held
-(SIGSTOP) while the replacements start, so that the job cannot end before they ask to join. Either way the
+whose launcher was SIGKILLed with its workers is replaced by a new launcher. A surviving rank is
+held (SIGSTOP) while the replacements start, so that the job cannot end before they ask to join.
+Either way the
 survivors recover, take the replacements in at a step boundary, run at the failure-free layout
 again, and the whole run stays on the failure-free trajectory (same samples, losses within
 1e-4).
@@ -18,6 +19,7 @@ import time
 import pytest
 
 from harness import free_port, launch
+from megatron_elaswave.agreement import agree
 from megatron_elaswave.decisions import Decision
 from megatron_elaswave.keys import FINISHED_KEY, accepted_key, decision_key, join_key
 from megatron_elaswave.layout import Layout, Replica
@@ -39,21 +41,21 @@ __all__ = ["small_reference", "text_data"]  # fixtures
 
 
 HELD = ["--elastic-heartbeat-timeout", "60"]
-"""Flags of a job whose rank 0 is held while replacements start (:func:`hold_rank_0`): its peers
+"""Flags of a job whose rank 0 is held while replacements start (:func:`hold_while_joining`): its peers
 must not take the pause for a hang."""
 
 
-def hold_rank_0(job, joiners: list[int]) -> None:
-    """SIGSTOP rank 0 of ``job`` until every rank of ``joiners`` has asked to join, then SIGCONT
-    it: a replacement takes seconds of imports to start, and the job must not finish first. At
-    most 25 s, within the 30 s op timeout of the job's collectives. Pausing changes nothing that
-    is computed."""
-    job.kill_worker(0, signal.SIGSTOP)
+def hold_while_joining(job, joiners: list[int], held: int = 0) -> None:
+    """SIGSTOP rank ``held`` of ``job`` until every rank of ``joiners`` has asked to join, then
+    SIGCONT it: a replacement takes seconds of imports to start, and the job must not finish
+    first. At most 25 s, within the 30 s op timeout of the job's collectives. Pausing changes
+    nothing that is computed."""
+    job.kill_worker(held, signal.SIGSTOP)
     try:
         job.wait_for(lambda: job.store().check([join_key(rank) for rank in joiners]), 25,
                      f"ranks {joiners} to ask to join")
     finally:
-        job.kill_worker(0, signal.SIGCONT)
+        job.kill_worker(held, signal.SIGCONT)
 
 
 def stage_ranks(layout: list[dict]) -> list[list[list[int]]]:
@@ -128,6 +130,27 @@ def test_the_monitor_sees_join_requests_and_forgets_the_deaths_of_ranks_taken_ba
         assert monitor.failure is None and len(detected) == 1
 
 
+def test_a_rank_taken_back_and_lost_again_is_not_blamed_on_its_first_death(store):
+    """Rank 1 was SIGKILLed long ago and taken back; now its heartbeat stops, with no death
+    recorded (its whole node hangs). The decision names the hang and dates it from the last
+    heartbeat, not from the death of the process it replaced."""
+    config = MonitorConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
+    first_death = time.time() - 100
+    record_death(store, WorkerDeath(rank=1, local_rank=1, node_rank=0, pid=11, exit_code=None,
+                                    signal="SIGKILL", cause="signal", time=first_death))
+    with FailureMonitor(store, 0, Decision(1, (0,), (1,)), config, job_size=2) as monitor:
+        time.sleep(0.2)  # the monitor has read the death record
+        monitor.advance(Decision(2, (0, 1), (), joined=(1,)))
+        store.add("rt/heartbeat/1", 1)
+        deadline = time.monotonic() + 5
+        while monitor.failure is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        decision = agree(store, monitor)
+    assert decision.failed == (1,)
+    assert "killed by SIGKILL" not in decision.cause(1), decision.cause(1)
+    assert decision.failed_at > first_death + 90
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_a_killed_worker_is_started_again_and_rejoins(text_data, small_reference, tmp_path):  # noqa: F811
@@ -142,7 +165,7 @@ def test_a_killed_worker_is_started_again_and_rejoins(text_data, small_reference
         job.wait_for(lambda: len(recorded("iteration")) >= 3, 120, "iteration 3")
         job.kill_worker(3)
         job.wait_for(lambda: bool(recorded("recovery")), 120, "the recovery")
-        hold_rank_0(job, [3])
+        hold_while_joining(job, [3])
         returncode, output = job.wait(240)
     assert returncode == 0, output[-4000:]
     iterations, recoveries = recorded("iteration"), recorded("recovery")
@@ -161,6 +184,35 @@ def test_a_killed_worker_is_started_again_and_rejoins(text_data, small_reference
                 if recoveries[0]["iteration"] <= r["iteration"] <= grow["iteration"]]
     assert degraded and all(r["world_size"] == 3 for r in degraded)
     assert "restarting worker rank 3" in output and "ranks [3] joined after iteration" in output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_replacement_for_the_logger_writes_every_record_held_back(text_data, small_reference,  # noqa: F811
+                                                                  tmp_path):
+    """Rank 0, which writes the metrics, is SIGKILLed and started again; rank 1 logs meanwhile.
+    Back in, rank 0 is the lowest active rank and logs again: the iteration records the others
+    still held back at the grow (each waits for its snapshots to settle) reach it, so none is
+    missing."""
+    metrics = tmp_path / "logger.jsonl"
+
+    def recorded(event: str) -> list[dict]:
+        return read_metrics(str(metrics), event) if metrics.exists() else []
+
+    with launch([PRETRAIN, *small_flags(text_data), *HELD, "--elastic-metrics-file", str(metrics)],
+                4, master_port=free_port(), log_path=tmp_path / "logger.log",
+                launcher_args=["--rejoin", "--rejoin-delay=0.5"]) as job:
+        job.wait_for(lambda: len(recorded("iteration")) >= 3, 120, "iteration 3")
+        job.kill_worker(0)
+        job.wait_for(lambda: bool(recorded("recovery")), 120, "the recovery")
+        hold_while_joining(job, [0], held=1)
+        returncode, output = job.wait(240)
+    assert returncode == 0, output[-4000:]
+    [grow] = recorded("grow")
+    assert grow["joined_ranks"] == [0]
+    iterations = recorded("iteration")
+    assert [r["iteration"] for r in iterations] == list(range(1, TRAIN_ITERS + 1)), output[-4000:]
+    assert_on_trajectory(small_reference, iterations)
 
 
 @pytest.mark.multiprocess
@@ -188,7 +240,7 @@ def test_a_new_launcher_replaces_a_lost_node(text_data, small_reference, tmp_pat
         node1.send_signal(signal.SIGKILL)
         node0.wait_for(lambda: bool(recorded("recovery")), 120, "the recovery")
         replacement = stack.enter_context(node(1, "replacement.log", "--rejoin"))
-        hold_rank_0(node0, [2, 3])
+        hold_while_joining(node0, [2, 3])
         returncode, output = node0.wait(240)
         replacement_code, replacement_output = replacement.wait(60)
     assert returncode == 0 and replacement_code == 0, output[-3000:] + replacement_output[-3000:]
@@ -239,7 +291,7 @@ def test_a_replacement_joins_while_a_lower_rank_is_still_missing(text_data, smal
         node0.wait_for(lambda: len(recorded("recovery")) >= 1, 120, "the first recovery")
         node1.kill_worker(3)
         node0.wait_for(lambda: len(recorded("recovery")) >= 2, 120, "the second recovery")
-        hold_rank_0(node0, [3])
+        hold_while_joining(node0, [3])
         returncode, output = node0.wait(240)
         node1_code, node1_output = node1.wait(60)
     assert node1_code == 0, node1_output[-4000:]
@@ -272,7 +324,7 @@ def test_a_replacement_that_dies_while_joining_is_recovered_from(text_data, smal
         first = job.kill_worker(3)
         job.wait_for(lambda: bool(recorded("recovery")), 120, "the recovery")
         job.wait_for(lambda: job.worker_pids()[3] != first, 60, "the replacement of rank 3")
-        hold_rank_0(job, [3])
+        hold_while_joining(job, [3])
         job.wait_for(lambda: job.store().check([accepted_key(3)]), 60, "the acceptance")
         job.kill_worker(3)
         returncode, output = job.wait(240)

@@ -184,9 +184,11 @@ def check_outcome(reports: dict[int, dict], victims: set[int],
 
 
 def identified_at(report: dict, rank: int) -> float:
-    """When this survivor's monitor first held ``rank`` failed."""
+    """When this survivor first held ``rank`` failed: its monitor's suspicion, or the decision
+    that named it, if that came first (another survivor proposed before this monitor looked)."""
     return min(
-        r["suspects"][str(rank)]["time"] for r in report["rounds"] if str(rank) in r["suspects"]
+        [r["suspects"][str(rank)]["time"] for r in report["rounds"] if str(rank) in r["suspects"]]
+        + [r["decided_at"] for r in report["rounds"] if rank in r["decision"]["failed"]]
     )
 
 

@@ -48,7 +48,7 @@ from . import relayout
 from .checkpoint import TrainingProgress, save_checkpoint
 from .layer_groups import ModelFactory, build_stage_objects
 from .loop import StepResult, Trainer, log
-from .migration import adam_step, load_pieces, migrate, named_shard, needed_pieces
+from .migration import StateLost, adam_step, load_pieces, migrate, named_shard, needed_pieces
 from .model import transformer_layers
 from .planning import plan_growth
 from .records import RecoveryTimes, write_change, write_recovery, write_redeal
@@ -394,17 +394,20 @@ class ElasticTrainer(Trainer):
         self.snapshots.discard()
         iteration = restore.rollback_iteration(self.snapshots.store.held(),
                                                self.state_layout.active_ranks())
-        # What this rank serves: its own shard if it held one, and the failed ranks' replicas.
-        serves = {self.rank} if self.rank in self.state_layout.active_ranks() else set()
+        # This rank serves every snapshot of that iteration it holds: its own and its replicas
+        # of others, whatever layout took them. Pieces are named globally and the state of an
+        # iteration is the same in every layout, so an older layout's replica covers what a
+        # newer snapshot, not yet replicated when its rank failed, took with it.
         held: dict[str, torch.Tensor] = {}
         state = None
         for rank, snapshot_iteration in self.snapshots.store.held():
-            if snapshot_iteration == iteration and rank in serves | self.lost:
+            if snapshot_iteration == iteration:
                 tensors, snapshot_state = self.snapshots.store.restore(rank, iteration)
                 held.update(tensors)
                 state = snapshot_state if rank == self.rank or state is None else state
         active = self.rank in layout.active_ranks()
-        state = restore.share_state(state, self.state_layout, layout, self.lost)
+        state, self._unwritten = restore.share_state(state, self._unwritten, self.state_layout,
+                                                     layout, self.lost)
         if active and state is None:
             raise CannotContinue(f"rank {self.rank} holds no snapshot of iteration {iteration}")
         # Drop the old objects before building new ones: their groups are gone.
@@ -414,11 +417,14 @@ class ElasticTrainer(Trainer):
             self._build_objects()
         times.rebuilt_at = time.time()
         needs = needed_pieces(self.objects, self.tp_rank) if active else []
-        values, moved = migrate(
-            held, needs, rank=self.rank, members=list(members), store=self.store,
-            prefix=f"{restore.prefix}/migrate", group=self.registry.group(Role.MEMBERS),
-            timeout=timedelta(seconds=self.monitor.config.collective_timeout_s),
-            failure=self.monitor.failure_detected)
+        try:
+            values, moved = migrate(
+                held, needs, rank=self.rank, members=list(members), store=self.store,
+                prefix=f"{restore.prefix}/migrate", group=self.registry.group(Role.MEMBERS),
+                timeout=timedelta(seconds=self.monitor.config.collective_timeout_s),
+                failure=self.monitor.failure_detected)
+        except StateLost as lost:  # every member finds the same pieces missing
+            raise CannotContinue(str(lost)) from None
         times.bytes_moved += moved
         times.rolled_back_to = iteration
         if active:

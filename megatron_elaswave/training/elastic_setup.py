@@ -13,6 +13,7 @@ from megatron_elaswave.dvfs import DvfsGovernor, clock_backend
 from megatron_elaswave.faults import FaultInjector
 from megatron_elaswave.metrics import MetricsWriter
 from megatron_elaswave.monitor import FailureMonitor, MonitorConfig
+from megatron_elaswave.patches import distributed_work
 from megatron_elaswave.planner.frequency import PowerModel
 from megatron_elaswave.planner.replan import nominal_clock_plan
 from megatron_elaswave.store import connect_store
@@ -45,6 +46,7 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
     model_factory = model_factory or ModelFactory.from_flags(args, vocab_size)
     objects = build_stage_objects(args, layout, registry, model_factory, backend.device())
     monitor = FailureMonitor(store, rank, Decision.initial(world_size), config, job_size=world_size)
+    _abandon_waits_on_failure(backend, monitor)
     snapshots = StepSnapshots(layout, rank, snapshot_config(args, backend),
                               group=registry.group(Role.WORLD))
     parts = _runtime_parts(args, backend, rank, vocab_size, config, model_factory)
@@ -55,6 +57,14 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
         metrics=MetricsWriter(args.elastic_metrics_file if rank == 0 else None), rank=rank,
         snapshots=snapshots, registry=registry, monitor=monitor, store=store, **parts,
         **trainer_fields)
+
+
+def _abandon_waits_on_failure(backend: DeviceBackend, monitor: FailureMonitor) -> None:
+    """A collective still pending when the monitor detects a failure is given up
+    (:mod:`megatron_elaswave.patches.distributed_work`); gloo only, as NCCL's waits do not
+    block the host."""
+    if backend.dist_backend == "gloo":
+        distributed_work.abandon_waits_when(monitor.failure_detected)
 
 
 def _runtime_parts(args: argparse.Namespace, backend: DeviceBackend, rank: int, vocab_size: int,
@@ -89,6 +99,7 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
     plan = relayout.wait_for_acceptance(store, rank)
     monitor = FailureMonitor(store, rank, plan.decision, config, job_size=world_size,
                              skip_recorded_deaths=True)
+    _abandon_waits_on_failure(backend, monitor)
     monitor.start()  # the members watch this rank's heartbeat from the plan on
     registry = GroupRegistry.joining(plan.layout, rank, store=store,
                                      backend=backend.dist_backend,

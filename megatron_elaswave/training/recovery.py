@@ -134,7 +134,8 @@ class Recovery:
         error is this rank's own: the others are told, the agreement fails nobody and the
         iteration is re-run from its snapshot, at most ``--elastic-max-step-retries`` times
         (once for a non-finite loss) before :class:`StepFailed`. Raises
-        :class:`CannotContinue` when the job store is lost or the state is gone."""
+        :class:`CannotContinue` when the job store is lost, the state is gone, or the recovery
+        itself fails with no failure to account for it."""
         monitor = self.trainer.monitor
         raised_at = time.time()
         while True:
@@ -150,6 +151,9 @@ class Recovery:
             except (RuntimeError, FailureDetected) as again:
                 if isinstance(again, (CannotContinue, StepFailed)):
                     raise
+                if not monitor.explains(again):  # would fail the same way every time
+                    raise CannotContinue(f"the recovery failed with no rank failing "
+                                         f"({type(again).__name__}: {again})") from None
                 error = again
 
     def _recover_once(self, error: BaseException, raised_at: float) -> None:

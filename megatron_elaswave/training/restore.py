@@ -64,24 +64,27 @@ class RestoreRound:
                             f"ranks {failed} failed")
         return max(candidates)
 
-    def share_state(self, state: dict | None, old: Layout, new: Layout,
-                    lost: set[int]) -> dict | None:
-        """The small state (iteration, schedule, Adam step, RNG) for a rank that held no stage
-        in ``old`` (a replacement, or a spare back at work): the lowest surviving holder of each
-        TP rank publishes its own when ``new`` has such ranks. ``state`` is this rank's own."""
+    def share_state(self, state: dict | None, records: list[dict], old: Layout, new: Layout,
+                    lost: set[int]) -> tuple[dict | None, list[dict]]:
+        """The small state (iteration, schedule, Adam step, RNG) and the iteration records held
+        back (every holder holds the same) for a rank that held no stage in ``old`` (a
+        replacement, or a spare back at work), which may log from now on: the lowest surviving
+        holder of each TP rank publishes its own when ``new`` has such ranks. ``state`` and
+        ``records`` are this rank's own."""
         newcomers = new.active_ranks() - old.active_ranks()
         if not newcomers:
-            return state
+            return state, records
         holders = sorted(old.active_ranks() - lost)
         position = old.position(self.rank)
         if position is not None and self.rank == min(
                 r for r in holders if old.position(r)[2] == position[2]):
-            self.store.set(f"{self.prefix}/state/tp{position[2]}", pickle.dumps(state))
-        if state is not None or self.rank not in newcomers:
-            return state
+            self.store.set(f"{self.prefix}/state/tp{position[2]}", pickle.dumps((state, records)))
+        if self.rank not in newcomers:
+            return state, records
         key = f"{self.prefix}/state/tp{new.position(self.rank)[2]}"
         wait_for_keys(self.store, [key], self.timeout, self.abort)
-        return pickle.loads(self.store.get(key))
+        shared_state, shared_records = pickle.loads(self.store.get(key))
+        return (shared_state if state is None else state), shared_records
 
     def commit(self) -> None:
         """Return once every member has restored: then, and only then, each takes the new

@@ -7,7 +7,8 @@ sets ``test/training/<rank>`` once it has done a few steps. On a failure it agre
 others on who failed and forms the next generation's group, round after round until one forms,
 then checks it with an all-reduce of the launch ranks; it goes on until its generation excludes
 every victim. Then it trains a few more steps and writes ``OUT_DIR/rank<r>.json``: per round,
-when its loop was unblocked, the failure notice, its suspects, the decision and the check.
+when its loop was unblocked, the failure notice, its suspects, the decision (and when it read
+it) and the check.
 ``--pause-after-decision`` makes every rank wait between a decision and forming the group, so
 that a test can fail one in that gap. With ``--hold`` a survivor waits for the test to set
 ``test/release`` before exiting 0. A victim that is excluded rather than killed exits with
@@ -59,6 +60,7 @@ def recover(store, monitor, rank, error, rounds, pause_after_decision_s):
         rounds.append(
             {
                 "unblocked_at": unblocked_at,
+                "decided_at": time.time(),
                 "notice": asdict(notice),
                 "suspects": {str(r): asdict(s) for r, s in monitor.suspects().items()},
                 "decision": asdict(decision),

@@ -1,0 +1,80 @@
+"""Waits for collectives that a detected failure ends, even when gloo does not.
+
+Checked against torch 2.13 (``torch.distributed.Work.wait``, gloo's ``AsyncWork`` futures) and
+gloo at its newest commit (``gloo/transport/tcp/pair.cc``).
+
+The elastic runtime aborts the collectives of a failed generation by shutting down their gloo
+connections: every pending operation then fails with "Connection closed by peer". One does not:
+a send of a ring all-reduce whose ``writev`` meets ``EPIPE`` or ``ECONNRESET`` before gloo's
+event loop has seen the connection close is queued without an error, and when the pair closes,
+``Pair::signalException`` fails the other pending operations but not an unbound buffer in that
+queue. Gloo's worker thread then waits in ``UnboundBuffer::waitSend`` until the op timeout, and
+the training thread with it, in ``Work.wait``: a survivor held 30 s, and the whole recovery with
+it (about one recovery in five on a loaded 2-core machine). Nothing outside gloo can reach that
+buffer, and gloo's own ``abort()`` does not wake it.
+
+What can be changed is the wait. Wrapped here, ``Work.wait`` on a work that has a future (gloo's
+collectives) waits for the future or for the event given to :func:`abandon_waits_when`,
+whichever comes first, and raises :class:`CollectiveAbandoned` in the second case. torch's
+collectives called without ``async_op`` wait through the same method, so megatron-core's
+all-reduces are covered too. The abandoned operation stays with gloo's worker thread until its
+deadline; its group must stay referenced until then (destroying the last reference joins that
+thread). Works without a future (gloo's point-to-point requests) wait as before. Inert until an
+event is given: device backends whose ``wait`` does not block the host (NCCL) must not get one.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from .registry import PatchRegistry
+
+TARGET = "torch.distributed.Work.wait"
+
+_POLL_S = 0.02
+"""How often a wait looks at the abandon event (a done future wakes it at once)."""
+
+_abandon: threading.Event | None = None
+
+
+class CollectiveAbandoned(RuntimeError):
+    """A wait for a collective was given up because a failure was detected meanwhile."""
+
+
+def abandon_waits_when(event: threading.Event | None) -> None:
+    """From now on, waits for collectives end with :class:`CollectiveAbandoned` while ``event``
+    is set (the failure monitor's ``failure_detected``); ``None``: they wait as torch does."""
+    global _abandon
+    _abandon = event
+
+
+def _abandonable(wait):
+    @functools.wraps(wait)
+    def wait_unless_abandoned(work: Any, timeout: timedelta = timedelta(0)) -> bool:
+        abandon = _abandon
+        if abandon is None or work.is_completed():
+            return wait(work, timeout)
+        try:
+            future = work.get_future()
+        except RuntimeError:  # no future: a point-to-point request
+            return wait(work, timeout)
+        done = threading.Event()
+        future.add_done_callback(lambda _: done.set())
+        deadline = time.monotonic() + timeout.total_seconds() if timeout else None
+        while not done.wait(_POLL_S):
+            if abandon.is_set():
+                raise CollectiveAbandoned("collective abandoned: a failure was detected")
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+        remaining = timedelta(seconds=max(deadline - time.monotonic(), 0.001)) if deadline else None
+        return wait(work) if remaining is None else wait(work, remaining)
+
+    return wait_unless_abandoned
+
+
+def register(registry: PatchRegistry) -> None:
+    registry.register_wrapper(TARGET, _abandonable)

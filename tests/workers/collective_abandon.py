@@ -1,0 +1,54 @@
+"""A gloo all-reduce that rank 1 never joins (it stays alive 8 s, then exits); rank 0's wait is
+given up 1 s in by setting the event the wait was armed with.
+
+Usage: collective_abandon.py OUT_DIR [--patched]; rank 0 writes ``OUT_DIR/rank0.json`` with the
+first (completed) all-reduce's result, how long the second one was waited for, the error that
+ended the wait, and how long destroying its group then took. With ``--patched`` the project's
+patches are installed first and the wait is armed.
+"""
+
+import json
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+if __name__ == "__main__":
+    out_dir, patched = sys.argv[1], "--patched" in sys.argv[2:]
+    abandon = threading.Event()
+    if patched:
+        from megatron_elaswave.device import resolve_device_backend
+        from megatron_elaswave.patches import distributed_work, install
+
+        install(resolve_device_backend("cpu"))
+        distributed_work.abandon_waits_when(abandon)
+    from megatron_elaswave.world import retire
+
+    timeout = timedelta(seconds=30)
+    dist.init_process_group("gloo", init_method="env://", timeout=timeout)
+    group = dist.new_group([0, 1], timeout=timeout)
+    tensor = torch.ones(4)
+    dist.all_reduce(tensor, group=group)
+    if dist.get_rank() == 1:
+        time.sleep(8)
+        os._exit(0)
+    report = {"first": tensor.tolist()}
+    threading.Timer(1.0, abandon.set).start()
+    started = time.monotonic()
+    try:
+        dist.all_reduce(tensor, group=group)
+    except RuntimeError as error:
+        report["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+    report["waited_s"] = time.monotonic() - started
+    started = time.monotonic()
+    retire([group], timeout)
+    dist.destroy_process_group(group)
+    del group
+    report["destroyed_in_s"] = time.monotonic() - started
+    with open(os.path.join(out_dir, "rank0.json"), "w") as out:
+        json.dump(report, out)
+    os._exit(0)
