@@ -51,8 +51,17 @@ State restore after a recovery or a layout change (:mod:`~megatron_elaswave.trai
 ``rt/gen<g>/restore/restored/<rank>``          ``rank`` restored; the layout is committed when all have
 ``rt/gen<g>/saved``                            the directory of the checkpoint saved in ``g``
 ``rt/gen<g>/done/<rank>``                      ``rank`` finished training in ``g``
-``rt/finished``                                every member finished: the job ends
+``rt/finished``                                the job ends: every member finished (empty) or the
+                                               survivors stopped (why)
 =============================================  ==========================================================
+
+Start-up (:mod:`~megatron_elaswave.training.startup`):
+
+=====================================  ==================================================================
+``rt/start/<rank>``                    ``rank`` holds its first snapshot (``--elastic``)
+``rt/start``                           the verdict, written once: ``started``, or the line every
+                                       worker stops with (a rank died before the job started)
+=====================================  ==================================================================
 
 Growth (:mod:`~megatron_elaswave.training.relayout`):
 
@@ -147,6 +156,17 @@ def done_key(generation: int, rank: int) -> str:
 
 
 FINISHED_KEY = "rt/finished"
+"""Set when the job ends: empty when every member finished, else why the survivors stopped."""
+
+
+# -- start-up ----------------------------------------------------------------------------------
+
+START_VERDICT_KEY = "rt/start"
+"""``started``, or the line the workers stop with when a rank died before the job started."""
+
+
+def started_key(rank: int) -> str:
+    return f"rt/start/{rank}"
 
 
 # -- growth ------------------------------------------------------------------------------------

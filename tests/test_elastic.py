@@ -390,7 +390,8 @@ def test_layers_move_off_a_slow_stage_of_a_lone_replica(text_data, tmp_path):  #
     for moved in moves:  # the first move may be followed by a finer one, measured again
         [(first, second)] = layer_counts(moved["layout"])
         assert first > second
-        assert moved["predicted_gain"] >= 1.2 and moved["bytes_moved"] > 0
+        # The layers' state may cross no link: rank 0 holds rank 1's snapshot replica.
+        assert moved["predicted_gain"] >= 1.2 and moved["bytes_moved"] >= 0
         assert "as long per layer" in moved["reason"]
     assert iterations[-1]["layout"] == moves[-1]["layout"]
     assert_on_trajectory(reference, iterations)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+from datetime import timedelta
 
 from megatron_elaswave import dropout_rng, patches
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.metrics import MetricsWriter
-from megatron_elaswave.store import REJOIN_ENV
+from megatron_elaswave.keys import FINISHED_KEY
+from megatron_elaswave.store import REJOIN_ENV, STORE_ADDR_ENV, connect_store
+
+from . import exit_status
 
 from .checkpoint import TrainingProgress, load_checkpoint, save_checkpoint
 from .data import MicrobatchSource, build_datasets, load_tokenizer, padded_vocab_size
@@ -16,7 +21,7 @@ from .distributed import init_default_group, init_model_parallel, shutdown
 from .elastic import run_elastic
 from .elastic_setup import build_elastic_trainer, join_elastic_job
 from .planning import failure_free_layout
-from .relayout import JobFinished
+from .relayout import JobFinished, JobStopped
 from .loop import Trainer, log
 from .model import (
     batched_p2p_is_safe,
@@ -26,7 +31,9 @@ from .model import (
     wrap_and_optimize,
 )
 from .profiling import CostProfiler, device_description, write_profile
+from .recovery import CannotContinue, StepFailed
 from .snapshots import StepSnapshots, snapshot_config
+from .startup import StartupWatch
 
 
 class CannotRejoin(RuntimeError):
@@ -70,9 +77,11 @@ def resume(trainer: Trainer, root: str) -> None:
 
 
 def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: int,
-                      world_size: int, tokenizer, *, rejoining: bool = False) -> None:
+                      world_size: int, tokenizer, *, rejoining: bool = False,
+                      startup: StartupWatch | None = None) -> None:
     """``--elastic``: train to ``--train-iters`` through failures of other ranks; a replacement
-    (``rejoining``) first joins the running job."""
+    (``rejoining``) first joins the running job. ``startup`` is closed once every rank holds its
+    first snapshot: from then on a failure is recovered from."""
     vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                    args.tensor_model_parallel_size)
     train_set, valid_set = build_datasets(args, tokenizer)
@@ -83,14 +92,22 @@ def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: in
             trainer = join_elastic_job(args, backend, rank, world_size, vocab_size, *sources)
         except JobFinished as finished:
             log(f" {finished}; exiting")
+            if isinstance(finished, JobStopped):
+                raise
             return
     else:
         trainer = build_elastic_trainer(args, backend, rank, world_size, vocab_size, *sources)
         if args.load:
             resume(trainer, args.load)
+        trainer.ensure_initial_snapshot()
+        if startup is not None:
+            startup.wait_until_started(timedelta(minutes=args.distributed_timeout_minutes))
     with trainer.monitor:
         try:
             run_elastic(trainer)
+        except (CannotContinue, StepFailed) as stopped:
+            trainer.store.set(FINISHED_KEY, str(stopped) or type(stopped).__name__)
+            raise
         finally:
             trainer.governor.backend.close()
     trainer.metrics.close()
@@ -108,14 +125,49 @@ def train_job(args: argparse.Namespace, backend: DeviceBackend, rank: int, local
                            "not run with --elastic: its survivors stopped with the failure")
     if rejoining:
         backend.set_device(local_rank)  # the default group is formed with the members
-    else:
-        init_default_group(rank, world_size, local_rank, backend, args.distributed_timeout_minutes)
-    if args.elastic:
         try:
-            elastic_train_job(args, backend, rank, world_size, tokenizer, rejoining=rejoining)
+            elastic_train_job(args, backend, rank, world_size, tokenizer, rejoining=True)
         finally:
             shutdown(destroy_default_group=False)
         return
+    with watch_startup(args, rank, world_size) as startup:
+        try:
+            init_default_group(rank, world_size, local_rank, backend,
+                               args.distributed_timeout_minutes)
+            if args.elastic:
+                try:
+                    elastic_train_job(args, backend, rank, world_size, tokenizer, startup=startup)
+                finally:
+                    shutdown(destroy_default_group=False)
+                return
+            train_without_elastic(args, backend, rank, tokenizer)
+        except RuntimeError as error:
+            if startup is not None:
+                startup.stop_if_a_rank_died(error)
+            raise
+
+
+def watch_startup(args: argparse.Namespace, rank: int,
+                  world_size: int) -> contextlib.AbstractContextManager[StartupWatch | None]:
+    """Under ``elaswave-run``, a watch that stops this worker in one line when another rank dies
+    before the job can recover from it: before every rank holds its first snapshot with
+    ``--elastic``, at any time without (as torchrun stops the survivors)."""
+    if STORE_ADDR_ENV not in os.environ or world_size == 1:
+        return contextlib.nullcontext()
+    if args.elastic:
+        status, reason = exit_status.CANNOT_CONTINUE, lambda death: (
+            f"cannot continue: rank {death.rank} {death.describe()} while the job started, "
+            "before it held a snapshot to recover from; launch it again")
+    else:
+        status, reason = exit_status.PEER_FAILED, lambda death: (
+            f"error: rank {death.rank} {death.describe()}; without --elastic the job stops with it")
+    store = connect_store(timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    return StartupWatch(store, rank, world_size, exit_status=status, reason=reason)
+
+
+def train_without_elastic(args: argparse.Namespace, backend: DeviceBackend, rank: int,
+                          tokenizer) -> None:
+    """Megatron's own path: no failure is survived."""
     try:
         trainer = build_trainer(args, backend, rank, tokenizer)
         objects = trainer.objects

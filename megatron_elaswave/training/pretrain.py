@@ -19,13 +19,9 @@ import torch
 
 from megatron_elaswave.device import DeviceUnavailableError, resolve_device_backend
 
+from . import exit_status
 from .arguments import ArgumentError, parse_args
 
-EXIT_BAD_INPUT = 2
-EXIT_CANNOT_CONTINUE = 3
-"""The survivors of failures cannot hold the model or lost part of its state."""
-EXIT_STEP_FAILED = 1
-"""An iteration fails however often it is re-run (as Megatron's exit on a non-finite loss)."""
 
 # Warnings megatron-core and torch print on every rank that a user cannot act on.
 _KNOWN_WARNINGS = (
@@ -73,13 +69,13 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
         backend = resolve_device_backend(args.elastic_device)
     except (ArgumentError, DeviceUnavailableError) as error:
         report_error(str(error), info.rank)
-        return EXIT_BAD_INPUT
+        return exit_status.BAD_INPUT
     half = {"--bf16": torch.bfloat16, "--fp16": torch.float16}
     flag = "--bf16" if args.bf16 else "--fp16" if args.fp16 else None
     if flag and not backend.supports_dtype(half[flag]):
         report_error(f"{flag} needs a CUDA or NPU device; on {backend.name} train in fp32 "
                      f"(drop {flag})", info.rank)
-        return EXIT_BAD_INPUT
+        return exit_status.BAD_INPUT
     for message in _KNOWN_WARNINGS + (() if backend.name == "cuda" else _CUDA_HINTS):
         warnings.filterwarnings("ignore", message=f".*{re.escape(message)}")
     # Imported here so that flag errors come back before megatron-core is loaded.
@@ -91,24 +87,27 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
     from .data import DataError
     from .recovery import CannotContinue, StepFailed
     from .job import CannotRejoin, train_job
+    from .relayout import JobStopped
     from .migration import StateLost
 
     try:
         train_job(args, backend, info.rank, info.local_rank, info.world_size)
     except (UnsupportedMegatronVersion, CheckpointError, DataError, DvfsError) as error:
         report_error(str(error), info.rank)
-        return EXIT_BAD_INPUT
+        return exit_status.BAD_INPUT
+    except JobStopped:  # the replacement said so; the survivors give the reason
+        return exit_status.CANNOT_CONTINUE
     except CannotRejoin as error:
         say(f"error: {error}")
-        return EXIT_BAD_INPUT
+        return exit_status.BAD_INPUT
     except (CannotContinue, StateLost) as error:
         # Every survivor reaches the same verdict; each says it, since rank 0 may be gone.
         say(f"cannot continue: {error}")
-        return EXIT_CANNOT_CONTINUE
+        return exit_status.CANNOT_CONTINUE
     except StepFailed as error:
         if error.announce:
             say(f"error: {error}")
-        return EXIT_STEP_FAILED
+        return exit_status.STEP_FAILED
     return 0
 
 

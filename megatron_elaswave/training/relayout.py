@@ -53,6 +53,11 @@ class JobFinished(Exception):
     """The job ended before this replacement could join."""
 
 
+class JobStopped(JobFinished):
+    """The job's survivors stopped (they could not continue) before this replacement could
+    join: the replacement stops with them."""
+
+
 @dataclass(frozen=True)
 class LayoutChange:
     """What every rank of the changed generation needs to know."""
@@ -121,9 +126,12 @@ def request_join(store: Store, rank: int) -> None:
 
 
 def wait_for_acceptance(store: Store, rank: int) -> LayoutChange:
-    """Block until the job accepts ``rank``; raises :class:`JobFinished` if it ends first."""
+    """Block until the job accepts ``rank``; raises :class:`JobFinished` if it ends first
+    (:class:`JobStopped` if its survivors stopped)."""
     while not store.check([accepted_key(rank)]):
         if store.check([FINISHED_KEY]):
+            if stopped := store.get(FINISHED_KEY).decode():
+                raise JobStopped(f"the job stopped ({stopped}) before rank {rank} could rejoin it")
             raise JobFinished(f"the job finished before rank {rank} could rejoin it")
         time.sleep(_POLL_INTERVAL_S)
     generation = int(store.get(accepted_key(rank)))

@@ -16,6 +16,9 @@ completed again:
   ``lost_iterations``).
 * ``torchft``: ``scripts/bench/torchft_mttr.py`` (the ``torchft`` package, DDP replicas on the
   same machine); reported as that script measures it, when torchft is installed.
+* ``elaswave_12`` (with ``--scale``): the ``elaswave`` arm on 12 ranks (TP2 x PP2 x DP3, the
+  same 8 samples per replica and iteration), to show how recovery grows with the job; the ratio
+  12 / 8 ranks is printed.
 
 Arms alternate; medians over ``--repetitions`` and the ratio restart / elaswave are printed;
 ``--json`` prints one object.
@@ -40,13 +43,15 @@ from common import SCRIPTS, demo_corpus, free_port
 
 REPO = SCRIPTS.parent
 NPROC = 8
+SAMPLES_PER_REPLICA = 8
 
 
-def model_flags(data: str, train_iters: int) -> list[str]:
+def model_flags(data: str, train_iters: int, nproc: int = NPROC) -> list[str]:
+    global_batch = SAMPLES_PER_REPLICA * nproc // 4  # TP2 x PP2: 4 ranks per replica
     return [
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
         "--num-layers", "8", "--hidden-size", "128", "--num-attention-heads", "4",
-        "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", "16",
+        "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", str(global_batch),
         "--train-iters", str(train_iters), "--lr", "1e-3", "--seed", "1234",
         "--use-distributed-optimizer", "--untie-embeddings-and-output-weights",
         "--data-path", data, "--split", "98,2,0", "--log-interval", "1", "--eval-interval", "100000",
@@ -56,9 +61,9 @@ def model_flags(data: str, train_iters: int) -> list[str]:
 class Job:
     """One ``pretrain_gpt.py`` launch whose workers the benchmark can signal."""
 
-    def __init__(self, flags: list[str], metrics: Path, log: Path) -> None:
+    def __init__(self, flags: list[str], metrics: Path, log: Path, nproc: int = NPROC) -> None:
         self.metrics = metrics
-        command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={NPROC}",
+        command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={nproc}",
                    f"--master-port={free_port()}", str(SCRIPTS / "pretrain_gpt.py"), *flags,
                    "--elastic-metrics-file", str(metrics)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -110,9 +115,9 @@ class Job:
         self.log.close()
 
 
-def elaswave(data: str, workdir: Path, fail_at: int, fail_rank: int) -> dict:
-    job = Job([*model_flags(data, fail_at + 3), "--elastic"], workdir / "elaswave.jsonl",
-              workdir / "elaswave.log")
+def elaswave(data: str, workdir: Path, fail_at: int, fail_rank: int, nproc: int = NPROC) -> dict:
+    job = Job([*model_flags(data, fail_at + 3, nproc), "--elastic"], workdir / "elaswave.jsonl",
+              workdir / "elaswave.log", nproc)
     job.wait_for_iteration(fail_at - 1)
     os.kill(job.worker_pid(fail_rank), signal.SIGKILL)
     killed_at = time.time()
@@ -160,6 +165,8 @@ def main() -> None:
     parser.add_argument("--workdir", default="runs/bench-mttr")
     parser.add_argument("--skip-restart", action="store_true")
     parser.add_argument("--skip-torchft", action="store_true")
+    parser.add_argument("--scale", action="store_true",
+                        help="also recover on 12 ranks (DP3) and print the ratio 12 / 8 ranks")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.fail_at < 2:
@@ -168,17 +175,21 @@ def main() -> None:
     workdir = Path(args.workdir)
     data = demo_corpus(workdir)
     runs: dict[str, list[dict]] = {"elaswave": []} if args.skip_restart else {"elaswave": [], "restart": []}
+    if args.scale:
+        runs["elaswave_12"] = []
     for repetition in range(args.repetitions):
         order = list(runs) if repetition % 2 == 0 else list(runs)[::-1]
         for arm in order:
             with tempfile.TemporaryDirectory(dir=workdir) as scratch:
                 if arm == "elaswave":
                     result = elaswave(data, Path(scratch), args.fail_at, args.fail_rank)
+                elif arm == "elaswave_12":
+                    result = elaswave(data, Path(scratch), args.fail_at, args.fail_rank, 12)
                 else:
                     result = restart(data, Path(scratch), args.fail_at, args.fail_rank,
                                      args.save_interval)
             runs[arm].append(result)
-            say(f"  {arm:9s} MTTR {result['mttr_s']:7.2f} s  (lost iterations "
+            say(f"  {arm:11s} MTTR {result['mttr_s']:7.2f} s  (lost iterations "
                 f"{result['lost_iterations']})")
     summary = {f"{arm}_mttr_s": statistics.median(r["mttr_s"] for r in results)
                for arm, results in runs.items()}
@@ -186,6 +197,8 @@ def main() -> None:
         summary["restart_over_elaswave"] = summary["restart_mttr_s"] / summary["elaswave_mttr_s"]
         summary["restart_lost_iterations"] = statistics.median(r["lost_iterations"]
                                                                for r in runs["restart"])
+    if args.scale:
+        summary["elaswave_12_over_8"] = summary["elaswave_12_mttr_s"] / summary["elaswave_mttr_s"]
     breakdowns = [r["breakdown"] for r in runs["elaswave"] if r["breakdown"]]
     summary["elaswave_breakdown_s"] = {
         key: statistics.median(b[key] for b in breakdowns) for key in breakdowns[0]} if breakdowns else {}
@@ -203,6 +216,10 @@ def main() -> None:
         print(f"restart-from-checkpoint {summary['restart_mttr_s']:.2f} s, "
               f"{summary['restart_over_elaswave']:.1f}x longer "
               f"({summary['restart_lost_iterations']:.0f} iterations recomputed)")
+    if args.scale:
+        print(f"ElasWave on 12 ranks {summary['elaswave_12_mttr_s']:.3f} s, "
+              f"{summary['elaswave_12_over_8']:.3f}x the 8-rank MTTR "
+              f"({summary['elaswave_mttr_s']:.3f} s)")
     if summary.get("torchft_mttr_s") is not None:
         print(f"TorchFT (torchft package, DDP replicas): {summary['torchft_mttr_s']:.2f} s")
     if summary["elaswave_breakdown_s"]:
