@@ -15,6 +15,7 @@ import contextlib
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -151,9 +152,10 @@ def test_a_rank_taken_back_and_lost_again_is_not_blamed_on_its_first_death(store
     assert decision.failed_at > first_death + 90
 
 
-@pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_a_killed_worker_is_started_again_and_rejoins(text_data, small_reference, tmp_path):  # noqa: F811
+def kill_once_and_rejoin(text_data: str, tmp_path: Path, victim: int, held: int = 0):
+    """Four ranks under ``--rejoin``: ``victim`` is SIGKILLed after iteration 3 and started again;
+    rank ``held`` waits for it to ask to join. Returns the exit status, the output and a reader
+    of the metrics records by event."""
     metrics = tmp_path / "rejoin.jsonl"
 
     def recorded(event: str) -> list[dict]:
@@ -163,10 +165,17 @@ def test_a_killed_worker_is_started_again_and_rejoins(text_data, small_reference
                 4, master_port=free_port(), log_path=tmp_path / "rejoin.log",
                 launcher_args=["--rejoin", "--rejoin-delay=0.5"]) as job:
         job.wait_for(lambda: len(recorded("iteration")) >= 3, 120, "iteration 3")
-        job.kill_worker(3)
+        job.kill_worker(victim)
         job.wait_for(lambda: bool(recorded("recovery")), 120, "the recovery")
-        hold_while_joining(job, [3])
+        hold_while_joining(job, [victim], held=held)
         returncode, output = job.wait(240)
+    return returncode, output, recorded
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_killed_worker_is_started_again_and_rejoins(text_data, small_reference, tmp_path):  # noqa: F811
+    returncode, output, recorded = kill_once_and_rejoin(text_data, tmp_path, victim=3)
     assert returncode == 0, output[-4000:]
     iterations, recoveries = recorded("iteration"), recorded("recovery")
     assert [r["iteration"] for r in iterations] == list(range(1, TRAIN_ITERS + 1)), output[-4000:]
@@ -194,19 +203,7 @@ def test_a_replacement_for_the_logger_writes_every_record_held_back(text_data, s
     Back in, rank 0 is the lowest active rank and logs again: the iteration records the others
     still held back at the grow (each waits for its snapshots to settle) reach it, so none is
     missing."""
-    metrics = tmp_path / "logger.jsonl"
-
-    def recorded(event: str) -> list[dict]:
-        return read_metrics(str(metrics), event) if metrics.exists() else []
-
-    with launch([PRETRAIN, *small_flags(text_data), *HELD, "--elastic-metrics-file", str(metrics)],
-                4, master_port=free_port(), log_path=tmp_path / "logger.log",
-                launcher_args=["--rejoin", "--rejoin-delay=0.5"]) as job:
-        job.wait_for(lambda: len(recorded("iteration")) >= 3, 120, "iteration 3")
-        job.kill_worker(0)
-        job.wait_for(lambda: bool(recorded("recovery")), 120, "the recovery")
-        hold_while_joining(job, [0], held=1)
-        returncode, output = job.wait(240)
+    returncode, output, recorded = kill_once_and_rejoin(text_data, tmp_path, victim=0, held=1)
     assert returncode == 0, output[-4000:]
     [grow] = recorded("grow")
     assert grow["joined_ranks"] == [0]

@@ -84,6 +84,8 @@ class Fault:
     started: float
     """Wall-clock time of the fault's first signal."""
     mttr_s: float | None = None
+    breakdowns: list[dict] = field(default_factory=list)
+    """The phase times (``*_s``) of the recoveries attributed to it."""
 
 
 class Node:
@@ -282,6 +284,8 @@ def attribute(faults: list[Fault], recoveries: list[dict]) -> None:
         covered = {rank for r in mine for rank in r["failed_ranks"]}
         if mine and set(fault.victims) <= covered:
             fault.mttr_s = max(r["time"] for r in mine) - fault.started
+        fault.breakdowns = [{key: value for key, value in r.items() if key.endswith("_s")}
+                            for r in mine]
 
 
 def summarise(faults: list[Fault], records: list[dict], reference: list[dict],
@@ -326,6 +330,8 @@ def summarise(faults: list[Fault], records: list[dict], reference: list[dict],
         "on_trajectory": lost == 0 and worst <= LOSS_TOLERANCE,
         "mttr": mttr,
         "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+        "fault_log": [{"kind": f.kind, "victims": f.victims, "mttr_s": f.mttr_s,
+                       "recoveries": f.breakdowns} for f in faults],
     }
 
 
