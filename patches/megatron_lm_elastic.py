@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.store import REJOIN_ENV
-from megatron_elaswave.training.pretrain import EXIT_BAD_INPUT, EXIT_CANNOT_CONTINUE
+from megatron_elaswave.training import exit_status
 
 from . import register_layout_invariant_rng
 from .registry import PatchRegistry
@@ -135,7 +135,7 @@ class ElasticHooks:
         @functools.wraps(pretrain)
         def elastic_pretrain(*args, **kwargs):
             if os.environ.get(REJOIN_ENV) == "1":
-                _exit_with(EXIT_BAD_INPUT, "a replacement worker cannot join a Megatron-LM run "
+                _exit_with(exit_status.BAD_INPUT, "a replacement worker cannot join a Megatron-LM run "
                            "(its initialisation is collective over the first world): start the "
                            "job without --rejoin", every_rank=True)
             bound = signature.bind(*args, **kwargs)
@@ -191,16 +191,16 @@ class ElasticHooks:
         try:
             validate_elastic(args, dist.get_world_size())
         except ArgumentError as error:
-            _exit_with(EXIT_BAD_INPUT, str(error))
+            _exit_with(exit_status.BAD_INPUT, str(error))
         for name, flag in _UNSUPPORTED:
             if getattr(args, name, None):
-                _exit_with(EXIT_BAD_INPUT, f"--elastic in Megatron-LM's loop does not support {flag}")
+                _exit_with(exit_status.BAD_INPUT, f"--elastic in Megatron-LM's loop does not support {flag}")
         if args.context_parallel_size > 1:
-            _exit_with(EXIT_BAD_INPUT, "--elastic does not support --context-parallel-size > 1")
+            _exit_with(exit_status.BAD_INPUT, "--elastic does not support --context-parallel-size > 1")
         if args.data_path and len(args.data_path) > 1:
-            _exit_with(EXIT_BAD_INPUT, "--elastic takes one --data-path prefix (no blends)")
+            _exit_with(exit_status.BAD_INPUT, "--elastic takes one --data-path prefix (no blends)")
         if args.elastic_device not in (None, "auto", self.backend.name):
-            _exit_with(EXIT_BAD_INPUT, f"--elastic-device {args.elastic_device}: this run is on "
+            _exit_with(exit_status.BAD_INPUT, f"--elastic-device {args.elastic_device}: this run is on "
                        f"{self.backend.name}")
 
     def _apply_layout_invariant_rng(self, args) -> None:
@@ -254,7 +254,7 @@ class ElasticHooks:
                 result = self.job.train_step(iteration)
             except (CannotContinue, StateLost) as error:
                 # Every survivor reaches the same verdict; each says it, since rank 0 may be gone.
-                _exit_with(EXIT_CANNOT_CONTINUE, f"cannot continue: {error}", every_rank=True,
+                _exit_with(exit_status.CANNOT_CONTINUE, f"cannot continue: {error}", every_rank=True,
                            prefix="")
             self.job.swap_into(model, optimizer, opt_param_scheduler)
             # args.data_parallel_size stays the micro-batch calculator's: Megatron-LM reports the
