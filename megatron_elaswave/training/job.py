@@ -23,6 +23,7 @@ from .elastic_setup import build_elastic_trainer, join_elastic_job
 from .planning import failure_free_layout
 from .relayout import JobFinished, JobStopped
 from .loop import Trainer, log
+from .migration import StateLost
 from .model import (
     batched_p2p_is_safe,
     build_model_chunks,
@@ -105,7 +106,7 @@ def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: in
     with trainer.monitor:
         try:
             run_elastic(trainer)
-        except (CannotContinue, StepFailed) as stopped:
+        except (CannotContinue, StateLost, StepFailed) as stopped:
             trainer.store.set(FINISHED_KEY, str(stopped) or type(stopped).__name__)
             raise
         finally:

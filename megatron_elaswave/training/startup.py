@@ -76,18 +76,12 @@ class StartupWatch:
 
     def stop_if_a_rank_died(self, error: BaseException, wait_s: float = 2.0) -> None:
         """Called with ``error`` in hand: if it is a collective's (a peer's death fails gloo's
-        operations with a plain ``RuntimeError``), give the launcher ``wait_s`` seconds to record
-        a death, and stop with it if one comes. Returns at once if the job has started or the
-        error is of another kind, and after ``wait_s`` if no death comes."""
+        operations with a plain ``RuntimeError``), give the watch ``wait_s`` seconds to read a
+        death the launcher records, and stop with it. Returns at once if the job has started or
+        the error is of another kind, and after ``wait_s`` if no death comes."""
         collective = type(error) is RuntimeError or isinstance(error, torch.distributed.DistError)
-        if self._closed.is_set() or not collective:
-            return
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            if (death := self._first_death()) is not None:
-                self._decide_stop(death)
-                return
-            time.sleep(_POLL_S)
+        if collective:
+            self._closed.wait(wait_s)
 
     def wait_until_started(self, timeout: timedelta) -> None:
         """Mark this rank ready, wait until every rank is, then stop watching: from here the
@@ -115,20 +109,14 @@ class StartupWatch:
             return None
         return self._store.get(START_VERDICT_KEY).decode()
 
-    def _first_death(self, store: Store | None = None) -> WorkerDeath | None:
-        deaths = read_deaths(store or self._store)
-        return deaths[0] if deaths else None
-
-    def _decide_stop(self, death: WorkerDeath, store: Store | None = None) -> None:
-        store = store or self._store
-        verdict = store.compare_set(START_VERDICT_KEY, "", self._reason(death)).decode()
-        if verdict != STARTED:
-            store.set(FINISHED_KEY, verdict)  # a replacement waiting to join leaves
-            self._stop(verdict, self._exit_status)
-        self._closed.set()  # the job started first: the monitors handle this death
-
     def _watch(self) -> None:
+        store = self._watch_store
         while not self._closed.wait(_POLL_S):
-            if (death := self._first_death(self._watch_store)) is not None:
-                self._decide_stop(death, self._watch_store)
+            if deaths := read_deaths(store):
+                reason = self._reason(deaths[0])
+                verdict = store.compare_set(START_VERDICT_KEY, "", reason).decode()
+                if verdict != STARTED:
+                    store.set(FINISHED_KEY, verdict)  # a replacement waiting to join leaves
+                    self._stop(verdict, self._exit_status)
+                self._closed.set()  # or the job started first: the monitors handle the death
                 return
