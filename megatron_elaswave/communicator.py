@@ -42,7 +42,7 @@ import enum
 import hashlib
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -52,7 +52,7 @@ from torch.distributed import distributed_c10d
 
 from megatron_elaswave.layout import Layout, Replica
 from megatron_elaswave.keys import communicator_key, generation_prefix
-from megatron_elaswave.store import wait_for_keys
+from megatron_elaswave.store import WaitInterrupted, wait_for_keys
 from megatron_elaswave.world import InterruptibleStore, recording_connections, retire
 
 if TYPE_CHECKING:
@@ -240,7 +240,8 @@ def _group_name(generation: int, world_ranks: Sequence[int]) -> str:
 
 
 def _new_named_group(world_ranks: Sequence[int], name: str, backend: str,
-                     timeout: timedelta, store: Store, creation_timeout: timedelta) -> ProcessGroup:
+                     timeout: timedelta, store: Store, creation_timeout: timedelta,
+                     abort: threading.Event | None) -> ProcessGroup:
     """A group created by its members only, under a name they all derive the same way.
 
     ``new_group(ranks, use_local_synchronization=True)`` cannot be used as is: torch 2.13 names
@@ -249,9 +250,13 @@ def _new_named_group(world_ranks: Sequence[int], name: str, backend: str,
     between ranks of a heterogeneous layout) rendezvous under different store prefixes and time
     out (observed). This is that function's body with the name and the store given (the
     rendezvous runs on ``store``, bounded by ``creation_timeout``). Checked against torch 2.13.
+
+    With ``abort``, raises :class:`~megatron_elaswave.store.WaitInterrupted` as soon as it is
+    set, even while the members connect (see :func:`_unless_aborted`).
     """
     default_group = distributed_c10d._get_default_group()
-    with recording_connections():  # so that a failure can abort what runs on it
+
+    def create() -> ProcessGroup:
         group, _ = distributed_c10d._new_process_group_helper(
             len(world_ranks),
             list(world_ranks).index(default_group.rank()),
@@ -262,9 +267,46 @@ def _new_named_group(world_ranks: Sequence[int], name: str, backend: str,
             timeout=creation_timeout,
             group_desc=name,
         )
+        return group
+
+    with recording_connections():  # so that a failure can abort what runs on it
+        group = create() if abort is None else _unless_aborted(create, abort, name)
     distributed_c10d._world.pg_group_ranks[group] = {r: i for i, r in enumerate(world_ranks)}
     group.set_timeout(timeout)
     return group
+
+
+_ABORT_POLL_S = 0.01
+
+
+def _unless_aborted(create: Callable[[], ProcessGroup], abort: threading.Event,
+                    name: str) -> ProcessGroup:
+    """``create()`` run on a thread of its own; raises
+    :class:`~megatron_elaswave.store.WaitInterrupted` as soon as ``abort`` is set.
+
+    Gloo's connection step cannot be interrupted (:data:`CREATION_TIMEOUT`), but it releases the
+    GIL, so the caller can stop waiting for it. The thread is left to gloo: it ends when gloo
+    gives up on the dead member. A group it forms after all (every member alive, the failure
+    elsewhere) is never used: every survivor re-creates its groups in the recovery that follows,
+    under the next generation's names.
+    """
+    outcome: list[ProcessGroup | BaseException] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome.append(create())
+        except BaseException as error:  # handed to the caller, or dropped once it gave up
+            outcome.append(error)
+        done.set()
+
+    threading.Thread(target=run, name=f"elaswave-connect-{name}", daemon=True).start()
+    while not done.wait(_ABORT_POLL_S):
+        if abort.is_set():
+            raise WaitInterrupted(f"a failure was detected while group {name} connected")
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
 
 
 CREATION_TIMEOUT = timedelta(seconds=2)
@@ -273,7 +315,9 @@ a grow), once they have met in the store and read one another's addresses (a rea
 detected failure interrupts, see :class:`~megatron_elaswave.world.InterruptibleStore`). Gloo
 keeps connecting to a member that died after publishing its address, and waiting for one that
 gave up, for about five times this (measured with torch 2.13), and the abort cannot reach
-connections still being made; the groups take their op timeout once formed."""
+connections still being made. A group of a recovery stops being waited for when the failure is
+detected (:func:`_unless_aborted`); the global groups of a grow's rebuild wait it out. Groups
+take their op timeout once formed."""
 
 
 def _store_barrier(store: Store, key: str, count: int, timeout: timedelta,
@@ -538,13 +582,14 @@ class GroupRegistry:
                       abort: threading.Event | None) -> ProcessGroup:
         """A group created by its members only. They first meet in the store, where ``abort``
         interrupts the wait: gloo's rendezvous would wait for a dead member (until
-        :data:`CREATION_TIMEOUT`)."""
+        :data:`CREATION_TIMEOUT`). ``abort`` also ends the wait while the members connect."""
         world = [self._world_ranks[r] for r in members]
         name = _group_name(self._generation, world)
         _store_barrier(self._store, communicator_key(self._generation, name), len(members),
                        self._timeout, abort)
         return _new_named_group(world, name, self._backend, self._timeout,
-                                self._rendezvous_store(abort), self._creation_timeout(abort))
+                                self._rendezvous_store(abort), self._creation_timeout(abort),
+                                abort)
 
     def _creation_timeout(self, abort: threading.Event | None) -> timedelta:
         """:data:`CREATION_TIMEOUT` where a monitor tells of failures; at start-up, when the

@@ -33,7 +33,10 @@ others' (a blocking read), then the members connect to one another. A member tha
 publishing leaves the others in the read until the creation timeout. Groups are therefore
 created on an :class:`InterruptibleStore`, whose blocking reads poll and give up as soon as a
 failure is detected. The connections of the second step cannot be interrupted: a member that
-dies after publishing keeps the others for about five times the creation timeout.
+dies or hangs after publishing keeps the others for about five times the creation timeout. Gloo
+releases the GIL meanwhile, so a group formed in a recovery is created on a thread of its own and
+the survivor stops waiting for it once the failure is detected
+(``communicator._unless_aborted``).
 
 Now and then a send of a ring all-reduce is not failed by the closed connections: gloo's
 worker thread stays in ``UnboundBuffer::waitSend`` until its deadline. The training thread does

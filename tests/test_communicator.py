@@ -6,17 +6,29 @@ The multi-process tests run gloo workers under ``elaswave-run`` (``tests/workers
 
 from __future__ import annotations
 
+import itertools
 import json
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 
+import psutil
 import pytest
 import torch.distributed as dist
 from harness import free_port, launch, worker_script
 
-from megatron_elaswave.communicator import EditMode, GroupSpec, Role, group_specs, member_lists, plan_edit
+from megatron_elaswave.communicator import (
+    CREATION_TIMEOUT,
+    EditMode,
+    GroupSpec,
+    Role,
+    group_specs,
+    member_lists,
+    plan_edit,
+)
 from megatron_elaswave.layout import Layout, Replica, StageInstance
 from megatron_elaswave.store import WaitInterrupted
 from megatron_elaswave.world import InterruptibleStore
@@ -159,6 +171,39 @@ def test_a_rendezvous_waiting_for_a_missing_member_ends_when_a_failure_is_detect
                                 world_size=2, timeout=timedelta(seconds=60))
     assert 0.4 < time.monotonic() - started < 10
     assert not dist.is_initialized()
+
+
+@multiprocess
+@pytest.mark.timeout(300)
+def test_a_recovery_stops_connecting_to_a_member_that_hung_after_publishing_its_address(tmp_path):
+    """Gloo alone would keep rank 0 waiting for the stopped rank 1 for about five times
+    ``CREATION_TIMEOUT`` (10 s); the edit ends within one of them of the failure's detection,
+    with WaitInterrupted (the recovery then starts again without the hung member)."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timedelta(seconds=90),
+                          wait_for_workers=False)
+    workers = [subprocess.Popen([sys.executable, worker_script("group_connect_abort.py"), str(rank),
+                                 str(port), str(tmp_path)]) for rank in (0, 1)]
+    hung = psutil.Process(workers[1].pid)
+    try:
+        for generation in itertools.count(1):
+            store.wait([f"test/published/{generation}"])
+            deadline = time.monotonic() + 10
+            while hung.status() != psutil.STATUS_STOPPED:
+                assert time.monotonic() < deadline, "rank 1 did not stop"
+                time.sleep(0.01)
+            store.set(f"test/stopped/{generation}", "")
+            store.wait([f"test/result/{generation}"])
+            if store.get(f"test/result/{generation}") == b"ended":
+                break
+            hung.resume()  # the group formed without waiting: try the next generation
+        assert workers[0].wait(timeout=60) == 0
+    finally:
+        for worker in workers:
+            worker.kill()
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    assert report["error"].startswith("WaitInterrupted: a failure was detected"), report
+    assert report["after_abort_s"] < CREATION_TIMEOUT.total_seconds(), report
 
 
 def test_an_interruptible_store_reads_and_writes_through():
