@@ -11,11 +11,13 @@ c. loss deviation after a failure: ElasWave, Megatron's RNG, drop-replica, rerou
    (``bench/convergence.py``);
 d. post-failure throughput at 96 devices and at 10^3 to 10^5 devices (the calibrated simulator);
 e. MTTR against restart-from-checkpoint and TorchFT (``bench/mttr.py``);
-f. the plugin's overhead on failure-free training (``bench/overhead.py``, ``bench/snapshot.py``).
+f. the plugin's overhead on failure-free training (``bench/overhead.py``, ``bench/snapshot.py``);
+g. a seeded chaos soak: random faults of every kind on one long run (``bench/chaos.py``).
 
-Measured experiments (a, c, e, f) run real CPU processes with gloo; b and d are simulated. The
-report says which is which, and on what machine it ran. Exit status 1 if an experiment failed
-(its section then says why); the others still run.
+Measured experiments (a, c, e, f, g) run real CPU processes with gloo; b and d are simulated.
+The report says which is which, and on what machine it ran. Exit status 1 if an experiment
+failed (its section then says why); the others still run. ``--only`` with ``--keep-others``
+re-runs some experiments and keeps the others' sections from the report already there.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -58,6 +61,8 @@ class Sizes:
     snapshot: tuple[str, ...]
     scale_cases: bool
     """Simulate 10^3-10^5 devices too (a few seconds)."""
+    chaos: tuple[str, ...]
+    """Arguments of ``bench/chaos.py``."""
 
 
 FULL = Sizes(
@@ -67,6 +72,7 @@ FULL = Sizes(
     overhead=("--rounds", "4"),
     snapshot=("--rounds", "3"),
     scale_cases=True,
+    chaos=("--faults", "50", "--seed", "1"),
 )
 SMOKE = Sizes(
     communicator_configs="2x2x2", communicator_repetitions=1,
@@ -76,6 +82,7 @@ SMOKE = Sizes(
               "--warmup-iters", "2"),
     snapshot=("--nproc", "2", "--rounds", "1", "--train-iters", "6", "--warmup-iters", "2"),
     scale_cases=False,
+    chaos=("--faults", "5", "--seed", "3"),
 )
 
 
@@ -261,6 +268,54 @@ def overhead(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
     return lines, {"plugin": plugin, "snapshot": snapshot}
 
 
+CHAOS_KILLS = ("kill", "recovery-kill", "burst")
+"""Fault kinds that a launcher reports at once; ``stop`` and ``node`` are noticed by a timeout."""
+CHAOS_KILL_TARGET_S = 3.0
+CHAOS_TIMEOUT_MARGIN_S = 3.0
+
+
+def chaos_targets(results: dict) -> dict[str, float]:
+    """MTTR p90 targets per fault kind: 3 s for kills, the detecting timeout + 3 s otherwise."""
+    return {**{kind: CHAOS_KILL_TARGET_S for kind in CHAOS_KILLS},
+            "stop": results["heartbeat_timeout_s"] + CHAOS_TIMEOUT_MARGIN_S,
+            "node": results["node_timeout_s"] + CHAOS_TIMEOUT_MARGIN_S}
+
+
+def chaos(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
+    results = bench_json("chaos.py", *sizes.chaos)
+    targets = chaos_targets(results)
+    rows = [[kind, f["count"], f"{f['median_s']:.2f}", f"{f['p90_s']:.2f}", f"{f['max_s']:.2f}",
+             f"< {targets[kind]:g}", "yes" if f["p90_s"] < targets[kind] else "**no**"]
+            for kind, f in results["mttr"].items()]
+    slowest = max(results["fault_log"], key=lambda fault: fault["mttr_s"] or 0.0)
+    lines = [
+        f"Measured: `python scripts/bench/chaos.py {' '.join(sizes.chaos)}`: one run of 8 CPU "
+        "ranks (two launchers of four, TP2 x PP2 x DP2) under `elaswave-run --rejoin`, hit by "
+        "random faults (SIGKILL of a worker, SIGSTOP of one, a second SIGKILL during the "
+        "recovery from a first, a burst of 2 to 4 SIGKILLs within a second, node 1's launcher "
+        "SIGKILLed with its workers); every dead worker rejoins before the next fault. MTTR runs "
+        "from the fault's first signal to the recovery record of its last victim. Heartbeat "
+        f"timeout {results['heartbeat_timeout_s']:g} s, node timeout "
+        f"{results['node_timeout_s']:g} s.", "",
+        f"Faults: {results['faults']} ({', '.join(f'{n} {k}' for k, n in results['faults_per_kind'].items())}); "
+        f"recoveries {results['recoveries']}, grows {results['grows']}, clean stops "
+        f"{results['clean_stops']}. Against the failure-free run of the same {results['iterations']} "
+        f"iterations: {results['samples_lost']} samples lost, largest relative loss difference "
+        f"{results['largest_relative_loss_difference']:.2e}.", "",
+        *table(["fault", "count", "MTTR median (s)", "p90 (s)", "max (s)", "p90 target (s)",
+                "met"], rows),
+        "", f"Slowest: {slowest['kind']} of ranks {slowest['victims']}, "
+        f"{slowest['mttr_s']:.2f} s"
+        + ("" if slowest.get("death_recorded_s") is None else
+           f" (its launcher recorded the first death {slowest['death_recorded_s']:.2f} s after "
+           "the signal)")
+        + "; its recoveries by phase (s): " + "; ".join(
+            ", ".join(f"{k.removesuffix('_s')} {v:.2f}" for k, v in r.items() if k != "total_s")
+            for r in slowest["recoveries"]) + ".",
+    ]
+    return lines, results
+
+
 def headline_rows(figures: dict) -> list[list]:
     """One row per headline figure: what, measured or simulated, ours, the paper's (or the
     target), ours / paper."""
@@ -297,6 +352,15 @@ def headline_rows(figures: dict) -> list[list]:
             figures["f"]["plugin"]["ratio_to_plain"]["elastic"], 1.05, ".4f", " (target: at most)")
         add("step time with K=1 snapshots / without", figures["f"]["snapshot"]["ratio_replicated"],
             1.05, ".3f", " (target: at most)")
+    if "g" in figures:
+        mttr, targets = figures["g"]["mttr"], chaos_targets(figures["g"])
+        kills = [mttr[kind]["p90_s"] for kind in CHAOS_KILLS if kind in mttr]
+        if kills:
+            add("chaos soak: MTTR p90 of kills (s), worst kind", max(kills), CHAOS_KILL_TARGET_S,
+                ".2f", " (target: under)")
+        if "stop" in mttr:
+            add("chaos soak: MTTR p90 of hangs (s)", mttr["stop"]["p90_s"], targets["stop"],
+                ".2f", " (target: under)")
     return rows
 
 
@@ -307,6 +371,7 @@ EXPERIMENTS = {
     "d": ("Post-failure throughput against ReCycle-style and TorchFT-style recovery", throughput),
     "e": ("MTTR against restart-from-checkpoint and TorchFT", mttr),
     "f": ("Overhead on failure-free training", overhead),
+    "g": ("Chaos soak: random faults on one long run", chaos),
 }
 
 
@@ -377,12 +442,27 @@ def machine() -> str:
             f"torch {torch.__version__}, megatron-core {version('megatron-core')}; no GPU used")
 
 
+def read_report(output: Path) -> tuple[dict[str, list[str]], dict, str]:
+    """The report in ``output``: its sections by experiment, its figures, and its line that says
+    how and when it was written."""
+    text = (output / "results.md").read_text()
+    figures = json.loads((output / "results" / "results.json").read_text())
+    sections = {block[4]: block.rstrip("\n").split("\n") + [""]
+                for block in re.split(r"(?m)^(?=## \([a-z]\))", text)[1:]}
+    written = re.search(r"(?m)^Written by .*$", text)
+    return sections, figures, written.group(0) if written else "Written earlier."
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="every experiment at toy size")
     parser.add_argument("--output", help="report directory (default: docs, or runs/reproduce-smoke "
                                          "with --smoke)")
-    parser.add_argument("--only", default="abcdef", help="experiments to run, e.g. 'ace'")
+    parser.add_argument("--only", default="".join(EXPERIMENTS),
+                        help="experiments to run, e.g. 'ace'")
+    parser.add_argument("--keep-others", action="store_true",
+                        help="keep the sections of the experiments not run from the report "
+                             "already in the output directory")
     args = parser.parse_args()
     unknown = sorted(set(args.only) - set(EXPERIMENTS))
     if unknown:
@@ -390,11 +470,18 @@ def main() -> int:
     sizes = SMOKE if args.smoke else FULL
     output = Path(args.output or ("runs/reproduce-smoke" if args.smoke else "docs"))
     plots = output / "results"
+    kept_sections, figures, earlier = {}, {}, ""
+    if args.keep_others:
+        if not (output / "results.md").exists() or not (plots / "results.json").exists():
+            parser.error(f"--keep-others: no report in {output} to keep sections from")
+        kept_sections, kept_figures, earlier = read_report(output)
+        figures = {key: value for key, value in kept_figures.items() if key not in args.only}
     plots.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    sections, figures, failed = [], {}, []
+    sections, failed = [], []
     for key, (title, experiment) in EXPERIMENTS.items():
         if key not in args.only:
+            sections += kept_sections.get(key, [])
             continue
         print(f"reproduce: ({key}) {title} ...", flush=True)
         began = time.monotonic()
@@ -404,10 +491,15 @@ def main() -> int:
             lines, failed = [f"**Not measured**: {error}"], failed + [key]
         print(f"reproduce: ({key}) done in {time.monotonic() - began:.0f} s", flush=True)
         sections += [f"## ({key}) {title}", "", *lines, ""]
+    command = ("python scripts/reproduce.py" + (" --smoke" if args.smoke else "")
+               + (f" --only {args.only}" if args.only != "".join(EXPERIMENTS) else "")
+               + (" --keep-others" if args.keep_others else ""))
+    written = (f"`{command}` on {datetime.date.today().isoformat()} in "
+               f"{time.monotonic() - started:.0f} s")
     header = [
         "# Results: the paper's evaluation, reproduced", "",
-        f"Written by `python scripts/reproduce.py{' --smoke' if args.smoke else ''}` on "
-        f"{datetime.date.today().isoformat()} in {time.monotonic() - started:.0f} s.", "",
+        (f"{earlier} Sections {', '.join(f'({key})' for key in args.only)} written again by "
+         f"{written}." if args.keep_others else f"Written by {written}."), "",
         f"Machine: {machine()}.", "",
         "Measured figures come from real CPU processes (gloo) on that machine, which is shared "
         "and noisy: medians and ratios of interleaved runs. Simulated figures come from the "

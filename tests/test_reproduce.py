@@ -32,3 +32,38 @@ def test_unknown_experiments_are_refused(tmp_path):
     result = subprocess.run([sys.executable, str(REPRODUCE), "--only", "az", "--output", str(tmp_path)],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "unknown experiments ['z']" in result.stderr
+
+
+def test_keep_others_runs_some_experiments_again_and_keeps_the_rest(tmp_path):
+    # An earlier report with a measured section (a), as a full run writes it.
+    communicator = ["## (a) Communicator recovery: in place against partial and full rebuild", "",
+                    "Measured: a table of the earlier run.", ""]
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results.md").write_text("\n".join([
+        "# Results: the paper's evaluation, reproduced", "",
+        "Written by `python scripts/reproduce.py` on 2026-01-02 in 1290 s.", "",
+        "## Headline figures", "", *communicator]))
+    (tmp_path / "results" / "results.json").write_text(json.dumps(
+        {"a": {"tp2pp2dp2": {"full_over_inplace": 2.2, "partial_over_inplace": 1.1,
+                             "inplace_s": 0.15}}}))
+    result = subprocess.run([sys.executable, str(REPRODUCE), "--only", "b", "--keep-others",
+                             "--output", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = (tmp_path / "results.md").read_text()
+    assert ("Written by `python scripts/reproduce.py` on 2026-01-02 in 1290 s. Sections (b) "
+            "written again by `python scripts/reproduce.py --only b --keep-others` on") in report
+    kept, migration = report.split("## (a)")[1].split("## (b)")
+    assert "## (a)" + kept.rstrip("\n") == "\n".join(communicator).rstrip("\n")
+    assert "Largest reduction" in migration
+    headline = report.split("## (a)")[0]
+    assert "| (tp2pp2dp2) full rebuild / in place | measured | 2.2 |" in headline
+    assert "migration time saved by interleaved ZeRO" in headline
+    figures = json.loads((tmp_path / "results" / "results.json").read_text())
+    assert figures.keys() == {"a", "b"}
+
+
+def test_keep_others_needs_a_report_to_keep(tmp_path):
+    result = subprocess.run([sys.executable, str(REPRODUCE), "--only", "b", "--keep-others",
+                             "--output", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "no report in" in result.stderr
+    assert len(result.stderr.strip().splitlines()[-1]) < 200

@@ -20,8 +20,9 @@ every iteration must be recorded exactly once, with the same samples and a loss 
 Prints the faults injected, recoveries, grows, clean stops, samples lost, the largest relative
 loss difference, and the MTTR (from the fault's first signal to the recovery record of its last
 victim: the first step after the recovery done) median, p90 and max per fault kind;
-``--json-out`` writes them as JSON. Exit status 1 when a sample was lost, the trajectory left
-the reference, a fault was never recovered from, or the job ended before every fault was sent.
+``--json-out`` writes them as JSON, ``--json`` prints them as the last line. Exit status 1, with
+the reasons on stderr, when a sample was lost, the trajectory left the reference, a fault was
+never recovered from, or the job ended before every fault was sent.
 
     python scripts/bench/chaos.py --faults 50 --seed 1 --json-out chaos.json
 """
@@ -45,7 +46,7 @@ from pathlib import Path
 from common import SCRIPTS, free_port
 
 from megatron_elaswave.metrics import read_metrics
-from megatron_elaswave.store import read_deaths, read_worker
+from megatron_elaswave.store import WorkerDeath, read_deaths, read_worker
 
 NODES, PER_NODE = 2, 4
 RANKS = NODES * PER_NODE
@@ -84,6 +85,8 @@ class Fault:
     started: float
     """Wall-clock time of the fault's first signal."""
     mttr_s: float | None = None
+    death_recorded_s: float | None = None
+    """From the first signal to the first death record of a victim (its launcher's)."""
     breakdowns: list[dict] = field(default_factory=list)
     """The phase times (``*_s``) of the recoveries attributed to it."""
 
@@ -214,7 +217,7 @@ def percentile(values: list[float], share: float) -> float:
 
 
 def run_soak(faults: int, seed: int, kinds: tuple[str, ...],
-             workdir: Path) -> tuple[list[Fault], list[dict], str]:
+             workdir: Path) -> tuple[list[Fault], list[dict], list[WorkerDeath], str]:
     train_iters = ITERATIONS_PER_FAULT * faults + 50
     metrics = workdir / "soak.jsonl"
     port = free_port()
@@ -222,6 +225,7 @@ def run_soak(faults: int, seed: int, kinds: tuple[str, ...],
     soak = Soak(workdir, metrics, port, flags, random.Random(seed))
     soak.nodes = [Node(rank, port, flags, workdir) for rank in range(NODES)]
     injected: list[Fault] = []
+    deaths: list[WorkerDeath] = []
     try:
         soak.wait(lambda: len(soak.iterations()) >= 5, 300)
         for _ in range(faults):
@@ -242,10 +246,11 @@ def run_soak(faults: int, seed: int, kinds: tuple[str, ...],
         if soak.iterations():
             end = soak.iterations()[-1]["iteration"] + TRAILING_ITERATIONS
             soak.wait(lambda: soak.iterations()[-1]["iteration"] >= end, 120)
+        deaths = read_deaths(soak.store())
     finally:
         for node in soak.nodes:
             node.stop()
-    return injected, read_metrics(str(metrics)), "".join(
+    return injected, read_metrics(str(metrics)), deaths, "".join(
         path.read_text() for path in sorted(workdir.glob("node*.log")))
 
 
@@ -275,10 +280,15 @@ def reference_run(train_iters: int, until: int, workdir: Path) -> list[dict]:
     return [r for r in iterations if r["iteration"] <= until]
 
 
-def attribute(faults: list[Fault], recoveries: list[dict]) -> None:
-    """Each fault's MTTR: to the recovery record of its last victim after it started."""
+def attribute(faults: list[Fault], recoveries: list[dict], deaths: list[WorkerDeath]) -> None:
+    """Each fault's MTTR: to the recovery record of its last victim after it started; and when
+    a launcher first recorded a victim's death."""
     for index, fault in enumerate(faults):
         until = faults[index + 1].started if index + 1 < len(faults) else float("inf")
+        recorded = [d.time for d in deaths
+                    if d.rank in fault.victims and fault.started <= d.time < until]
+        if recorded:
+            fault.death_recorded_s = min(recorded) - fault.started
         mine = [r for r in recoveries if fault.started <= r["time"] < until
                 and set(r["failed_ranks"]) & set(fault.victims)]
         covered = {rank for r in mine for rank in r["failed_ranks"]}
@@ -288,11 +298,11 @@ def attribute(faults: list[Fault], recoveries: list[dict]) -> None:
                             for r in mine]
 
 
-def summarise(faults: list[Fault], records: list[dict], reference: list[dict],
-              output: str) -> dict:
+def summarise(faults: list[Fault], records: list[dict], deaths: list[WorkerDeath],
+              reference: list[dict], output: str) -> dict:
     iterations = [r for r in records if r["event"] == "iteration"]
     recoveries = [r for r in records if r["event"] == "recovery"]
-    attribute(faults, recoveries)
+    attribute(faults, recoveries, deaths)
     seen = [r["iteration"] for r in iterations]
     by_iteration = {r["iteration"]: r for r in iterations}
     gbs = reference[0]["global_batch_size"]
@@ -330,8 +340,10 @@ def summarise(faults: list[Fault], records: list[dict], reference: list[dict],
         "on_trajectory": lost == 0 and worst <= LOSS_TOLERANCE,
         "mttr": mttr,
         "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
+        "node_timeout_s": NODE_TIMEOUT_S,
         "fault_log": [{"kind": f.kind, "victims": f.victims, "mttr_s": f.mttr_s,
-                       "recoveries": f.breakdowns} for f in faults],
+                       "death_recorded_s": f.death_recorded_s, "recoveries": f.breakdowns}
+                      for f in faults],
     }
 
 
@@ -339,7 +351,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--faults", type=int, default=50)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--json-out", default=None)
+    parser.add_argument("--json-out", default=None, help="write the summary here as JSON")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON, last")
     parser.add_argument("--kinds", default=",".join(KINDS),
                         help=f"comma-separated fault kinds to draw from (default: {','.join(KINDS)})")
     parser.add_argument("--workdir", default=None, help="keep logs and metrics here")
@@ -351,11 +364,11 @@ def main() -> None:
         workdir = Path(args.workdir or scratch)
         workdir.mkdir(parents=True, exist_ok=True)
         print(f"soak: {args.faults} faults, seed {args.seed}, logs in {workdir}", flush=True)
-        faults, records, output = run_soak(args.faults, args.seed, kinds, workdir)
+        faults, records, deaths, output = run_soak(args.faults, args.seed, kinds, workdir)
         print("failure-free reference run", flush=True)
         trained = max((r["iteration"] for r in records if r["event"] == "iteration"), default=0)
         reference = reference_run(ITERATIONS_PER_FAULT * args.faults + 50, trained, workdir)
-        summary = summarise(faults, records, reference, output)
+        summary = summarise(faults, records, deaths, reference, output)
     print(f"faults injected: {summary['faults']} {summary['faults_per_kind']}")
     print(f"recoveries: {summary['recoveries']}, grows: {summary['grows']}, "
           f"clean stops: {summary['clean_stops']}")
@@ -365,18 +378,23 @@ def main() -> None:
     for kind, figures in summary["mttr"].items():
         print(f"  MTTR {kind:14s} n={figures['count']:3d}  median {figures['median_s']:.2f} s  "
               f"p90 {figures['p90_s']:.2f} s  max {figures['max_s']:.2f} s")
-    for name in ("iterations_missing", "iterations_recorded_twice", "iterations_on_other_samples"):
-        if summary[name]:
-            print(f"{name.replace('_', ' ')}: {summary[name]}")
+    problems = [f"{name.replace('_', ' ')}: {summary[name]}" for name in (
+        "iterations_missing", "iterations_recorded_twice", "iterations_on_other_samples")
+        if summary[name]]
     if summary["faults_without_recovery"]:
-        print(f"faults with no recovery record: {summary['faults_without_recovery']}")
+        problems.append(f"faults with no recovery record: {summary['faults_without_recovery']}")
     if summary["faults"] < args.faults:
-        print(f"only {summary['faults']} of {args.faults} faults injected: the job did not run "
-              "on every rank again, or ended, before the next one")
+        problems.append(f"only {summary['faults']} of {args.faults} faults injected: the job did "
+                        "not run on every rank again, or ended, before the next one")
+    if summary["largest_relative_loss_difference"] > LOSS_TOLERANCE:
+        problems.append(f"the loss left the failure-free run by more than {LOSS_TOLERANCE:g}")
+    for problem in problems:
+        print(problem, file=sys.stderr)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(summary, indent=2))
-    complete = summary["faults"] == args.faults and not summary["faults_without_recovery"]
-    sys.exit(0 if summary["on_trajectory"] and complete else 1)
+    if args.json:
+        print(json.dumps(summary))
+    sys.exit(1 if problems else 0)
 
 
 if __name__ == "__main__":
