@@ -54,3 +54,30 @@ def read_metrics(path: str, event: str | None = None) -> list[dict]:
     with open(path, encoding="utf-8") as handle:
         records = [json.loads(line) for line in handle if line.strip()]
     return [r for r in records if event is None or r["event"] == event]
+
+
+class MetricsFollower:
+    """The records of a metrics file that another process is still writing, read as it grows:
+    each :meth:`poll` parses only the lines appended since the previous one, so following a long
+    run costs what it writes, not what it has written. A line still being written is left for
+    the next poll."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self._path = os.fspath(path)
+        self._offset = 0
+        self.records: list[dict] = []
+        """Every complete record read so far, in order."""
+
+    def poll(self) -> list[dict]:
+        """:attr:`records`, with those appended since the last call (none while the file does
+        not exist)."""
+        try:
+            with open(self._path, "rb") as handle:
+                handle.seek(self._offset)
+                appended = handle.read()
+        except FileNotFoundError:
+            return self.records
+        complete = appended[: appended.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        self.records += [json.loads(line) for line in complete.splitlines() if line.strip()]
+        return self.records

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from common import SCRIPTS, free_port
 
-from megatron_elaswave.metrics import read_metrics
+from megatron_elaswave.metrics import MetricsFollower, read_metrics
 from megatron_elaswave.store import WorkerDeath, read_deaths, read_worker
 
 NODES, PER_NODE = 2, 4
@@ -135,6 +135,15 @@ class Soak:
     rng: random.Random
     nodes: list[Node] = field(default_factory=list)
     _store: object = None
+    _follower: MetricsFollower | None = None
+
+    def records(self) -> list[dict]:
+        """The job's records so far. Read as the file grows: the soak polls them every 50 ms,
+        and parsing the whole file each time took enough of the two cores to starve the
+        replacements starting beside the job."""
+        if self._follower is None:
+            self._follower = MetricsFollower(self.metrics)
+        return self._follower.poll()
 
     def store(self):
         from torch.distributed import TCPStore
@@ -145,7 +154,7 @@ class Soak:
         return self._store
 
     def iterations(self) -> list[dict]:
-        return read_metrics(str(self.metrics), "iteration") if self.metrics.exists() else []
+        return [r for r in self.records() if r["event"] == "iteration"]
 
     def running(self) -> bool:
         return self.nodes[0].process.poll() is None
@@ -160,12 +169,12 @@ class Soak:
         return False
 
     def recoveries(self) -> int:
-        return len(read_metrics(str(self.metrics), "recovery")) if self.metrics.exists() else 0
+        return sum(r["event"] == "recovery" for r in self.records())
 
     def whole(self) -> bool:
         """Whether the job runs on every rank again: its last iteration came after every
         recovery and grow, on all ranks."""
-        records = read_metrics(str(self.metrics)) if self.metrics.exists() else []
+        records = self.records()
         changes = [r["time"] for r in records if r["event"] in ("recovery", "grow")]
         last = next((r for r in reversed(records) if r["event"] == "iteration"), None)
         return (last is not None and last["world_size"] == RANKS
