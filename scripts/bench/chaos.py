@@ -33,11 +33,11 @@ import argparse
 import json
 import os
 import random
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -180,6 +180,13 @@ class Soak:
         return (last is not None and last["world_size"] == RANKS
                 and last["time"] > max(changes, default=0.0))
 
+    def deaths(self, known: list[WorkerDeath]) -> list[WorkerDeath]:
+        """Every death recorded so far; ``known`` once the job, and its store, are gone."""
+        try:
+            return read_deaths(self.store()) if self.running() else known
+        except RuntimeError:  # the store went away meanwhile
+            return known
+
     def pid(self, rank: int) -> int:
         return read_worker(self.store(), rank).pid
 
@@ -250,12 +257,13 @@ def run_soak(faults: int, seed: int, kinds: tuple[str, ...],
             soak.wait(lambda: soak.recoveries() > recovered, 60)
             print(f"  fault {len(injected)}: {injected[-1].kind} of ranks {injected[-1].victims}",
                   flush=True)
+            deaths = soak.deaths(deaths)
         # The soak ends once the last fault is recovered from and the job is whole again.
         soak.wait(soak.whole, 300)
         if soak.iterations():
             end = soak.iterations()[-1]["iteration"] + TRAILING_ITERATIONS
             soak.wait(lambda: soak.iterations()[-1]["iteration"] >= end, 120)
-        deaths = read_deaths(soak.store())
+        deaths = soak.deaths(deaths)
     finally:
         for node in soak.nodes:
             node.stop()
@@ -364,20 +372,23 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the summary as JSON, last")
     parser.add_argument("--kinds", default=",".join(KINDS),
                         help=f"comma-separated fault kinds to draw from (default: {','.join(KINDS)})")
-    parser.add_argument("--workdir", default=None, help="keep logs and metrics here")
+    parser.add_argument("--workdir", default=None,
+                        help="keep logs and metrics here (default: runs/chaos-seed<SEED>, emptied "
+                             "first)")
     args = parser.parse_args()
     kinds = tuple(args.kinds.split(","))
     if not set(kinds) <= set(KINDS) or args.faults < 1:
         parser.error(f"--kinds takes some of {', '.join(KINDS)}; --faults must be positive")
-    with tempfile.TemporaryDirectory() as scratch:
-        workdir = Path(args.workdir or scratch)
-        workdir.mkdir(parents=True, exist_ok=True)
-        print(f"soak: {args.faults} faults, seed {args.seed}, logs in {workdir}", flush=True)
-        faults, records, deaths, output = run_soak(args.faults, args.seed, kinds, workdir)
-        print("failure-free reference run", flush=True)
-        trained = max((r["iteration"] for r in records if r["event"] == "iteration"), default=0)
-        reference = reference_run(ITERATIONS_PER_FAULT * args.faults + 50, trained, workdir)
-        summary = summarise(faults, records, deaths, reference, output)
+    workdir = Path(args.workdir) if args.workdir else SCRIPTS.parent / "runs" / f"chaos-seed{args.seed}"
+    if not args.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)  # the launchers' logs are appended to
+    workdir.mkdir(parents=True, exist_ok=True)
+    print(f"soak: {args.faults} faults, seed {args.seed}, logs in {workdir}", flush=True)
+    faults, records, deaths, output = run_soak(args.faults, args.seed, kinds, workdir)
+    print("failure-free reference run", flush=True)
+    trained = max((r["iteration"] for r in records if r["event"] == "iteration"), default=0)
+    reference = reference_run(ITERATIONS_PER_FAULT * args.faults + 50, trained, workdir)
+    summary = summarise(faults, records, deaths, reference, output)
     print(f"faults injected: {summary['faults']} {summary['faults_per_kind']}")
     print(f"recoveries: {summary['recoveries']}, grows: {summary['grows']}, "
           f"clean stops: {summary['clean_stops']}")
