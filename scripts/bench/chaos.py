@@ -135,14 +135,15 @@ class Soak:
     rng: random.Random
     nodes: list[Node] = field(default_factory=list)
     _store: object = None
-    _follower: MetricsFollower | None = None
+    _follower: MetricsFollower = field(init=False)
+
+    def __post_init__(self) -> None:
+        # The soak polls the records every 50 ms: parsing the whole file each time took enough
+        # of the two cores to starve the replacements starting beside the job.
+        self._follower = MetricsFollower(self.metrics)
 
     def records(self) -> list[dict]:
-        """The job's records so far. Read as the file grows: the soak polls them every 50 ms,
-        and parsing the whole file each time took enough of the two cores to starve the
-        replacements starting beside the job."""
-        if self._follower is None:
-            self._follower = MetricsFollower(self.metrics)
+        """The job's records so far, read as the file grows."""
         return self._follower.poll()
 
     def store(self):
