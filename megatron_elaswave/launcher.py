@@ -16,6 +16,9 @@ decide what to do. It guarantees:
   declares a node lost after ``--node-timeout`` seconds of silence and records the deaths of its
   workers. An agent that finds its node declared lost (it was stalled, not dead) kills its
   workers, so a node the job has given up on cannot come back into it.
+* **Workers start forked from a preloaded server** (:mod:`megatron_elaswave.spawn`), unless
+  ``--preload none``: they are the agent's own children all the same, so everything below holds
+  for them as for workers it executes.
 * **Replacements join the running job.** With ``--rejoin``, a worker that dies is started again
   in its slot (same rank) after ``--rejoin-delay`` seconds, at most ``--max-rejoins`` times per
   slot and never once a worker of the node has finished or stopped the job (status 2, bad
@@ -46,7 +49,6 @@ Exit status of an agent, judged on its own node's workers:
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import json
 import os
@@ -58,9 +60,18 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import IO, TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from megatron_elaswave.decisions import Decision
+from megatron_elaswave.spawn import (
+    DEFAULT_PRELOAD,
+    ForkedWorker,
+    ForkServer,
+    ForkServerError,
+    can_fork_workers,
+    die_with_parent,
+    reap_orphans,
+)
 from megatron_elaswave.keys import decision_key, node_done_key, node_heartbeat_key, node_key, node_lost_key
 from megatron_elaswave.store import (
     EXITED,
@@ -104,8 +115,6 @@ _JOIN_POLL_INTERVAL_S = 0.1
 # Bounds every store call of an agent, so that a stalled store host cannot freeze its supervision.
 _STORE_TIMEOUT = timedelta(seconds=30)
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 _T = TypeVar("_T")
 
@@ -173,6 +182,9 @@ class LaunchConfig:
     exclusion_grace_s: float = 10.0
     """How long a worker that the job excluded (stopped or hung, not dead) has to leave by
     itself before the agent kills it."""
+    preload: tuple[str, ...] = DEFAULT_PRELOAD
+    """Modules a fork server imports once, while the job forms, to fork every worker from
+    (:mod:`megatron_elaswave.spawn`); empty to execute each worker afresh."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -206,15 +218,26 @@ class LaunchConfig:
         return node * self.nproc_per_node + local_rank
 
     def worker_command(self) -> list[str]:
-        """The command line of every worker (unbuffered, so logs keep up with a failure). A
-        script of a Megatron-LM checkout runs through the adaptor's runner."""
+        """The command line of every worker (unbuffered, so logs keep up with a failure)."""
+        return [sys.executable, "-u", *self.worker_argv()]
+
+    def worker_argv(self) -> list[str]:
+        """What follows the interpreter and its flags in :meth:`worker_command`. A script of a
+        Megatron-LM checkout runs through the adaptor's runner."""
         if self.run_as_module:
             entry = ["-m", self.script]
         elif is_megatron_lm_script(self.script):
             entry = ["-m", MEGATRON_LM_RUNNER, self.script]
         else:
             entry = [self.script]
-        return [sys.executable, "-u", *entry, *self.script_args]
+        return [*entry, *self.script_args]
+
+    @staticmethod
+    def shared_worker_env(base: Mapping[str, str]) -> dict[str, str]:
+        """The part of :meth:`worker_env` that is the same for every worker of the node."""
+        env = dict(base)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
 
     def worker_env(self, local_rank: int, base: Mapping[str, str], *,
                    restart_count: int = 0, rejoining: bool = False) -> dict[str, str]:
@@ -224,8 +247,7 @@ class LaunchConfig:
         ``TORCHELASTIC_USE_AGENT_STORE=True`` makes ``init_process_group(init_method="env://")``
         connect to the agent's store as a client instead of hosting a store in rank 0.
         """
-        env = dict(base)
-        env.setdefault("OMP_NUM_THREADS", "1")
+        env = self.shared_worker_env(base)
         rank, world_size = self.global_rank(local_rank), str(self.world_size)
         env.update(
             RANK=str(rank),
@@ -278,15 +300,32 @@ def run(config: LaunchConfig) -> int:
     # c10d logs a warning with a stack trace when a store connection drops; the agent reports
     # that itself, in one line. Takes effect where torch is imported, below.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    with _SignalLatch() as signals:
-        try:
-            store = _host_store(config) if config.is_store_host else _connect(config, signals)
-            replaces_lost_node = _join(store, config, signals)
-        except _Interrupted as interrupt:
-            _log(f"received {_signal_name(interrupt.signum)} before the workers started")
-            return 128 + interrupt.signum
-        return _NodeAgent(config, store, signals, worker_base_env,
-                          rejoining=replaces_lost_node).run()
+    fork_server = _start_fork_server(config, worker_base_env)  # preloads while the job forms
+    try:
+        with _SignalLatch() as signals:
+            try:
+                store = _host_store(config) if config.is_store_host else _connect(config, signals)
+                replaces_lost_node = _join(store, config, signals)
+            except _Interrupted as interrupt:
+                _log(f"received {_signal_name(interrupt.signum)} before the workers started")
+                return 128 + interrupt.signum
+            return _NodeAgent(config, store, signals, worker_base_env, fork_server,
+                              rejoining=replaces_lost_node).run()
+    finally:
+        if fork_server is not None:
+            fork_server.close()
+
+
+def _start_fork_server(config: LaunchConfig, worker_base_env: Mapping[str, str]
+                       ) -> ForkServer | None:
+    """The fork server that starts this node's workers, or ``None`` to execute them."""
+    if not config.preload or not can_fork_workers():
+        return None
+    try:
+        return ForkServer(config.preload, config.shared_worker_env(worker_base_env))
+    except (ForkServerError, OSError) as error:
+        _log(f"starting workers without preloading: {error}")
+        return None
 
 
 def _log(message: str) -> None:
@@ -472,18 +511,10 @@ def _replace_lost_node(store: TCPStore, config: LaunchConfig, signals: _SignalLa
     _log(f"replacing lost node rank {config.node_rank}: its workers join the running job")
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Runs in a worker between fork and exec: the kernel SIGKILLs it when its agent dies."""
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
-    if os.getppid() != parent_pid:  # the agent died before the request took effect
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
 @dataclass
 class _Worker:
     record: WorkerRecord
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedWorker
 
 
 @dataclass
@@ -503,10 +534,13 @@ class _NodeAgent:
         store: TCPStore,
         signals: _SignalLatch,
         worker_base_env: Mapping[str, str],
+        fork_server: ForkServer | None,
         *,
         rejoining: bool = False,
     ) -> None:
         self._config = config
+        self._fork_server = fork_server
+        """Forks the workers once its preload is done; ``None`` to execute them."""
         self._rejoining = rejoining
         """The agent replaces a lost node: its first workers join a running job too."""
         self._worker_base_env = worker_base_env
@@ -517,8 +551,9 @@ class _NodeAgent:
         self._peers: dict[int, _PeerWatch] = {}
         self._lost_nodes: set[int] = set()
         """On node 0: nodes declared lost, watched again once an agent replaces them."""
-        self._restarts: dict[int, float] = {}
-        """``{local rank: monotonic time}`` of the replacements due (``--rejoin``)."""
+        self._due_starts: dict[int, float] = {}
+        """``{local rank: monotonic time}`` of the starts due: the first ones, and the
+        replacements (``--rejoin``)."""
         self._starts: dict[int, int] = {}
         """How many times each local rank was started."""
         self._heartbeat_interval_s = min(1.0, config.node_timeout_s / 4)
@@ -554,8 +589,9 @@ class _NodeAgent:
         return status
 
     def _spawn_workers(self) -> None:
-        for local_rank in range(self._config.nproc_per_node):
-            self._start(local_rank)
+        """Make every local rank due now; :meth:`_start_due` starts them."""
+        now = time.monotonic()
+        self._due_starts = {local_rank: now for local_rank in range(self._config.nproc_per_node)}
 
     def _start(self, local_rank: int) -> None:
         worker = self._spawn(local_rank)
@@ -572,20 +608,18 @@ class _NodeAgent:
         rank = config.global_rank(local_rank)
         restart_count = self._starts.get(local_rank, 0)
         self._starts[local_rank] = restart_count + 1
-        log = self._open_log(rank, append=restart_count > 0)
-        try:
-            process = subprocess.Popen(
-                config.worker_command(),
-                env=config.worker_env(local_rank, self._worker_base_env,
-                                      restart_count=restart_count,
-                                      rejoining=self._rejoining or restart_count > 0),
-                stdout=log,
-                stderr=None if log is None else subprocess.STDOUT,
-                preexec_fn=functools.partial(_die_with_parent, os.getpid()),
-            )
-        finally:
-            if log is not None:
-                log.close()  # the worker has its own descriptor
+        env = config.worker_env(local_rank, self._worker_base_env, restart_count=restart_count,
+                                rejoining=self._rejoining or restart_count > 0)
+        log_path = self._log_path(rank)
+        append = restart_count > 0
+        process: subprocess.Popen | ForkedWorker | None = None
+        if self._fork_server is not None:
+            try:
+                process = self._fork_server.spawn(config.worker_argv(), env, log_path, append)
+            except ForkServerError as error:
+                self._stop_forking(error)
+        if process is None:
+            process = self._execute(env, log_path, append)
         record = WorkerRecord(
             rank=rank,
             local_rank=local_rank,
@@ -595,17 +629,48 @@ class _NodeAgent:
         )
         return _Worker(record, process)
 
-    def _open_log(self, rank: int, append: bool = False) -> IO[bytes] | None:
+    def _execute(self, env: Mapping[str, str], log_path: str | None,
+                 append: bool) -> subprocess.Popen:
+        log = None if log_path is None else open(log_path, "ab" if append else "wb")
+        try:
+            return subprocess.Popen(
+                self._config.worker_command(),
+                env=env,
+                stdout=log,
+                stderr=None if log is None else subprocess.STDOUT,
+                preexec_fn=functools.partial(die_with_parent, os.getpid()),
+            )
+        finally:
+            if log is not None:
+                log.close()  # the worker has its own descriptor
+
+    def _log_path(self, rank: int) -> str | None:
         if self._config.log_dir is None:
             return None
-        return open(os.path.join(self._config.log_dir, f"rank{rank}.log"), "ab" if append else "wb")
+        return os.path.join(self._config.log_dir, f"rank{rank}.log")
+
+    def _can_start(self) -> bool:
+        """Whether workers can start now: the fork server (if any) has preloaded."""
+        if self._fork_server is None:
+            return True
+        try:
+            return self._fork_server.ready()
+        except ForkServerError as error:
+            self._stop_forking(error)
+            return True
+
+    def _stop_forking(self, error: ForkServerError) -> None:
+        _log(f"starting workers without preloading: {error}")
+        assert self._fork_server is not None
+        self._fork_server.close()
+        self._fork_server = None
 
     def _supervise(self) -> int:
         """Run until every local worker has ended and every other node has finished or been
         lost (node 0 must keep the store up until then); returns the exit status."""
-        while self._running or self._peers or self._restarts:
+        while self._running or self._peers or self._due_starts:
             self._reap()
-            self._restart_due()
+            self._start_due()
             if self._signals.received:
                 return self._shut_down(self._signals.received[0])
             if time.monotonic() >= self._next_heartbeat:
@@ -630,9 +695,14 @@ class _NodeAgent:
                     self._returncodes.append(returncode)
                 self._report_end(worker.record, returncode)
                 if returncode in JOB_OVER_STATUSES:
-                    self._restarts.clear()  # the job is ending: nothing left to join
+                    self._due_starts.clear()  # the job is ending: nothing left to join
                 else:
                     self._schedule_restart(worker.record)
+        # As a subreaper the agent adopts its workers' orphans: they end here.
+        known = {worker.process.pid for worker in self._running.values()}
+        if self._fork_server is not None:
+            known.add(self._fork_server.process.pid)
+        reap_orphans(known)
 
     def _schedule_restart(self, worker: WorkerRecord) -> None:
         config = self._config
@@ -643,19 +713,22 @@ class _NodeAgent:
             _log(f"worker rank {worker.rank} was started again {_plural(restarts, 'time')} "
                  f"already (--max-rejoins {config.max_rejoins}); not restarting it")
             return
-        self._restarts[worker.local_rank] = time.monotonic() + config.rejoin_delay_s
+        self._due_starts[worker.local_rank] = time.monotonic() + config.rejoin_delay_s
         _log(f"restarting worker rank {worker.rank} in {config.rejoin_delay_s:g} s to rejoin "
              "the job")
 
-    def _restart_due(self) -> None:
+    def _start_due(self) -> None:
         now = time.monotonic()
-        for local_rank, due in list(self._restarts.items()):
-            if now >= due:
-                del self._restarts[local_rank]
-                self._start(local_rank)
+        due = [local_rank for local_rank, when in self._due_starts.items() if now >= when]
+        if not due or not self._can_start():
+            return
+        for local_rank in due:
+            del self._due_starts[local_rank]
+            self._start(local_rank)
+            if self._starts[local_rank] > 1:
                 rank = self._config.global_rank(local_rank)
-                _log(f"started worker rank {rank} (pid {self._running[rank].record.pid}) again; "
-                     "it joins the job at the next step boundary")
+                _log(f"started worker rank {rank} (pid {self._running[rank].record.pid}) "
+                     "again; it joins the job at the next step boundary")
 
     def _report_end(self, worker: WorkerRecord, returncode: int) -> None:
         now = time.time()
@@ -718,7 +791,7 @@ class _NodeAgent:
         config = self._config
         _log(f"lost the job store at {config.master_addr}:{config.master_port} (node 0's agent; "
              f"{self._store_lost}): the job cannot go on; stopping this node's workers")
-        self._restarts.clear()
+        self._due_starts.clear()
         self._wait_then_kill(config.shutdown_grace_s)
         return LOST_STORE_EXIT_STATUS
 

@@ -42,6 +42,12 @@ def _seconds(parser: argparse.ArgumentParser, name: str, field_name: str, help: 
                         help=help)
 
 
+def _modules(value: str) -> tuple[str, ...]:
+    if value.strip().lower() == "none":
+        return ()
+    return tuple(name.strip() for name in value.split(",") if name.strip())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog=PROG,
@@ -101,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
              "a worker the job excluded (stopped or hung, not dead) is killed this long after "
              "the decision")
     parser.add_argument(
+        "--preload",
+        type=_modules,
+        default=_default("preload"),
+        metavar="MODULES",
+        help="comma-separated modules to import once and fork every worker from (default: "
+        "torch and megatron-core's GPT stack); 'none' to start each worker afresh",
+    )
+    parser.add_argument(
         "-m", "--module", action="store_true", help="run the entry point as a Python module"
     )
     parser.add_argument(
@@ -135,6 +149,7 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         rejoin_delay_s=args.rejoin_delay,
         max_rejoins=args.max_rejoins,
         exclusion_grace_s=args.exclusion_grace,
+        preload=args.preload,
     )
 
 

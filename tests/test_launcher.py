@@ -22,7 +22,7 @@ from harness import free_port, is_gone, launch, wait_until, worker_script
 
 from megatron_elaswave.launcher import LaunchConfig, accepts_connections, job_exit_status
 from megatron_elaswave.run import parse_config
-from megatron_elaswave.keys import death_key
+from megatron_elaswave.keys import death_key, worker_key
 from megatron_elaswave.store import WorkerDeath, read_deaths, read_exit, record_death
 
 multiprocess = pytest.mark.multiprocess
@@ -118,20 +118,27 @@ def test_read_deaths_stops_at_a_numbered_but_unwritten_record():
 
 @multiprocess
 @pytest.mark.timeout(60)
-def test_workers_get_the_launch_environment(tmp_path):
+@pytest.mark.parametrize("preload", ["torch", "none"], ids=["forked", "executed"])
+def test_workers_get_the_launch_environment(tmp_path, preload):
     port, logs = free_port(), tmp_path / "logs"
+    script = worker_script("dump_env.py")
     with launch(
-        [worker_script("dump_env.py"), str(tmp_path), "--extra", "x"],
+        [script, str(tmp_path), "--extra", "x"],
         nproc_per_node=2,
         master_port=port,
-        launcher_args=["--run-id=job42", f"--log-dir={logs}"],
+        launcher_args=["--run-id=job42", f"--log-dir={logs}", f"--preload={preload}"],
         env={"OMP_NUM_THREADS": "3"},
     ) as job:
-        returncode, output = job.wait(timeout=30)
+        returncode, output = job.wait(timeout=60)
     assert returncode == 0, output
     reports = read_reports(tmp_path)
     assert reports.keys() == {0, 1}
     for rank, seen in reports.items():
+        assert seen["preloaded"] == (preload != "none")
+        assert (seen["name"], seen["argv0"], seen["stdin"]) == ("__main__", script, "")
+        assert seen["path0"] == os.path.dirname(script)
+        assert seen["cwd"] == os.getcwd()
+        assert (tmp_path / f"rank{rank}.atexit").exists()
         assert seen["RANK"] == seen["LOCAL_RANK"] == str(rank)
         assert seen["WORLD_SIZE"] == seen["LOCAL_WORLD_SIZE"] == "2"
         assert seen["GROUP_RANK"] == seen["NODE_RANK"] == "0"
@@ -145,6 +152,23 @@ def test_workers_get_the_launch_environment(tmp_path):
         assert seen["argv"] == ["--extra", "x"]
         assert f"hello from rank {rank}" in (logs / f"rank{rank}.log").read_text()
     assert "hello" not in output
+
+
+@multiprocess
+@pytest.mark.timeout(60)
+def test_a_preload_that_fails_starts_the_workers_afresh(tmp_path):
+    with launch(
+        [worker_script("dump_env.py"), str(tmp_path)],
+        nproc_per_node=2,
+        master_port=free_port(),
+        launcher_args=["--preload=raises_on_import"],
+        env={"PYTHONPATH": os.path.dirname(worker_script("dump_env.py"))},
+    ) as job:
+        returncode, output = job.wait(timeout=60)
+    assert returncode == 0, output
+    assert ("starting workers without preloading: preloading raises_on_import failed: "
+            "RuntimeError: this module refuses to be imported") in output
+    assert [seen["preloaded"] for seen in read_reports(tmp_path).values()] == [False, False]
 
 
 @multiprocess
@@ -206,8 +230,8 @@ def test_a_nonzero_exit_is_recorded_with_its_code_and_survived(tmp_path):
 @pytest.mark.parametrize(
     "plan, status",
     [
-        (["0:0:4", "1:0.5:5"], 4),  # every worker failed: the first failure decides
-        (["0:0:0", "1:0.5:SIGKILL"], 128 + 9),  # a failure after the job finished
+        (["0:0:4", "1:3:5"], 4),  # every worker failed: the first failure decides
+        (["0:0:0", "1:3:SIGKILL"], 128 + 9),  # a failure after the job finished
     ],
 )
 def test_unsurvived_failures_fail_the_launcher(plan, status):
@@ -271,7 +295,7 @@ def test_two_node_launchers_form_one_job(tmp_path):
         store = nodes[0].store()
         nodes[0].wait_for(lambda: store.check(["elaswave/nodes/0"]), 30, "node 0 to join")
         time.sleep(0.5)
-        assert psutil.Process(nodes[0].pid).children() == [], "no worker before node 1 joins"
+        assert not store.check([worker_key(0)]), "no worker before node 1 joins"
         start(1)
         results = {node: job.wait(timeout=60) for node, job in nodes.items()}
 

@@ -42,10 +42,11 @@ def mock_gpt_flags(*, pipeline: int, num_layers: int, hidden_size: int, micro_ba
     ]
 
 
-def launch(script: Path, script_args: Sequence[str], nproc: int) -> subprocess.CompletedProcess:
+def launch(script: Path, script_args: Sequence[str], nproc: int,
+           launcher_args: Sequence[str] = ()) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nproc`` ranks through elaswave-run; exit with its stderr on failure."""
     command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={nproc}",
-               f"--master-port={free_port()}", str(script), *script_args]
+               f"--master-port={free_port()}", *launcher_args, str(script), *script_args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode != 0:
