@@ -123,9 +123,10 @@ class LaunchedJob:
             )
         return returncode, self.output()
 
-    def wait_for(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
-        """Poll ``condition`` until it holds; fail the test, with the output, after ``timeout``
-        seconds or as soon as the launcher exits."""
+    def wait_for(self, condition: Callable[[], bool], timeout: float, what: str,
+                 poll_s: float = _POLL_INTERVAL_S) -> None:
+        """Poll ``condition`` every ``poll_s`` until it holds; fail the test, with the output,
+        after ``timeout`` seconds or as soon as the launcher exits."""
         deadline = time.monotonic() + timeout
         while not condition():
             if self.process.poll() is not None:
@@ -137,7 +138,7 @@ class LaunchedJob:
                 pytest.fail(
                     f"timed out after {timeout:g} s waiting for {what}; output:\n{self.output()}"
                 )
-            time.sleep(_POLL_INTERVAL_S)
+            time.sleep(poll_s)
 
     def store(self, timeout: float = 30.0) -> TCPStore:
         """A client of the job store (connected on first use)."""

@@ -88,14 +88,20 @@ def stop_lines(output: str) -> list[str]:
 def test_a_rank_killed_while_an_elastic_job_starts_stops_every_worker_in_one_line(
         text_data, tmp_path, moment, launcher_args):  # noqa: F811
     """Rank 3 is SIGKILLed as soon as its launcher has published it (before the default group
-    forms), or two seconds later (megatron-core builds the model); with ``--rejoin`` its
-    replacement asks to join a job that is stopping and must leave too."""
+    forms), or once the default group has formed (megatron-core creates its groups and builds
+    the model); with ``--rejoin`` its replacement asks to join a job that is stopping and must
+    leave too."""
     with launch([PRETRAIN, *elastic(text_data)], NPROC, master_port=free_port(),
                 launcher_args=launcher_args, log_path=tmp_path / "job.log") as job:
         job.worker_pids()
-        if moment == "building":
-            time.sleep(2.0)
         store = job.store()
+        if moment == "building":
+            # Forming a group writes an address per member in the store: once the default
+            # group's are there, the job is past its rendezvous. The rest of the start takes
+            # a fraction of a second, so poll often.
+            published = store.num_keys()
+            job.wait_for(lambda: store.num_keys() >= published + NPROC, 120,
+                         "the default group to form", poll_s=0.002)
         assert not store.check([START_VERDICT_KEY]), "the job started before the kill"
         job.kill_worker(VICTIM)
         killed_at = time.monotonic()
