@@ -725,6 +725,9 @@ class _NodeAgent:
         for local_rank in due:
             del self._due_starts[local_rank]
             self._start(local_rank)
+            # A fork can take a second on a loaded machine: beat between them, or node 0 may
+            # declare a node lost while it starts its workers.
+            self._beat()
             if self._starts[local_rank] > 1:
                 rank = self._config.global_rank(local_rank)
                 _log(f"started worker rank {rank} (pid {self._running[rank].record.pid}) "
@@ -806,15 +809,17 @@ class _NodeAgent:
             worker.process.wait()
         self._running.clear()
 
+    def _beat(self) -> None:
+        """Bump this node's heartbeat (node 0 watches the others; nobody watches node 0)."""
+        if not self._config.is_store_host:
+            key = node_heartbeat_key(self._config.node_rank)
+            self._with_store(lambda store: store.add(key, 1))
+
     def _heartbeat_finds_node_lost(self) -> bool:
         """Bump this node's heartbeat; return whether node 0 has declared this node lost."""
-        me = self._config.node_rank
-
-        def beat(store: TCPStore) -> bool:
-            store.add(node_heartbeat_key(me), 1)
-            return store.check([node_lost_key(me)])
-
-        return self._with_store(beat, default=False)
+        self._beat()
+        lost = node_lost_key(self._config.node_rank)
+        return self._with_store(lambda store: store.check([lost]), default=False)
 
     def _watch_peers(self) -> None:
         """On node 0: settle the nodes that finished, declare lost those that fell silent."""

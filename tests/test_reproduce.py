@@ -67,3 +67,35 @@ def test_keep_others_needs_a_report_to_keep(tmp_path):
                              "--output", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "no report in" in result.stderr
     assert len(result.stderr.strip().splitlines()[-1]) < 200
+
+
+def test_a_soak_that_fails_its_checks_still_reports_what_it_measured(tmp_path, monkeypatch):
+    sys.path.insert(0, str(REPRODUCE.parent))
+    import reproduce
+
+    summary = {
+        "faults": 2, "faults_per_kind": {"kill": 1, "node": 1}, "recoveries": 2, "grows": 1,
+        "clean_stops": 0, "iterations": 40, "samples_lost": 0,
+        "largest_relative_loss_difference": 3e-6, "heartbeat_timeout_s": 3.0,
+        "node_timeout_s": 3.0,
+        "mttr": {"kill": {"count": 1, "median_s": 2.5, "p90_s": 2.5, "max_s": 2.5},
+                 "node": {"count": 1, "median_s": 7.0, "p90_s": 7.0, "max_s": 7.0}},
+        "fault_log": [{"kind": "node", "victims": [4, 5, 6, 7], "mttr_s": 7.0,
+                       "death_recorded_s": 3.2, "recoveries": [{"detect_s": 3.0, "total_s": 6.5}]}],
+    }
+
+    def failing_soak(script, *arguments):
+        Path(arguments[arguments.index("--json-out") + 1]).write_text(json.dumps(summary))
+        raise reproduce.ExperimentFailed("chaos.py exited with status 1: only 2 of 5 faults")
+
+    monkeypatch.setattr(reproduce, "bench_json", failing_soak)
+    try:
+        reproduce.chaos(reproduce.SMOKE, tmp_path)
+    except reproduce.ExperimentFailed as failure:
+        assert "only 2 of 5 faults" in str(failure)
+        report = "\n".join(failure.lines)
+    else:
+        raise AssertionError("a failed soak was reported as a success")
+    assert "| kill | 1 | 2.50 | 2.50 | 2.50 | < 3 | yes |" in report
+    assert "| node | 1 | 7.00 | 7.00 | 7.00 | < 6 | **no** |" in report
+    assert "Slowest: node of ranks [4, 5, 6, 7], 7.00 s" in report
