@@ -99,3 +99,14 @@ def test_a_soak_that_fails_its_checks_still_reports_what_it_measured(tmp_path, m
     assert "| kill | 1 | 2.50 | 2.50 | 2.50 | < 3 | yes |" in report
     assert "| node | 1 | 7.00 | 7.00 | 7.00 | < 6 | **no** |" in report
     assert "Slowest: node of ranks [4, 5, 6, 7], 7.00 s" in report
+
+
+def test_a_ratio_that_rounds_to_its_target_shows_which_side_it_is_on():
+    sys.path.insert(0, str(REPRODUCE.parent))
+    from reproduce import beside
+
+    assert beside(1.0500879509547296, 1.05) == "1.0501"  # over the target by 0.00009
+    assert beside(1.0499, 1.05) == "1.0499"
+    assert beside(0.9799709, 1.03) == "0.980"  # far from it: the usual digits
+    assert beside(2.996, 3.0, 2) == "2.996"
+    assert beside(1.05, 1.05) == "1.050"  # on it
