@@ -37,9 +37,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 from common import SCRIPTS, demo_corpus, free_port
+
+from torch.distributed import TCPStore
+
+from megatron_elaswave.store import read_worker
 
 REPO = SCRIPTS.parent
 NPROC = 8
@@ -63,8 +68,9 @@ class Job:
 
     def __init__(self, flags: list[str], metrics: Path, log: Path, nproc: int = NPROC) -> None:
         self.metrics = metrics
+        self.port = free_port()
         command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={nproc}",
-                   f"--master-port={free_port()}", str(SCRIPTS / "pretrain_gpt.py"), *flags,
+                   f"--master-port={self.port}", str(SCRIPTS / "pretrain_gpt.py"), *flags,
                    "--elastic-metrics-file", str(metrics)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         self.log = open(log, "w")
@@ -95,12 +101,17 @@ class Job:
             time.sleep(0.02)
         sys.exit(f"no {what} within {timeout} s; see {self.log.name}")
 
-    def worker_pid(self, rank: int) -> int:
-        for child in Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split():
-            environ = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-            if f"RANK={rank}".encode() in environ:
-                return int(child)
-        sys.exit(f"no worker of rank {rank}")
+    def worker_pid(self, rank: int, timeout: float = 300) -> int:
+        """The pid of ``rank``'s worker, once its launcher has published it in the job store.
+        Asked before the moment of the kill, so that the kill itself costs no lookup."""
+        store = TCPStore("127.0.0.1", self.port, is_master=False,
+                         timeout=timedelta(seconds=timeout))
+        deadline = time.monotonic() + timeout
+        while (worker := read_worker(store, rank)) is None:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                sys.exit(f"no worker of rank {rank}; see {self.log.name}")
+            time.sleep(0.05)
+        return worker.pid
 
     def stop(self) -> None:
         """What torchrun does once a worker died: stop every worker of the job."""
@@ -118,8 +129,9 @@ class Job:
 def elaswave(data: str, workdir: Path, fail_at: int, fail_rank: int, nproc: int = NPROC) -> dict:
     job = Job([*model_flags(data, fail_at + 3, nproc), "--elastic"], workdir / "elaswave.jsonl",
               workdir / "elaswave.log", nproc)
+    victim = job.worker_pid(fail_rank)
     job.wait_for_iteration(fail_at - 1)
-    os.kill(job.worker_pid(fail_rank), signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL)
     killed_at = time.time()
     recovery = job.wait_for_record("recovery", "the recovery")
     job.finish()
@@ -132,8 +144,9 @@ def restart(data: str, workdir: Path, fail_at: int, fail_rank: int, save_interva
     flags = [*model_flags(data, fail_at + 2), "--save", str(checkpoints),
              "--save-interval", str(save_interval)]
     job = Job(flags, workdir / "restart.jsonl", workdir / "restart.log")
+    victim = job.worker_pid(fail_rank)
     job.wait_for_iteration(fail_at - 1)
-    os.kill(job.worker_pid(fail_rank), signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL)
     killed_at = time.time()
     job.stop()
     again = Job([*flags, "--load", str(checkpoints)], workdir / "restarted.jsonl",
