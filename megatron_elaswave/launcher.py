@@ -698,6 +698,14 @@ class _NodeAgent:
                     self._due_starts.clear()  # the job is ending: nothing left to join
                 else:
                     self._schedule_restart(worker.record)
+        if self._fork_server is not None and self._fork_server.process.poll() is not None:
+            try:  # the reason it gave, if it failed to preload
+                self._fork_server.ready()
+                error = ForkServerError(
+                    f"the fork server exited with {self._fork_server.process.returncode}")
+            except ForkServerError as failure:
+                error = failure
+            self._stop_forking(error)
         # As a subreaper the agent adopts its workers' orphans: they end here.
         known = {worker.process.pid for worker in self._running.values()}
         if self._fork_server is not None:

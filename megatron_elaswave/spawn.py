@@ -16,8 +16,9 @@ and forks each worker from there. It guarantees:
   handlers, the status of ``SystemExit``, a traceback and status 1 for an exception). Modules
   that were preloaded are not imported again, so they read the environment the agent started
   with, not the worker's rank variables.
-* **Starting never blocks supervision**: :meth:`ForkServer.ready` answers at once, and the
-  agent starts workers once it is true.
+* **Waiting for the preload never blocks supervision**: :meth:`ForkServer.ready` answers at
+  once, and the agent starts workers once it is true (a fork itself takes milliseconds, up to
+  a second on a loaded machine; the agent heartbeats between forks).
 * **It falls back**: a server that cannot preload (a module raises, preloading initialized CUDA,
   which forked children could not use) or dies, or is not ready within
   :data:`PRELOAD_TIMEOUT_S`, says why, and the agent executes its workers afresh. Linux only;
@@ -231,7 +232,8 @@ def _preload(modules: Sequence[str]) -> str | None:
         try:
             importlib.import_module(name)
         except ModuleNotFoundError as error:
-            if error.name is None or not name.startswith(error.name):
+            if error.name is None or not (name == error.name
+                                          or name.startswith(error.name + ".")):
                 return f"preloading {name} failed: {error}"
         except Exception as error:  # noqa: BLE001 - any failure means: execute workers instead
             return f"preloading {name} failed: {type(error).__name__}: {error}"
