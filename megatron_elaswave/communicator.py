@@ -42,10 +42,10 @@ import enum
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
@@ -58,6 +58,8 @@ from megatron_elaswave.world import InterruptibleStore, recording_connections, r
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
     from torch.distributed import ProcessGroup, Store
+
+K = TypeVar("K")
 
 
 class Role(str, enum.Enum):
@@ -239,10 +241,12 @@ def _group_name(generation: int, world_ranks: Sequence[int]) -> str:
     return f"elaswave-gen{generation}-{digest.hexdigest()[:20]}"
 
 
-def _new_named_group(world_ranks: Sequence[int], name: str, backend: str,
-                     timeout: timedelta, store: Store, creation_timeout: timedelta,
-                     abort: threading.Event | None) -> ProcessGroup:
-    """A group created by its members only, under a name they all derive the same way.
+def _new_named_groups(groups: dict[K, tuple[Sequence[int], str]], backend: str,
+                      timeout: timedelta, store: Store, creation_timeout: timedelta,
+                      abort: threading.Event | None) -> dict[K, ProcessGroup]:
+    """Groups created by their members only, under names they all derive the same way:
+    ``groups`` maps a key to the group's ranks in the default group and its name. Every group
+    connects on a thread of its own; the call returns once all have formed.
 
     ``new_group(ranks, use_local_synchronization=True)`` cannot be used as is: torch 2.13 names
     such a group by hashing its ranks *together with the number of groups the calling process
@@ -251,62 +255,55 @@ def _new_named_group(world_ranks: Sequence[int], name: str, backend: str,
     out (observed). This is that function's body with the name and the store given (the
     rendezvous runs on ``store``, bounded by ``creation_timeout``). Checked against torch 2.13.
 
-    With ``abort``, raises :class:`~megatron_elaswave.store.WaitInterrupted` as soon as it is
-    set, even while the members connect (see :func:`_unless_aborted`).
+    Raises the first error a group's creation raised. With ``abort``, raises
+    :class:`~megatron_elaswave.store.WaitInterrupted` as soon as it is set, even while the
+    members connect: gloo's connection step cannot be interrupted, but it releases the GIL, so
+    the caller can stop waiting for it. The threads are left to gloo: they end when gloo gives up
+    on the dead member. A group formed after all (every member alive, the failure elsewhere) is
+    never used: every survivor re-creates its groups in the recovery that follows, under the next
+    generation's names.
     """
-    default_group = distributed_c10d._get_default_group()
+    default_rank = distributed_c10d._get_default_group().rank()
+    outcomes: dict[K, ProcessGroup | BaseException] = {}
+    finished = threading.Semaphore(0)
 
-    def create() -> ProcessGroup:
-        group, _ = distributed_c10d._new_process_group_helper(
-            len(world_ranks),
-            list(world_ranks).index(default_group.rank()),
-            list(world_ranks),
-            backend,
-            store,
-            distributed_c10d.GroupName(name),
-            timeout=creation_timeout,
-            group_desc=name,
-        )
-        return group
+    def create(key: K, world_ranks: Sequence[int], name: str) -> None:
+        try:
+            group, _ = distributed_c10d._new_process_group_helper(
+                len(world_ranks),
+                list(world_ranks).index(default_rank),
+                list(world_ranks),
+                backend,
+                store,
+                distributed_c10d.GroupName(name),
+                timeout=creation_timeout,
+                group_desc=name,
+            )
+            outcomes[key] = group
+        except BaseException as error:  # handed to the caller, or dropped once it gave up
+            outcomes[key] = error
+        finished.release()
 
-    with recording_connections():  # so that a failure can abort what runs on it
-        group = create() if abort is None else _unless_aborted(create, abort, name)
-    distributed_c10d._world.pg_group_ranks[group] = {r: i for i, r in enumerate(world_ranks)}
-    group.set_timeout(timeout)
-    return group
+    with recording_connections():  # so that a failure can abort what runs on them
+        for key, (world_ranks, name) in groups.items():
+            threading.Thread(target=create, args=(key, world_ranks, name),
+                             name=f"elaswave-connect-{name}", daemon=True).start()
+        for _ in groups:
+            while not finished.acquire(timeout=_ABORT_POLL_S):
+                if abort is not None and abort.is_set():
+                    raise WaitInterrupted(f"a failure was detected while {len(groups)} groups "
+                                          "connected")
+    errors = [o for o in outcomes.values() if isinstance(o, BaseException)]
+    if errors:
+        raise errors[0]
+    for key, (world_ranks, _) in groups.items():
+        group = outcomes[key]
+        distributed_c10d._world.pg_group_ranks[group] = {r: i for i, r in enumerate(world_ranks)}
+        group.set_timeout(timeout)
+    return {key: outcomes[key] for key in groups}  # type: ignore[misc]
 
 
 _ABORT_POLL_S = 0.01
-
-
-def _unless_aborted(create: Callable[[], ProcessGroup], abort: threading.Event,
-                    name: str) -> ProcessGroup:
-    """``create()`` run on a thread of its own; raises
-    :class:`~megatron_elaswave.store.WaitInterrupted` as soon as ``abort`` is set.
-
-    Gloo's connection step cannot be interrupted (:data:`CREATION_TIMEOUT`), but it releases the
-    GIL, so the caller can stop waiting for it. The thread is left to gloo: it ends when gloo
-    gives up on the dead member. A group it forms after all (every member alive, the failure
-    elsewhere) is never used: every survivor re-creates its groups in the recovery that follows,
-    under the next generation's names.
-    """
-    outcome: list[ProcessGroup | BaseException] = []
-    done = threading.Event()
-
-    def run() -> None:
-        try:
-            outcome.append(create())
-        except BaseException as error:  # handed to the caller, or dropped once it gave up
-            outcome.append(error)
-        done.set()
-
-    threading.Thread(target=run, name=f"elaswave-connect-{name}", daemon=True).start()
-    while not done.wait(_ABORT_POLL_S):
-        if abort.is_set():
-            raise WaitInterrupted(f"a failure was detected while group {name} connected")
-    if isinstance(outcome[0], BaseException):
-        raise outcome[0]
-    return outcome[0]
 
 
 CREATION_TIMEOUT = timedelta(seconds=2)
@@ -316,7 +313,7 @@ detected failure interrupts, see :class:`~megatron_elaswave.world.InterruptibleS
 keeps connecting to a member that died after publishing its address, and waiting for one that
 gave up, for about five times this (measured with torch 2.13), and the abort cannot reach
 connections still being made. A group of a recovery stops being waited for when the failure is
-detected (:func:`_unless_aborted`); the global groups of a grow's rebuild wait it out. Groups
+detected (:func:`_new_named_groups`); the global groups of a grow's rebuild wait it out. Groups
 take their op timeout once formed."""
 
 
@@ -324,9 +321,16 @@ def _store_barrier(store: Store, key: str, count: int, timeout: timedelta,
                    abort: threading.Event | None = None) -> None:
     """Return once ``count`` processes have reached ``key``: the last one releases the others.
     Raises :class:`~megatron_elaswave.store.WaitInterrupted` as soon as ``abort`` is set."""
-    if store.add(key, 1) == count:
-        store.set(f"{key}/released", "")
-    wait_for_keys(store, [f"{key}/released"], timeout, abort)
+    _store_barriers(store, {key: count}, timeout, abort)
+
+
+def _store_barriers(store: Store, counts: dict[str, int], timeout: timedelta,
+                    abort: threading.Event | None = None) -> None:
+    """:func:`_store_barrier` for every key of ``counts`` at once."""
+    for key, count in counts.items():
+        if store.add(key, 1) == count:
+            store.set(f"{key}/released", "")
+    wait_for_keys(store, [f"{key}/released" for key in counts], timeout, abort)
 
 
 class GroupRegistry:
@@ -345,8 +349,7 @@ class GroupRegistry:
             raise ValueError(f"rank {rank} is rank {dist.get_rank()} of the default group")
         self._configure(layout, rank, store, backend, timeout, generation)
         self._world_ranks = {r: r for r in layout.known_ranks()}
-        for members in self._own(member_lists(self._specs)):
-            self._groups[members] = self._create_local(members, abort=None)
+        self._groups.update(self._create_local(self._own(member_lists(self._specs)), abort=None))
 
     @classmethod
     def joining(cls, layout: Layout, rank: int, *, store: Store, backend: str = "gloo",
@@ -512,19 +515,21 @@ class GroupRegistry:
               mode: EditMode, abort: threading.Event | None) -> tuple[int, int, int]:
         destroyed = 0
         created: dict[tuple[int, ...], ProcessGroup] = {}
+        local: list[tuple[int, ...]] = []
         for number, members in enumerate(plan.create):
             if mode == EditMode.PARTIAL:
                 group = self._create_global(members, abort)
                 self._wait_for_survivors(number, len(survivors), abort)
+                if group is not None:
+                    created[members] = group
             elif self._rank not in members:
                 continue
             elif (source := plan.shrink_source(members, failed)) is not None and self._can_shrink():
-                group = self._shrink(source, failed)
+                created[members] = self._shrink(source, failed)
                 destroyed += 1
             else:
-                group = self._create_local(members, abort)
-            if group is not None:
-                created[members] = group
+                local.append(members)
+        created.update(self._create_local(local, abort))
         # Destroyed only now: a dropped group may be the source of a shrink above.
         for members in plan.drop:
             group = self._groups.pop(members, None)
@@ -578,18 +583,25 @@ class GroupRegistry:
     def _own(self, lists: Iterable[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
         return tuple(members for members in lists if self._rank in members)
 
-    def _create_local(self, members: tuple[int, ...],
-                      abort: threading.Event | None) -> ProcessGroup:
-        """A group created by its members only. They first meet in the store, where ``abort``
-        interrupts the wait: gloo's rendezvous would wait for a dead member (until
-        :data:`CREATION_TIMEOUT`). ``abort`` also ends the wait while the members connect."""
-        world = [self._world_ranks[r] for r in members]
-        name = _group_name(self._generation, world)
-        _store_barrier(self._store, communicator_key(self._generation, name), len(members),
-                       self._timeout, abort)
-        return _new_named_group(world, name, self._backend, self._timeout,
-                                self._rendezvous_store(abort), self._creation_timeout(abort),
-                                abort)
+    def _create_local(self, lists: Sequence[tuple[int, ...]],
+                      abort: threading.Event | None) -> dict[tuple[int, ...], ProcessGroup]:
+        """Groups created by their members only, all at once. The members of each first meet in
+        the store, where ``abort`` interrupts the wait: gloo's rendezvous would wait for a dead
+        member (until :data:`CREATION_TIMEOUT`). ``abort`` also ends the wait while they
+        connect.
+
+        The groups connect concurrently, each on a thread of its own: one after the other, a
+        recovery's dozen groups took most of its group-edit time waiting on store round trips.
+        Members need no common order, since no group waits for another."""
+        if not lists:
+            return {}
+        worlds = {members: [self._world_ranks[r] for r in members] for members in lists}
+        names = {members: _group_name(self._generation, world) for members, world in worlds.items()}
+        meetings = {communicator_key(self._generation, names[m]): len(m) for m in lists}
+        _store_barriers(self._store, meetings, self._timeout, abort)
+        return _new_named_groups({m: (worlds[m], names[m]) for m in lists}, self._backend,
+                                 self._timeout, self._rendezvous_store(abort),
+                                 self._creation_timeout(abort), abort)
 
     def _creation_timeout(self, abort: threading.Event | None) -> timedelta:
         """:data:`CREATION_TIMEOUT` where a monitor tells of failures; at start-up, when the

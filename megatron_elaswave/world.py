@@ -36,7 +36,7 @@ failure is detected. The connections of the second step cannot be interrupted: a
 dies or hangs after publishing keeps the others for about five times the creation timeout. Gloo
 releases the GIL meanwhile, so a group formed in a recovery is created on a thread of its own and
 the survivor stops waiting for it once the failure is detected
-(``communicator._unless_aborted``).
+(``communicator._new_named_groups``).
 
 Now and then a send of a ring all-reduce is not failed by the closed connections: gloo's
 worker thread stays in ``UnboundBuffer::waitSend`` until its deadline. The training thread does

@@ -5,7 +5,8 @@
 
 Experiments (each runs the benchmark script named, or the planner's simulator in-process):
 
-a. communicator recovery, in place against partial and full rebuild (``bench/communicator.py``);
+a. communicator recovery: the recovery's re-creation and the in-place edit against partial and
+   full rebuild (``bench/communicator.py``);
 b. migration time with interleaved against Megatron's contiguous ZeRO partitions (planner model);
 c. loss deviation after a failure: ElasWave, Megatron's RNG, drop-replica, reroute
    (``bench/convergence.py``);
@@ -133,16 +134,20 @@ def communicator(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
                          "--repetitions", str(sizes.communicator_repetitions))
     rows = []
     for name, r in results.items():
-        rows.append([name, f"{r['inplace_s'] * 1e3:.0f}", f"{r['partial_s'] * 1e3:.0f}",
-                     f"{r['full_s'] * 1e3:.0f}",
+        rows.append([name, f"{r['recovery_s'] * 1e3:.0f}", f"{r['inplace_s'] * 1e3:.0f}",
+                     f"{r['partial_s'] * 1e3:.0f}", f"{r['full_s'] * 1e3:.0f}",
                      f"{r['partial_over_inplace']:.2f}x (paper 3.6x)",
                      f"{r['full_over_inplace']:.2f}x (paper 82x)",
-                     "yes" if r["inplace_s"] < 1 else "no"])
+                     "yes" if max(r["inplace_s"], r["recovery_s"]) < 1 else "no"])
     lines = [
         f"Measured: gloo on this machine, Megatron's complete group set, a random rank (rank 0 "
-        f"included) SIGKILLed, medians of {sizes.communicator_repetitions} failures per grid.", "",
-        *table(["grid", "in place (ms)", "partial (ms)", "full (ms)", "partial / in place",
-                "full / in place", "in place under 1 s (paper: yes)"], rows),
+        f"included) SIGKILLed, medians of {sizes.communicator_repetitions} failures per grid. "
+        "*Recovery* is the path a recovery takes: the survivors have aborted every connection "
+        "to unblock their training threads, so each re-creates every group of the new layout with "
+        "its members, all groups concurrently. *In place* is the step-boundary edit, which keeps "
+        "the groups that lost no member; *partial* and *full* are the paper's baselines.", "",
+        *table(["grid", "recovery (ms)", "in place (ms)", "partial (ms)", "full (ms)",
+                "partial / in place", "full / in place", "under 1 s (paper: yes)"], rows),
         "",
         "With gloo on one host a group costs a few store round trips, so the gaps are far smaller "
         "than the paper's NCCL/HCCL figures, where a full rebuild re-initialises every device "
@@ -364,7 +369,10 @@ def headline_rows(figures: dict) -> list[list]:
         for grid, r in figures["a"].items():
             add(f"({grid}) full rebuild / in place", r["full_over_inplace"], 82, ".1f", "")
             add(f"({grid}) partial rebuild / in place", r["partial_over_inplace"], 3.6, ".1f", "")
-            add(f"({grid}) in-place recovery (s)", r["inplace_s"], 1.0, ".2f", " (at most)")
+            add(f"({grid}) in-place edit (s)", r["inplace_s"], 1.0, ".2f", " (at most)")
+            if "recovery_s" in r:  # figures stored before the benchmark measured it lack it
+                add(f"({grid}) recovery's group re-creation (s)", r["recovery_s"], 1.0, ".2f",
+                    " (at most)")
     if "b" in figures:
         add("migration time saved by interleaved ZeRO, best case", figures["b"]["max_reduction"],
             0.51, ".0%", " (up to)")

@@ -61,6 +61,9 @@ ITERATIONS_PER_FAULT = 150
 soak stops the job once every fault is recovered from, so the budget only sets the schedule."""
 REFERENCE_START_S, REFERENCE_ITERATION_S = 300.0, 5.0
 """Bound on the failure-free run: start-up, then per iteration (about 0.3 s here)."""
+REJOIN_DELAY_S = 0.2
+"""Seconds between a worker's death and the start of its replacement (``elaswave-run
+--rejoin-delay``). On this machine the replacement starts on the cores the survivors recover on."""
 TRAILING_ITERATIONS = 5
 """Iterations trained on every rank after the last fault, before the soak stops the job."""
 
@@ -95,12 +98,13 @@ class Node:
     """One node's launcher, started in a session of its own."""
 
     def __init__(self, node_rank: int, port: int, flags: list[str], workdir: Path,
-                 rejoin_node: bool = False) -> None:
+                 rejoin_delay_s: float, rejoin_node: bool = False) -> None:
         name = f"node{node_rank}{'-replacement' if rejoin_node else ''}"
         self.log = open(workdir / f"{name}.log", "a")
         command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={PER_NODE}",
                    f"--nnodes={NODES}", f"--node-rank={node_rank}", f"--master-port={port}",
-                   f"--node-timeout={NODE_TIMEOUT_S:g}", "--rejoin", "--rejoin-delay=0.2", "--max-rejoins=1000",
+                   f"--node-timeout={NODE_TIMEOUT_S:g}", "--rejoin",
+                   f"--rejoin-delay={rejoin_delay_s:g}", "--max-rejoins=1000",
                    str(SCRIPTS / "pretrain_gpt.py"), *flags]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT,
@@ -133,6 +137,7 @@ class Soak:
     port: int
     flags: list[str]
     rng: random.Random
+    rejoin_delay_s: float
     nodes: list[Node] = field(default_factory=list)
     _store: object = None
     _follower: MetricsFollower = field(init=False)
@@ -191,41 +196,48 @@ class Soak:
     def pid(self, rank: int) -> int:
         return read_worker(self.store(), rank).pid
 
-    def signal(self, rank: int, sig: int) -> None:
-        try:
-            os.kill(self.pid(rank), sig)
-        except ProcessLookupError:
-            pass
-
     def inject(self, kind: str) -> Fault:
+        """Inject one fault of ``kind``. The victims' pids are read from the store first: the
+        fault's clock starts at its first signal, not at the soak's own look-ups (the first one
+        imports torch, seconds on this machine)."""
         node = self.rng.randrange(NODES)
         ranks = list(range(node * PER_NODE, (node + 1) * PER_NODE))
-        started = time.time()
-        if kind == "kill":
+        if kind in ("kill", "stop"):
             victims = [self.rng.choice(ranks)]
-            self.signal(victims[0], signal.SIGKILL)
-        elif kind == "stop":
-            victims = [self.rng.choice(ranks)]
-            self.signal(victims[0], signal.SIGSTOP)
         elif kind == "recovery-kill":
             victims = self.rng.sample(ranks, 2)
-            deaths = len(read_deaths(self.store()))
-            self.signal(victims[0], signal.SIGKILL)
-            self.wait(lambda: len(read_deaths(self.store())) > deaths, 10)
-            time.sleep(self.rng.uniform(0.0, 0.5))
-            self.signal(victims[1], signal.SIGKILL)
         elif kind == "burst":
             victims = self.rng.sample(ranks, self.rng.randint(2, 4))
-            gaps = sorted(self.rng.uniform(0.0, 1.0) for _ in victims)
-            for victim, at in zip(victims, gaps):
-                time.sleep(max(0.0, started + at - time.time()))
-                self.signal(victim, signal.SIGKILL)
         else:
             victims = list(range(PER_NODE, 2 * PER_NODE))
+        pids = [self.pid(rank) for rank in victims] if kind != "node" else []
+        deaths = len(read_deaths(self.store())) if kind == "recovery-kill" else 0
+        started = time.time()
+        if kind in ("kill", "stop"):
+            send(pids[0], signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+        elif kind == "recovery-kill":
+            send(pids[0], signal.SIGKILL)
+            self.wait(lambda: len(read_deaths(self.store())) > deaths, 10)
+            time.sleep(self.rng.uniform(0.0, 0.5))
+            send(pids[1], signal.SIGKILL)
+        elif kind == "burst":
+            gaps = sorted(self.rng.uniform(0.0, 1.0) for _ in victims)
+            for pid, at in zip(pids, gaps):
+                time.sleep(max(0.0, started + at - time.time()))
+                send(pid, signal.SIGKILL)
+        else:
             self.nodes[1].kill()
             time.sleep(NODE_TIMEOUT_S + 1.0)  # until node 0 has declared the node lost
-            self.nodes[1] = Node(1, self.port, self.flags, self.workdir, rejoin_node=True)
+            self.nodes[1] = Node(1, self.port, self.flags, self.workdir, self.rejoin_delay_s,
+                                 rejoin_node=True)
         return Fault(kind, sorted(victims), started)
+
+
+def send(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:  # it died of another fault meanwhile
+        pass
 
 
 def percentile(values: list[float], share: float) -> float:
@@ -233,14 +245,15 @@ def percentile(values: list[float], share: float) -> float:
     return ordered[min(len(ordered) - 1, int(share * len(ordered)))]
 
 
-def run_soak(faults: int, seed: int, kinds: tuple[str, ...],
-             workdir: Path) -> tuple[list[Fault], list[dict], list[WorkerDeath], str]:
+def run_soak(faults: int, seed: int, kinds: tuple[str, ...], workdir: Path,
+             rejoin_delay_s: float = REJOIN_DELAY_S,
+             ) -> tuple[list[Fault], list[dict], list[WorkerDeath], str]:
     train_iters = ITERATIONS_PER_FAULT * faults + 50
     metrics = workdir / "soak.jsonl"
     port = free_port()
     flags = [*model_flags(train_iters), "--elastic-metrics-file", str(metrics)]
-    soak = Soak(workdir, metrics, port, flags, random.Random(seed))
-    soak.nodes = [Node(rank, port, flags, workdir) for rank in range(NODES)]
+    soak = Soak(workdir, metrics, port, flags, random.Random(seed), rejoin_delay_s)
+    soak.nodes = [Node(rank, port, flags, workdir, rejoin_delay_s) for rank in range(NODES)]
     injected: list[Fault] = []
     deaths: list[WorkerDeath] = []
     try:
@@ -376,6 +389,9 @@ def main() -> None:
     parser.add_argument("--workdir", default=None,
                         help="keep logs and metrics here (default: runs/chaos-seed<SEED>, emptied "
                              "first)")
+    parser.add_argument("--rejoin-delay", type=float, default=REJOIN_DELAY_S,
+                        help="seconds before a dead worker's replacement starts (default: "
+                             f"{REJOIN_DELAY_S:g})")
     args = parser.parse_args()
     kinds = tuple(args.kinds.split(","))
     if not set(kinds) <= set(KINDS) or args.faults < 1:
@@ -385,7 +401,8 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)  # the launchers' logs are appended to
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"soak: {args.faults} faults, seed {args.seed}, logs in {workdir}", flush=True)
-    faults, records, deaths, output = run_soak(args.faults, args.seed, kinds, workdir)
+    faults, records, deaths, output = run_soak(args.faults, args.seed, kinds, workdir,
+                                               args.rejoin_delay)
     print("failure-free reference run", flush=True)
     trained = max((r["iteration"] for r in records if r["event"] == "iteration"), default=0)
     reference = reference_run(ITERATIONS_PER_FAULT * args.faults + 50, trained, workdir)

@@ -1,14 +1,25 @@
-"""Recovery time of the process groups after one death: in-place edit vs partial vs full rebuild.
+"""Recovery time of the process groups after one death: the recovery's re-creation and the
+in-place edit against partial and full rebuild.
 
 For each configuration (TP2 x PP2 x DP2 on 8 processes, TP2 x PP2 x DP4 on 16 by default) and
 each repetition, one rank fails (rank 0 first, then seeded random ranks); for each mode, in
 rotating order, a fresh gloo job under ``elaswave-run`` builds the complete group set
-(``GroupRegistry``), the victim exits, and the survivors plan the new layout, meet in the store
-and time ``GroupRegistry.edit`` in that mode. A repetition's time is the slowest survivor's (the
-groups are usable when every survivor has them). Every group is then checked with an all-reduce.
+(``GroupRegistry``), the victim SIGKILLs itself, and the survivors plan the new layout, meet in
+the store and time ``GroupRegistry.edit``:
+
+* ``recovery``: what a recovery does. The survivors abort every connection
+  (``world.abort_collectives``, which unblocks a training thread stuck on the dead rank), so every
+  group of the new layout is re-created, each by its own members, with a failure monitor's event
+  able to interrupt the edit.
+* ``inplace``: the step-boundary edit, which keeps every group that lost no member.
+* ``partial`` and ``full``: the paper's baselines (every survivor takes part in every creation;
+  a new default group and every group).
+
+A repetition's time is the slowest survivor's (the groups are usable when every survivor has
+them). Every group is then checked with an all-reduce.
 
 Prints per-configuration medians and their ratios to the in-place median; with ``--json`` one
-object ``{"tp2pp2dp2": {"inplace_s": x, "partial_s": y, "full_s": z, ...}, ...}``.
+object ``{"tp2pp2dp2": {"recovery_s": w, "inplace_s": x, "partial_s": y, "full_s": z, ...}, ...}``.
 
     python scripts/bench/communicator.py --repetitions 3
 """
@@ -26,7 +37,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-MODES = ("inplace", "partial", "full")
+MODES = ("recovery", "inplace", "partial", "full")
 TIMEOUT = timedelta(seconds=120)
 
 
@@ -34,15 +45,19 @@ TIMEOUT = timedelta(seconds=120)
 
 
 def worker(out_dir: str, mode: str, victim: int, tp: int, pp: int, dp: int) -> None:
+    import signal
+    import threading
+
     import torch
     import torch.distributed as dist
 
-    from megatron_elaswave.communicator import GroupRegistry
+    from megatron_elaswave.communicator import GroupRegistry, group_specs, member_lists
     from megatron_elaswave.planner.cost import CostModel, MemoryModel
     from megatron_elaswave.planner.job import JobSpec
     from megatron_elaswave.planner.profile import SyntheticDevice, SyntheticModel, synthetic_profile
     from megatron_elaswave.planner.replan import PlanOptions, plan_recovery
     from megatron_elaswave.store import connect_store, read_deaths
+    from megatron_elaswave.world import abort_collectives
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     job = JobSpec(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,
@@ -59,7 +74,7 @@ def worker(out_dir: str, mode: str, victim: int, tp: int, pp: int, dp: int) -> N
     registry = GroupRegistry(layout, rank, store=store, timeout=TIMEOUT)
     meet("built", range(world_size))
     if rank == victim:
-        os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
     while victim not in {death.rank for death in read_deaths(store)}:
         time.sleep(0.01)
     model = SyntheticModel(num_layers=job.num_layers, hidden_size=256, ffn_hidden_size=1024,
@@ -67,7 +82,12 @@ def worker(out_dir: str, mode: str, victim: int, tp: int, pp: int, dp: int) -> N
     cost = CostModel(synthetic_profile(model, SyntheticDevice()), job, MemoryModel())
     new_layout = plan_recovery(layout, {victim}, cost, PlanOptions(dvfs=False)).layout
     meet("edit", sorted(new_layout.known_ranks()))
-    report = registry.edit({victim}, new_layout, mode)
+    if mode == "recovery":
+        abort_collectives()
+        report = registry.edit({victim}, new_layout, "inplace",
+                               broken=member_lists(group_specs(layout)), abort=threading.Event())
+    else:
+        report = registry.edit({victim}, new_layout, mode)
     for spec in registry.specs():
         value = torch.tensor([float(rank)])
         dist.all_reduce(value, group=registry.group_of(spec))
@@ -104,7 +124,7 @@ def bench(tp: int, pp: int, dp: int, repetitions: int, rng: random.Random, say) 
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     groups: dict[str, dict] = {}
     for repetition, victim in enumerate(victims):
-        order = MODES[repetition % 3:] + MODES[:repetition % 3]
+        order = MODES[repetition % len(MODES):] + MODES[:repetition % len(MODES)]
         for mode in order:
             result = run_job(mode, victim, tp, pp, dp)
             times[mode].append(result["seconds"])
@@ -114,6 +134,7 @@ def bench(tp: int, pp: int, dp: int, repetitions: int, rng: random.Random, say) 
     medians = {f"{mode}_s": statistics.median(values) for mode, values in times.items()}
     return {
         **medians,
+        "recovery_over_inplace": medians["recovery_s"] / medians["inplace_s"],
         "partial_over_inplace": medians["partial_s"] / medians["inplace_s"],
         "full_over_inplace": medians["full_s"] / medians["inplace_s"],
         "victims": victims,
@@ -138,9 +159,11 @@ def main() -> None:
     if args.json:
         print(json.dumps(results))
         return
-    print(f"{'config':<12}{'inplace ms':>12}{'partial ms':>12}{'full ms':>10}{'partial/in':>12}{'full/in':>9}")
+    print(f"{'config':<12}{'recovery ms':>13}{'inplace ms':>12}{'partial ms':>12}{'full ms':>10}"
+          f"{'partial/in':>12}{'full/in':>9}")
     for name, r in results.items():
-        print(f"{name:<12}{r['inplace_s'] * 1e3:>12.1f}{r['partial_s'] * 1e3:>12.1f}{r['full_s'] * 1e3:>10.1f}"
+        print(f"{name:<12}{r['recovery_s'] * 1e3:>13.1f}{r['inplace_s'] * 1e3:>12.1f}"
+              f"{r['partial_s'] * 1e3:>12.1f}{r['full_s'] * 1e3:>10.1f}"
               f"{r['partial_over_inplace']:>12.2f}{r['full_over_inplace']:>9.2f}")
 
 
