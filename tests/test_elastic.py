@@ -572,7 +572,6 @@ def test_elastic_refuses_what_it_cannot_do_in_one_line(text_data, tmp_path):  # 
     base = model_flags(text_data, num_layers=8)
     cases = [
         ([*base, "--elastic", "--untie-embeddings-and-output-weights"], "--use-distributed-optimizer"),
-        ([*base, "--elastic", "--use-distributed-optimizer"], "--untie-embeddings-and-output-weights"),
         ([*elastic_flags(text_data), "--save", str(tmp_path / "ckpt"), "--save-interval", "5"],
          "drop --save-interval"),
         ([*base, "--elastic-zero", "interleaved"], "--elastic-zero interleaved needs --elastic"),

@@ -174,12 +174,9 @@ def test_megatron_lm_with_elastic_survives_a_sigkilled_rank_on_the_trajectory(tm
 @needs_megatron_lm
 @pytest.mark.parametrize("extra, message", [
     (["--overlap-grad-reduce"], "does not support --overlap-grad-reduce"),
-    ([], "--elastic needs --untie-embeddings-and-output-weights"),
 ])
 def test_megatron_lm_with_elastic_refuses_what_it_cannot_do_in_one_line(tmp_path, extra, message):
     flags = megatron_lm_flags(1, 2, 4) + ["--elastic", *extra]
-    if "--untie" not in message:
-        flags.append("--untie-embeddings-and-output-weights")
     returncode, output = run_megatron_lm(tmp_path, "refused", flags)
     assert returncode != 0
     errors = [line for line in output.splitlines() if "pretrain_gpt.py: error:" in line]

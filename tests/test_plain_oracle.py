@@ -17,6 +17,7 @@ import pytest
 
 from harness import free_port, launch
 from megatron_elaswave.metrics import read_metrics
+from test_growth import HELD, hold_while_joining, stage_ranks
 from test_pretrain_gpt import PRETRAIN, model_flags, text_data  # noqa: F401  (fixture)
 
 TRAIN_ITERS = 10
@@ -28,36 +29,46 @@ AFTER_FAILURE = 1e-4
 pytestmark = pytest.mark.multiprocess
 
 
-def oracle_flags(data_prefix: str, **overrides) -> list[str]:
+def oracle_flags(data_prefix: str, tied: bool = False, **overrides) -> list[str]:
     settings = {"num_layers": 4, "train_iters": TRAIN_ITERS, "global_batch_size": 8,
                 "clip_grad": CLIP_GRAD, **overrides}
-    return [*model_flags(data_prefix, **settings), "--use-distributed-optimizer",
-            "--untie-embeddings-and-output-weights"]
+    untie = [] if tied else ["--untie-embeddings-and-output-weights"]
+    return [*model_flags(data_prefix, **settings), "--use-distributed-optimizer", *untie]
 
 
 ELASTIC = ["--elastic", "--elastic-rebalance-window", "0"]
 
 
 def train(tmp_path: Path, name: str, nproc: int, flags: list[str],
-          kill: tuple[int, int] | None = None) -> list[dict]:
+          kill: tuple[int, int] | None = None, rejoin: bool = False) -> list[dict]:
     """The iteration records of one run; ``kill`` is ``(rank, after_iteration)``: SIGKILL that
-    worker from outside once the metrics file holds that iteration."""
+    worker from outside once the metrics file holds that iteration. With ``rejoin`` the worker
+    is started again and the job held until it asks to join (the run's flags must then tolerate
+    a held rank: :data:`test_growth.HELD`); the records then include the ``recovery`` and
+    ``grow`` events."""
     metrics = tmp_path / f"{name}.jsonl"
 
-    def reached(iteration: int) -> bool:
+    def reached(event: str, iteration: int) -> bool:
         return metrics.exists() and any(
-            r["iteration"] >= iteration for r in read_metrics(str(metrics), "iteration"))
+            r["iteration"] >= iteration for r in read_metrics(str(metrics), event))
 
     with launch([PRETRAIN, *flags, "--elastic-metrics-file", str(metrics)], nproc,
-                master_port=free_port(), log_path=tmp_path / f"{name}.log") as job:
+                master_port=free_port(), log_path=tmp_path / f"{name}.log",
+                launcher_args=["--rejoin", "--rejoin-delay=0.5"] if rejoin else ()) as job:
         if kill is not None:
             rank, after = kill
-            job.wait_for(lambda: reached(after), 120, f"iteration {after}")
+            job.wait_for(lambda: reached("iteration", after), 120, f"iteration {after}")
             job.kill_worker(rank)
+            if rejoin:
+                job.wait_for(lambda: reached("recovery", after), 120, "the recovery")
+                hold_while_joining(job, [rank])
         returncode, output = job.wait(240)
     assert returncode == 0, output[-4000:]
     records = read_metrics(str(metrics), "iteration")
     assert [r["iteration"] for r in records] == list(range(1, TRAIN_ITERS + 1)), output[-4000:]
+    if rejoin:
+        return [r for r in read_metrics(str(metrics)) if r["event"] in ("iteration", "recovery",
+                                                                        "grow")]
     return records
 
 
@@ -105,4 +116,37 @@ def test_elastic_with_a_failure_stays_on_the_plain_megatron_core_path(text_data,
     plain = train(tmp_path, "plain", 4, flags)
     elastic = train(tmp_path, "elastic", 4, flags + ELASTIC, kill=(3, 4))
     assert elastic[-1]["world_size"] == 2
+    assert_matches_plain(plain, elastic, AFTER_FAILURE)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("tp, pp, nproc", [(2, 1, 2), (1, 2, 2), (2, 2, 8)],
+                         ids=["tp2", "pp2", "tp2-pp2-dp2"])
+def test_tied_embeddings_under_elastic_are_the_plain_megatron_core_path(text_data, tmp_path,  # noqa: F811
+                                                                        tp, pp, nproc):
+    """Megatron's default, one weight for the embedding and the output layer: one parameter on
+    a one-stage model, a copy on each end of a pipeline whose gradients are summed."""
+    flags = oracle_flags(text_data, tied=True, tensor_model_parallel_size=tp,
+                         pipeline_model_parallel_size=pp)
+    plain = train(tmp_path, "plain", nproc, flags)
+    elastic = train(tmp_path, "elastic", nproc, flags + ELASTIC)
+    assert_matches_plain(plain, elastic, EXACT)
+
+
+@pytest.mark.timeout(400)
+def test_tied_embeddings_through_a_one_stage_replica_and_back_stay_on_the_plain_path(text_data,  # noqa: F811
+                                                                                     tmp_path):
+    """TP1 x PP2 x DP2, tied embeddings: rank 3 (the last stage of replica 1) is SIGKILLed after
+    iteration 3, so rank 1 holds both copies of the embedding, in two chunks, while the other
+    replica keeps one on each stage; the replacement rejoins and the replica has two stages
+    again. Every iteration stays on the plain path's."""
+    flags = oracle_flags(text_data, tied=True, pipeline_model_parallel_size=2)
+    plain = train(tmp_path, "plain", 4, flags)
+    records = train(tmp_path, "elastic", 4, flags + ELASTIC + HELD, kill=(3, 3), rejoin=True)
+    [recovery] = [r for r in records if r["event"] == "recovery"]
+    [grow] = [r for r in records if r["event"] == "grow"]
+    assert stage_ranks(recovery["layout"]) == [[[0], [2]], [[1]]], recovery["layout"]
+    assert stage_ranks(grow["layout"]) == [[[0], [2]], [[1], [3]]], grow["layout"]
+    elastic = [r for r in records if r["event"] == "iteration"]
+    assert any(r["world_size"] == 3 for r in elastic) and elastic[-1]["world_size"] == 4
     assert_matches_plain(plain, elastic, AFTER_FAILURE)

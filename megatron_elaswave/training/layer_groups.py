@@ -18,7 +18,11 @@ parameter all-gather per layer instead of per layer group.
 
 Gradients are normalised by the token count of the whole global batch (one all-reduce over
 every active rank), and the gradient norm is reduced over the same group, so any split of the
-global batch over replicas and micro-batches gives the same update. With the failure-free grid
+global batch over replicas and micro-batches gives the same update. With tied embeddings the
+first chunk's word embedding and the last chunk's output weight are two copies, as on Megatron's
+first and last pipeline stages: each replica sums their gradients before the data-parallel
+reduction (over its embedding group, or on the rank that holds both), so both copies take the
+same update. With the failure-free grid
 the layer groups are the stages and every object is the one Megatron builds.
 """
 
@@ -183,7 +187,7 @@ class ModelFactory:
                 max_sequence_length=args.max_position_embeddings,
                 pre_process=pre_process,
                 post_process=post_process,
-                share_embeddings_and_output_weights=False,
+                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                 position_embedding_type=args.position_embedding_type,
                 pg_collection=pg_collection,
             )
@@ -212,6 +216,34 @@ def _chunk_config(factory: ModelFactory, ranges: list[ChunkRange]) -> Transforme
     else:
         config.pipeline_model_parallel_layout = None
     return config
+
+
+def tied_embedding_copies(chunks: list[DistributedDataParallel]) -> list[torch.nn.Parameter]:
+    """The copies of a tied embedding that this rank's chunks hold as parameters of their own:
+    the first chunk's word embedding and the last chunk's output weight, when the model ties
+    them and they are in different chunks (in one chunk they are one parameter)."""
+    copies = []
+    for ddp in chunks:
+        chunk = ddp.module
+        if chunk.share_embeddings_and_output_weights and chunk.pre_process != chunk.post_process:
+            copies.append(chunk.shared_embedding_or_output_weight())
+    return copies
+
+
+@torch.no_grad()
+def sum_tied_embedding_grads(copies: list[torch.nn.Parameter],
+                             embedding_group: dist.ProcessGroup | None) -> None:
+    """Give each copy of the tied embedding the sum of both uses' gradients in this replica,
+    before the data-parallel reduction: the first and last stage of the replica at this TP
+    rank add theirs over ``embedding_group``; a rank that holds both copies (a one-stage
+    replica of a deeper layout) adds them itself. Every replica then reduces the same sum over
+    each copy's layer group, whatever the layouts, so the copies stay equal."""
+    if len(copies) == 2:
+        total = copies[0].main_grad + copies[1].main_grad
+        for copy in copies:
+            copy.main_grad.copy_(total)
+    elif copies:
+        dist.all_reduce(copies[0].main_grad, group=embedding_group)
 
 
 def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: GroupRegistry,
@@ -244,10 +276,9 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
         chunk = factory.build_chunk(config, c == 0, c == len(ranges) - 1, model_groups)
         chunk.to(device)
         if initialize:
-            layout_invariant_init(chunk, config, args.seed, tp_rank, tp.size(),
-                                  tied_embeddings=False)
-        # Untied embeddings: nothing to share between the ends, so the embedding groups are
-        # this rank alone (``None`` would make Megatron read the global ones).
+            layout_invariant_init(chunk, config, args.seed, tp_rank, tp.size())
+        # The tied embedding's two uses are summed by ``finalize`` below, so Megatron's own
+        # embedding groups are this rank alone (``None`` would make it read the global ones).
         groups_of_chunk = ProcessGroupCollection(
             tp=tp, cp=cp, pp=pp, ep=cp, embd=cp, pos_embd=cp, dp=dp, dp_cp=dp,
             intra_dp_cp=dp, expt_dp=cp, intra_dist_opt=world, mp=LayerGroupStage(c, len(ranges)),
@@ -263,9 +294,13 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
         chunk_groups.append(groups_of_chunk)
     optimizer = ChainedOptimizer(optimizers)
     allocate_optimizer_state(optimizers)
+    tied = tied_embedding_copies(chunks)
+    embedding_group = registry.group(Role.EMBEDDING) if len(tied) == 1 else None
 
     def finalize(model, num_tokens, pg_collection=None, force_all_reduce=False):
-        """Each chunk's reduce-scatter over its layer group, then the global token scale."""
+        """The tied embedding's two uses summed in each replica, each chunk's reduce-scatter
+        over its layer group, then the global token scale."""
+        sum_tied_embedding_grads(tied, embedding_group)
         for ddp, chunk_pgc in zip(chunks, chunk_groups):
             finalize_model_grads([ddp], None, pg_collection=chunk_pgc,
                                  force_all_reduce=force_all_reduce)

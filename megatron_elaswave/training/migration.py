@@ -263,19 +263,20 @@ def _place(results: list[torch.Tensor], needs: Sequence[Piece], transfer: Transf
 
 
 @torch.no_grad()
-def load_pieces(objects, needs: Sequence[Piece], values: Sequence[torch.Tensor],
-                step: float) -> None:
-    """Set every chunk's parameters and this rank's Adam shard from migrated ``values``."""
-    found = {(p.name, p.kind): v for p, v in zip(needs, values)}
-    for optimizer, name, param in _chunk_params(objects):
-        full = found[(name, "param")]
+def load_pieces(objects, values: Sequence[torch.Tensor], step: float) -> None:
+    """Set every chunk's parameters and this rank's Adam shard from migrated ``values``, one
+    per need of :func:`needed_pieces`, in its order (the two copies of a tied embedding have
+    one name, and may have different shards)."""
+    received = iter(values)
+    for optimizer, _, param in _chunk_params(objects):
+        full = next(received)
         param.data.copy_(full.view_as(param).to(param.dtype))
         if param not in optimizer.model_param_group_index_map:
             continue
         span = optimizer._get_model_param_range_map(param)["param"]
         tensors = {"param": full[span.start:span.end]}
         if span.end > span.start:
-            tensors.update({kind: found[(name, kind)] for kind in KINDS[1:]})
+            tensors.update({kind: next(received) for kind in KINDS[1:]})
         optimizer._set_main_param_and_optimizer_states(param, tensors)
     for optimizer in objects.optimizer.chained_optimizers:
         for state in optimizer.optimizer.state.values():

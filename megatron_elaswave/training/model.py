@@ -117,10 +117,16 @@ def _parameter_seed(seed: int, name: str) -> int:
 
 
 def global_parameter_names(chunk: GPTModel) -> dict[str, str]:
-    """Map stage-local parameter names to global ones (layer indices counted over the model)."""
+    """Map stage-local parameter names to global ones (layer indices counted over the model).
+    The last stage's copy of a tied embedding is named as the embedding: it holds the same
+    values, and either copy can stand in for the other."""
     layer_numbers = {str(i): layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
+    tied = getattr(chunk, "share_embeddings_and_output_weights", False)
     names = {}
     for name, _ in chunk.named_parameters():
+        if tied and name == "output_layer.weight":
+            names[name] = _WORD_EMBEDDING
+            continue
         names[name] = _LAYER_PREFIX.sub(
             lambda m: f"decoder.layers.{layer_numbers[m.group(1)]}.", name
         )
@@ -145,13 +151,11 @@ def _initial_value(name: str, shape: tuple[int, ...], std: float, num_layers: in
 
 @torch.no_grad()
 def layout_invariant_init(chunk: GPTModel, config: TransformerConfig, seed: int,
-                          tp_rank: int, tp_size: int, tied_embeddings: bool) -> None:
+                          tp_rank: int, tp_size: int) -> None:
     """Set every parameter of ``chunk`` from ``(seed, global name)``, sliced to this TP shard."""
     global_names = global_parameter_names(chunk)
     for local_name, param in chunk.named_parameters():
         name = global_names[local_name]
-        if tied_embeddings and name == "output_layer.weight":
-            name = _WORD_EMBEDDING  # the last stage's copy of the tied embedding
         shape = list(param.shape)
         sharded = getattr(param, "tensor_model_parallel", False)
         if sharded:
@@ -184,7 +188,7 @@ def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, voca
         )
         chunk.to(device)
         layout_invariant_init(chunk, config, args.seed, pg_collection.tp.rank(),
-                              pg_collection.tp.size(), tied)
+                              pg_collection.tp.size())
         chunks.append(chunk)
     return chunks
 
