@@ -53,6 +53,7 @@ State restore after a recovery or a layout change (:mod:`~megatron_elaswave.trai
 ``rt/gen<g>/done/<rank>``                      ``rank`` finished training in ``g``
 ``rt/finished``                                the job ends: every member finished (empty) or the
                                                survivors stopped (why)
+``rt/records/written``                         the last iteration whose record the logger wrote
 =============================================  ==========================================================
 
 Start-up (:mod:`~megatron_elaswave.training.startup`):
@@ -157,6 +158,9 @@ def done_key(generation: int, rank: int) -> str:
 
 FINISHED_KEY = "rt/finished"
 """Set when the job ends: empty when every member finished, else why the survivors stopped."""
+
+RECORDS_WRITTEN_KEY = "rt/records/written"
+"""The last iteration whose record the logging rank has written to the metrics file."""
 
 
 # -- start-up ----------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from megatron_elaswave.communicator import EditMode, GroupRegistry, Role
 from megatron_elaswave.decisions import Decision
 from megatron_elaswave.dvfs import DvfsGovernor
 from megatron_elaswave.faults import FaultInjector, InjectedSlowdown, slow_down
-from megatron_elaswave.keys import FINISHED_KEY, done_key, saved_key
+from megatron_elaswave.keys import FINISHED_KEY, RECORDS_WRITTEN_KEY, done_key, saved_key
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter
 from megatron_elaswave.monitor import FailureDetected, FailureMonitor
@@ -51,7 +51,13 @@ from .loop import StepResult, Trainer, log
 from .migration import StateLost, adam_step, load_pieces, migrate, named_shard, needed_pieces
 from .model import transformer_layers
 from .planning import plan_growth
-from .records import RecoveryTimes, write_change, write_recovery, write_redeal
+from .records import (
+    RecoveryTimes,
+    split_held_records,
+    write_change,
+    write_recovery,
+    write_redeal,
+)
 from .recovery import CannotContinue, Recovery
 from .relayout import LayoutChange
 from .restore import RestoreRound
@@ -84,6 +90,8 @@ class ElasticTrainer(Trainer):
         """The layout whose snapshots the ranks hold: the last one restored."""
         self.lost: set[int] = set()
         """Ranks failed since the state was last restored; their replicas must serve it."""
+        self._records_written = 0
+        """While this rank logs: the last iteration whose record is in the metrics file."""
         self.recovery = Recovery(self)
         if self.detector is not None:
             self.detector.reset(planned=self.layout)
@@ -262,11 +270,21 @@ class ElasticTrainer(Trainer):
         return result
 
     def write_records(self, up_to: int | None = None) -> None:
+        """The logger writes the held-back records it has not written yet and says so in the
+        store; every other rank keeps those it may not have written (:func:`split_held_records`)."""
         # A logger stopped and resumed after the others excluded it must not write: the
         # logger of their layout writes the same records.
         if self.metrics.path is not None and self.monitor.excluded():
             return
-        super().write_records(up_to)
+        logging = self.metrics.path is not None
+        to_write, self._unwritten = split_held_records(
+            self._unwritten, iteration=self.iteration, up_to=up_to,
+            written=self._records_written if logging else None)
+        for fields in to_write:
+            self.metrics.write("iteration", **fields)
+        if to_write:
+            self._records_written = to_write[-1]["iteration"]
+            self.store.set(RECORDS_WRITTEN_KEY, str(self._records_written))
 
     def holds_record(self) -> bool:
         """Always: a rank that settled its own snapshot does not know that every other rank has
@@ -320,7 +338,7 @@ class ElasticTrainer(Trainer):
         self.registry.edit(leaving, self.layout, EditMode.FULL)
         self._build_objects()
         needs = needed_pieces(self.objects, self.tp_rank)
-        load_pieces(self.objects, needs, [held[piece.key] for piece in needs], step)
+        load_pieces(self.objects, [held[piece.key] for piece in needs], step)
         self.objects.scheduler.load_state_dict(scheduler)
 
     def _build_objects(self) -> None:
@@ -429,7 +447,7 @@ class ElasticTrainer(Trainer):
         times.rolled_back_to = iteration
         if active:
             self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
-            load_pieces(self.objects, needs, values, state["adam_step"])
+            load_pieces(self.objects, values, state["adam_step"])
             self.objects.scheduler.load_state_dict(state["scheduler"])
             # Only Megatron's stateful streams need this; layout-invariant ones are keyed.
             restore_rng_states(state["rng"])
@@ -445,10 +463,12 @@ class ElasticTrainer(Trainer):
         times.migrated_at = time.time()
         if self.is_logger and self.metrics.path is None:
             self.metrics = MetricsWriter(self.args.elastic_metrics_file)
+            written = self.store.check([RECORDS_WRITTEN_KEY])
+            self._records_written = int(self.store.get(RECORDS_WRITTEN_KEY)) if written else 0
         elif not self.is_logger and self.metrics.path is not None:  # another rank logs now
             self.metrics.close()
             self.metrics = MetricsWriter(None)
-        # Every rank holds the same records back; the logger of the new layout writes them.
+        # The logger of the new layout writes the records held back that are not yet written.
         self.write_records(up_to=iteration)
 
 

@@ -12,6 +12,27 @@ from megatron_elaswave.planner.frequency import ClockPlan
 from .loop import log
 
 
+def split_held_records(records: list[dict], *, iteration: int, up_to: int | None,
+                       written: int | None) -> tuple[list[dict], list[dict]]:
+    """The iteration records a rank held back, split into those it writes now and those it
+    keeps. ``iteration`` is the rank's current iteration; ``up_to`` the rollback's (records after
+    it are dropped: those iterations run again), or ``None`` at a step's end; ``written`` the
+    last iteration in the metrics file when this rank logs, ``None`` when another rank does.
+
+    The logger writes what it has not written yet. Every other rank keeps what the logger may
+    not have written, so that whichever rank logs after a failure writes it: at a step's end the
+    records of the last two iterations (the logger took part in this step, so it wrote the ones
+    before), in a recovery every record up to the rollback (another failure may interrupt the
+    recovery before the logger writes them)."""
+    if up_to is not None:
+        records = [r for r in records if r["iteration"] <= up_to]
+    if written is not None:
+        return [r for r in records if r["iteration"] > written], []
+    if up_to is None:
+        records = [r for r in records if r["iteration"] >= iteration - 1]
+    return [], records
+
+
 @dataclass
 class RecoveryTimes:
     """Wall-clock marks of one recovery (or layout change) on this rank (``time.time()``)."""
