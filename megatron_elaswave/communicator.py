@@ -259,9 +259,11 @@ def _new_named_groups(groups: dict[K, tuple[Sequence[int], str]], backend: str,
     :class:`~megatron_elaswave.store.WaitInterrupted` as soon as it is set, even while the
     members connect: gloo's connection step cannot be interrupted, but it releases the GIL, so
     the caller can stop waiting for it. The threads are left to gloo: they end when gloo gives up
-    on the dead member. A group formed after all (every member alive, the failure elsewhere) is
-    never used: every survivor re-creates its groups in the recovery that follows, under the next
-    generation's names.
+    on the dead member (:data:`CREATION_TIMEOUT`). A group formed after all (every member alive,
+    the failure elsewhere) is never used: every survivor re-creates its groups in the recovery
+    that follows, under the next generation's names. The threads are not daemons: a job that
+    ends while one still connects waits for gloo to give up before the interpreter shuts down,
+    which would otherwise abort the process ("terminate called without an active exception").
     """
     default_rank = distributed_c10d._get_default_group().rank()
     outcomes: dict[K, ProcessGroup | BaseException] = {}
@@ -287,7 +289,7 @@ def _new_named_groups(groups: dict[K, tuple[Sequence[int], str]], backend: str,
     with recording_connections():  # so that a failure can abort what runs on them
         for key, (world_ranks, name) in groups.items():
             threading.Thread(target=create, args=(key, world_ranks, name),
-                             name=f"elaswave-connect-{name}", daemon=True).start()
+                             name=f"elaswave-connect-{name}", daemon=False).start()
         for _ in groups:
             while not finished.acquire(timeout=_ABORT_POLL_S):
                 if abort is not None and abort.is_set():
