@@ -48,7 +48,8 @@ State restore after a recovery or a layout change (:mod:`~megatron_elaswave.trai
 ``rt/gen<g>/restore/state/tp<t>``              the small state (pickled) for ranks that held no stage
 ``rt/gen<g>/restore/migrate/holds/<rank>``     the pieces ``rank`` can serve
 ``rt/gen<g>/restore/migrate/needs/<rank>``     the pieces ``rank`` needs
-``rt/gen<g>/restore/restored/<rank>``          ``rank`` restored; the layout is committed when all have
+``rt/gen<g>/restore/restored/<rank>``          ``rank`` restored
+``rt/gen<g>/restore/outcome``                  ``committed`` (once every member restored) or ``abandoned``
 ``rt/gen<g>/saved``                            the directory of the checkpoint saved in ``g``
 ``rt/gen<g>/done/<rank>``                      ``rank`` finished training in ``g``
 ``rt/finished``                                the job ends: every member finished (empty) or the

@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from megatron_elaswave.keys import DEATH_COUNT_KEY, death_key, exit_key, worker_key
@@ -200,18 +201,25 @@ _KEY_POLL_INTERVAL_S = 0.02
 a barrier usually arrive within milliseconds, and a long wait costs the store little."""
 
 
+def key_poll_pauses() -> Iterator[float]:
+    """The pauses between the polls of one wait for keys, without end."""
+    pause = _FIRST_KEY_POLL_S
+    while True:
+        yield pause
+        pause = min(2 * pause, _KEY_POLL_INTERVAL_S)
+
+
 def wait_for_keys(store: Store, keys: list[str], timeout: timedelta,
                   failure: threading.Event | None = None) -> None:
     """Return once every key of ``keys`` exists. Raises :class:`WaitInterrupted` as soon as
     ``failure`` is set (the peer that was to set a key may be dead: the caller recovers instead
     of waiting the timeout out), or after ``timeout``."""
     deadline = time.monotonic() + timeout.total_seconds()
-    pause = _FIRST_KEY_POLL_S
+    pauses = key_poll_pauses()
     while not store.check(keys):
         if failure is not None and failure.is_set():
             raise WaitInterrupted(f"a failure was detected while waiting for {len(keys)} keys")
         if time.monotonic() >= deadline:
             missing = [key for key in keys if not store.check([key])]
             raise WaitInterrupted(f"keys not set within {timeout.total_seconds():g} s: {missing}")
-        time.sleep(pause)
-        pause = min(2 * pause, _KEY_POLL_INTERVAL_S)
+        time.sleep(next(pauses))

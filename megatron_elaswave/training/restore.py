@@ -13,18 +13,23 @@ from __future__ import annotations
 import json
 import pickle
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from megatron_elaswave.keys import restore_prefix
 from megatron_elaswave.layout import Layout
-from megatron_elaswave.store import wait_for_keys
+from megatron_elaswave.store import WaitInterrupted, key_poll_pauses, wait_for_keys
 
 from .recovery import CannotContinue
 
 if TYPE_CHECKING:
     from torch.distributed import Store
+
+COMMITTED = "committed"
+ABANDONED = "abandoned"
+"""The outcomes of a restore (``rt/gen<g>/restore/outcome``)."""
 
 
 @dataclass(frozen=True)
@@ -87,11 +92,30 @@ class RestoreRound:
         return (shared_state if state is None else state), shared_records
 
     def commit(self) -> None:
-        """Return once every member has restored: then, and only then, each takes the new
-        layout as the one whose state the ranks hold. A failure before every member got here
-        interrupts them all alike, so the next recovery starts from one view of the state."""
+        """Return once every member has restored: then each takes the new layout as the one
+        whose state the ranks hold. The outcome is one store key written once with
+        ``compare_set``: committed by the first member that sees every member restored,
+        abandoned by the first that notices a failure (or waits past the timeout) before that.
+        Every member follows it, so the next recovery starts from one view of the state. Raises
+        :class:`~megatron_elaswave.store.WaitInterrupted` when the restore was abandoned."""
         self.store.set(f"{self.prefix}/restored/{self.rank}", "")
-        self._wait_and_get("restored")
+        restored = [f"{self.prefix}/restored/{member}" for member in self.members]
+        outcome_key = f"{self.prefix}/outcome"
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        pauses = key_poll_pauses()
+        while True:
+            if self.store.check(restored):
+                proposal = COMMITTED
+            elif (self.abort.is_set() or time.monotonic() >= deadline
+                  or self.store.check([outcome_key])):
+                proposal = ABANDONED
+            else:
+                time.sleep(next(pauses))
+                continue
+            if self.store.compare_set(outcome_key, "", proposal).decode() == COMMITTED:
+                return
+            raise WaitInterrupted("the restore was abandoned: a failure was noticed before every "
+                                  "member had restored")
 
     def _wait_and_get(self, what: str) -> list[bytes]:
         keys = [f"{self.prefix}/{what}/{member}" for member in self.members]

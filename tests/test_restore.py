@@ -1,0 +1,64 @@
+"""The commit of a state restore: every member takes the new layout, or none does, whenever a
+failure is noticed (ranks in threads over one store)."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from megatron_elaswave.store import WaitInterrupted
+from megatron_elaswave.training.restore import RestoreRound
+
+MEMBERS = (0, 1, 2)
+
+
+def restore_round(store: dist.Store, rank: int, *, timeout_s: float = 30.0,
+                  failure_noticed: bool = False) -> RestoreRound:
+    abort = threading.Event()
+    if failure_noticed:
+        abort.set()
+    return RestoreRound(store, generation=3, rank=rank, members=MEMBERS,
+                        timeout=timedelta(seconds=timeout_s), abort=abort)
+
+
+def outcome(restore: RestoreRound) -> str:
+    try:
+        restore.commit()
+    except WaitInterrupted:
+        return "abandoned"
+    return "committed"
+
+
+def test_a_failure_noticed_after_every_member_restored_does_not_undo_the_commit():
+    store = dist.HashStore()
+    with ThreadPoolExecutor(2) as pool:
+        others = [pool.submit(outcome, restore_round(store, rank)) for rank in (1, 2)]
+        late = outcome(restore_round(store, 0, failure_noticed=True))
+        assert [future.result(timeout=30) for future in others] == ["committed", "committed"]
+    assert late == "committed"
+
+
+def test_a_member_that_restores_after_another_abandoned_does_not_commit():
+    # Rank 0 notices a failure while rank 2 is still restoring; rank 2 then restores and finds
+    # every member's key set: it must follow rank 0, or the next recovery would start from two
+    # views of which layout holds the state.
+    store = dist.HashStore()
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(outcome, restore_round(store, 1))
+        assert outcome(restore_round(store, 0, failure_noticed=True)) == "abandoned"
+        assert outcome(restore_round(store, 2)) == "abandoned"
+        assert waiting.result(timeout=30) == "abandoned"
+
+
+@pytest.mark.parametrize("failure_noticed", [False, True])
+def test_a_member_that_never_restores_leaves_the_others_uncommitted(failure_noticed):
+    store = dist.HashStore()
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(outcome, restore_round(store, rank, timeout_s=0.5,
+                                                      failure_noticed=failure_noticed))
+                   for rank in (0, 1)]
+        assert [future.result(timeout=30) for future in futures] == ["abandoned", "abandoned"]
