@@ -556,13 +556,14 @@ class GroupRegistry:
             dist.destroy_process_group()
         _store_barrier(self._store, communicator_key(self._generation, "meet"), len(survivors),
                        self._timeout, abort)
-        dist.init_process_group(
-            self._backend,
-            store=self._rendezvous_store(abort),
-            rank=survivors.index(self._rank),
-            world_size=len(survivors),
-            timeout=self._creation_timeout(abort),
-        )
+        with recording_connections():
+            dist.init_process_group(
+                self._backend,
+                store=self._rendezvous_store(abort),
+                rank=survivors.index(self._rank),
+                world_size=len(survivors),
+                timeout=self._creation_timeout(abort),
+            )
         dist.group.WORLD.set_timeout(self._timeout)
         self._world_ranks = {r: i for i, r in enumerate(survivors)}
         for number, members in enumerate(lists):

@@ -13,14 +13,19 @@ the training thread with it, in ``Work.wait``: a survivor held 30 s, and the who
 it (about one recovery in five on a loaded 2-core machine). Nothing outside gloo can reach that
 buffer, and gloo's own ``abort()`` does not wake it.
 
-What can be changed is the wait. Wrapped here, ``Work.wait`` on a work that has a future (gloo's
-collectives) waits for the future or for the event given to :func:`abandon_waits_when`,
-whichever comes first, and raises :class:`CollectiveAbandoned` in the second case. torch's
-collectives called without ``async_op`` wait through the same method, so megatron-core's
-all-reduces are covered too. The abandoned operation stays with gloo's worker thread until its
+Point-to-point sends wait in the same ``waitSend`` (megatron-core's pipeline sending to a stage
+that just died), and their requests have no future.
+
+What can be changed is the wait. Wrapped here, ``Work.wait`` waits for the work or for the event
+given to :func:`abandon_waits_when`, whichever comes first, and raises
+:class:`CollectiveAbandoned` in the second case: on the work's future where it has one (gloo's
+collectives; torch's collectives called without ``async_op`` wait through the same method, so
+megatron-core's all-reduces are covered too), otherwise (point-to-point requests) on a thread
+that waits for it. gloo's own wait cannot be shortened instead: a send or receive that times out
+fails every connection of its group. The abandoned operation stays with a gloo thread until its
 deadline; its group must stay referenced until then (destroying the last reference joins that
-thread). Works without a future (gloo's point-to-point requests) wait as before. Inert until an
-event is given: device backends whose ``wait`` does not block the host (NCCL) must not get one.
+thread). Inert until an event is given: device backends whose ``wait`` does not block the host
+(NCCL) must not get one.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ def _abandonable(wait):
         try:
             future = work.get_future()
         except RuntimeError:  # no future: a point-to-point request
-            return wait(work, timeout)
+            return _wait_on_a_thread(wait, work, timeout, abandon)
         done = threading.Event()
         future.add_done_callback(lambda _: done.set())
         deadline = time.monotonic() + timeout.total_seconds() if timeout else None
@@ -74,6 +79,29 @@ def _abandonable(wait):
         return wait(work) if remaining is None else wait(work, remaining)
 
     return wait_unless_abandoned
+
+
+def _wait_on_a_thread(wait, work: Any, timeout: timedelta, abandon: threading.Event) -> bool:
+    """``wait(work, timeout)`` on a thread of its own, given up once ``abandon`` is set. The
+    thread is not a daemon: one still in gloo at interpreter shutdown would abort the process;
+    it ends at the work's deadline at the latest."""
+    outcome: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            outcome["completed"] = wait(work, timeout)
+        except BaseException as error:  # re-raised on the waiting thread
+            outcome["error"] = error
+        done.set()
+
+    threading.Thread(target=run, name="elaswave-p2p-wait", daemon=False).start()
+    while not done.wait(_POLL_S):
+        if abandon.is_set():
+            raise CollectiveAbandoned("point-to-point request abandoned: a failure was detected")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["completed"]
 
 
 def register(registry: PatchRegistry) -> None:

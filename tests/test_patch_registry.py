@@ -149,13 +149,17 @@ def test_pipeline_receives_wait_for_the_op_timeout_not_the_creation_timeout(tmp_
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("operation", ["all_reduce", "recv"])
 @pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
 def test_a_collective_that_nothing_ends_is_abandoned_once_a_failure_is_detected(tmp_path,
-                                                                                 patched):
-    """Rank 1 never joins rank 0's all-reduce, and nothing fails it: the armed wait gives up as
-    soon as its event is set, and the group it leaves behind is destroyed without waiting for
-    gloo's deadline. Unpatched, rank 0 waits until rank 1 exits, 8 s in."""
-    args = [worker_script("collective_abandon.py"), str(tmp_path)] + (["--patched"] if patched else [])
+                                                                                 patched,
+                                                                                 operation):
+    """Rank 1 never joins rank 0's all-reduce (or never sends what rank 0 receives), and nothing
+    fails it: the armed wait gives up as soon as its event is set, and the group it leaves
+    behind is destroyed without waiting for gloo's deadline. Unpatched, rank 0 waits until rank
+    1 exits, 8 s in."""
+    args = [worker_script("collective_abandon.py"), str(tmp_path), operation]
+    args += ["--patched"] if patched else []
     with launch(args, nproc_per_node=2, master_port=free_port()) as job:
         returncode, output = job.wait(timeout=90)
     assert returncode == 0, output

@@ -1,10 +1,11 @@
-"""A gloo all-reduce that rank 1 never joins (it stays alive 8 s, then exits); rank 0's wait is
-given up 1 s in by setting the event the wait was armed with.
+"""A gloo all-reduce that rank 1 never joins, or a receive from rank 1 that it never sends (it
+stays alive 8 s, then exits); rank 0's wait is given up 1 s in by setting the event the wait was
+armed with.
 
-Usage: collective_abandon.py OUT_DIR [--patched]; rank 0 writes ``OUT_DIR/rank0.json`` with the
-first (completed) all-reduce's result, how long the second one was waited for, the error that
-ended the wait, and how long destroying its group then took. With ``--patched`` the project's
-patches are installed first and the wait is armed.
+Usage: collective_abandon.py OUT_DIR all_reduce|recv [--patched]; rank 0 writes
+``OUT_DIR/rank0.json`` with the first (completed) all-reduce's result, how long the operation
+that follows it was waited for, the error that ended the wait, and how long destroying its group
+then took. With ``--patched`` the project's patches are installed first and the wait is armed.
 """
 
 import json
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 if __name__ == "__main__":
-    out_dir, patched = sys.argv[1], "--patched" in sys.argv[2:]
+    out_dir, operation, patched = sys.argv[1], sys.argv[2], "--patched" in sys.argv[3:]
     abandon = threading.Event()
     if patched:
         from megatron_elaswave.device import resolve_device_backend
@@ -40,7 +41,10 @@ if __name__ == "__main__":
     threading.Timer(1.0, abandon.set).start()
     started = time.monotonic()
     try:
-        dist.all_reduce(tensor, group=group)
+        if operation == "recv":
+            dist.recv(tensor, src=1, group=group)
+        else:
+            dist.all_reduce(tensor, group=group)
     except RuntimeError as error:
         report["error"] = f"{type(error).__name__}: {str(error)[:200]}"
     report["waited_s"] = time.monotonic() - started
