@@ -48,10 +48,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 
 import torch.distributed as dist
-from torch.distributed import distributed_c10d
 
-from megatron_elaswave.layout import Layout, Replica
 from megatron_elaswave.keys import communicator_key, generation_prefix
+from megatron_elaswave.layout import Layout, Replica
+from megatron_elaswave.patches.distributed_c10d import new_named_group
 from megatron_elaswave.store import WaitInterrupted, wait_for_keys
 from megatron_elaswave.world import InterruptibleStore, recording_connections, retire
 
@@ -244,16 +244,11 @@ def _group_name(generation: int, world_ranks: Sequence[int]) -> str:
 def _new_named_groups(groups: dict[K, tuple[Sequence[int], str]], backend: str,
                       timeout: timedelta, store: Store, creation_timeout: timedelta,
                       abort: threading.Event | None) -> dict[K, ProcessGroup]:
-    """Groups created by their members only, under names they all derive the same way:
-    ``groups`` maps a key to the group's ranks in the default group and its name. Every group
-    connects on a thread of its own; the call returns once all have formed.
-
-    ``new_group(ranks, use_local_synchronization=True)`` cannot be used as is: torch 2.13 names
-    such a group by hashing its ranks *together with the number of groups the calling process
-    holds*, so members that hold different numbers of groups (the normal case after an edit, and
-    between ranks of a heterogeneous layout) rendezvous under different store prefixes and time
-    out (observed). This is that function's body with the name and the store given (the
-    rendezvous runs on ``store``, bounded by ``creation_timeout``). Checked against torch 2.13.
+    """Groups created by their members only, under names they all derive the same way
+    (:func:`~megatron_elaswave.patches.distributed_c10d.new_named_group`): ``groups`` maps a key
+    to the group's ranks in the default group and its name. The members rendezvous on ``store``,
+    bounded by ``creation_timeout``. Every group connects on a thread of its own; the call
+    returns once all have formed.
 
     Raises the first error a group's creation raised. With ``abort``, raises
     :class:`~megatron_elaswave.store.WaitInterrupted` as soon as it is set, even while the
@@ -265,23 +260,12 @@ def _new_named_groups(groups: dict[K, tuple[Sequence[int], str]], backend: str,
     ends while one still connects waits for gloo to give up before the interpreter shuts down,
     which would otherwise abort the process ("terminate called without an active exception").
     """
-    default_rank = distributed_c10d._get_default_group().rank()
     outcomes: dict[K, ProcessGroup | BaseException] = {}
     finished = threading.Semaphore(0)
 
     def create(key: K, world_ranks: Sequence[int], name: str) -> None:
         try:
-            group, _ = distributed_c10d._new_process_group_helper(
-                len(world_ranks),
-                list(world_ranks).index(default_rank),
-                list(world_ranks),
-                backend,
-                store,
-                distributed_c10d.GroupName(name),
-                timeout=creation_timeout,
-                group_desc=name,
-            )
-            outcomes[key] = group
+            outcomes[key] = new_named_group(world_ranks, backend, store, name, creation_timeout)
         except BaseException as error:  # handed to the caller, or dropped once it gave up
             outcomes[key] = error
         finished.release()
@@ -298,10 +282,8 @@ def _new_named_groups(groups: dict[K, tuple[Sequence[int], str]], backend: str,
     errors = [o for o in outcomes.values() if isinstance(o, BaseException)]
     if errors:
         raise errors[0]
-    for key, (world_ranks, _) in groups.items():
-        group = outcomes[key]
-        distributed_c10d._world.pg_group_ranks[group] = {r: i for i, r in enumerate(world_ranks)}
-        group.set_timeout(timeout)
+    for key in groups:
+        outcomes[key].set_timeout(timeout)
     return {key: outcomes[key] for key in groups}  # type: ignore[misc]
 
 
@@ -626,7 +608,7 @@ class GroupRegistry:
         with recording_connections():
             group = dist.new_group([self._world_ranks[r] for r in members],
                                    timeout=self._creation_timeout(abort), sort_ranks=False)
-        if group is distributed_c10d.GroupMember.NON_GROUP_MEMBER:
+        if group is dist.GroupMember.NON_GROUP_MEMBER:
             return None
         group.set_timeout(self._timeout)
         return group
