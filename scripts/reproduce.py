@@ -13,9 +13,13 @@ c. loss deviation after a failure: ElasWave, Megatron's RNG, drop-replica, rerou
 d. post-failure throughput at 96 devices and at 10^3 to 10^5 devices (the calibrated simulator);
 e. MTTR against restart-from-checkpoint and TorchFT (``bench/mttr.py``);
 f. the plugin's overhead on failure-free training (``bench/overhead.py``, ``bench/snapshot.py``);
-g. a seeded chaos soak: random faults of every kind on one long run (``bench/chaos.py``).
+g. a seeded chaos soak: random faults of every kind on one long run (``bench/chaos.py``);
+h. the simulator against a real run: step times predicted from a profile measured on this machine
+   (``--elastic-profile-out``) beside those measured before and after a failure
+   (``bench/calibration.py``).
 
-Measured experiments (a, c, e, f, g) run real CPU processes with gloo; b and d are simulated.
+Measured experiments (a, c, e, f, g) run real CPU processes with gloo; b and d are simulated; h
+puts the two side by side.
 The report says which is which, and on what machine it ran. Exit status 1 if an experiment
 failed (its section then says why); the others still run. ``--only`` with ``--keep-others``
 re-runs some experiments and keeps the others' sections from the report already there.
@@ -38,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_elaswave.planner.profile import SyntheticDevice
 from megatron_elaswave.simulate import paper_cases, ratio, run_case, scale_cases
 
 SCRIPTS = Path(__file__).resolve().parent
@@ -64,6 +69,8 @@ class Sizes:
     """Simulate 10^3-10^5 devices too (a few seconds)."""
     chaos: tuple[str, ...]
     """Arguments of ``bench/chaos.py``."""
+    calibration: tuple[str, ...]
+    """Arguments of ``bench/calibration.py``."""
 
 
 FULL = Sizes(
@@ -74,6 +81,7 @@ FULL = Sizes(
     snapshot=("--rounds", "3"),
     scale_cases=True,
     chaos=("--faults", "50", "--seed", "1"),
+    calibration=(),
 )
 SMOKE = Sizes(
     communicator_configs="2x2x2", communicator_repetitions=1,
@@ -84,6 +92,9 @@ SMOKE = Sizes(
     snapshot=("--nproc", "2", "--rounds", "1", "--train-iters", "6", "--warmup-iters", "2"),
     scale_cases=False,
     chaos=("--faults", "5", "--seed", "62"),  # one fault of each kind
+    calibration=("--nproc", "4", "--tp", "1", "--num-layers", "4", "--hidden-size", "64",
+                 "--profile-iters", "3", "--fail-at", "5", "--fail-rank", "3",
+                 "--iters-after", "3", "--warmup", "2"),
 )
 
 
@@ -169,8 +180,10 @@ def migration(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
         "contiguous shards, in disjoint rank-to-rank waves.", "",
         *table(["grid", "failed instances", "interleaved (s)", "contiguous (s)", "reduction"], rows),
         "",
-        f"Largest reduction {max(reductions):.0%} (paper: up to 51%). The executor on CPU still "
-        "moves Megatron's contiguous shards (see docs/elastic.md, Limits).",
+        f"Largest reduction {max(reductions):.0%} (paper: up to 51%). The executor shards "
+        "whole layers over their holders with `--elastic-zero interleaved` (the planner's finer "
+        "chunks are for its predictions; docs/elastic.md, Limits); its measured reduction on "
+        "this machine is in docs/elastic.md (`bench/zero_sharding.py`).",
     ]
     return lines, {"reductions": reductions, "max_reduction": max(reductions)}
 
@@ -214,9 +227,12 @@ def throughput(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
                      f"{summary[label]['torchft_drop']:.2f}x (paper 1.60x)",
                      f"{summary[label]['torchft_grad_accum']:.2f}x"])
     lines = [
-        "Simulated: the discrete-event simulator calibrated by the planner's cost model "
-        "(7B-class at 96 devices, 175B-class at scale), 1-16 failed stage instances spread over "
-        "replicas; geometric mean over the cases where the baseline can still run.", "",
+        "Simulated: the discrete-event simulator on the planner's cost model with synthetic "
+        f"profiles ({SyntheticDevice().name}, {SyntheticDevice().memory_bytes // 2**30} GiB, "
+        "7B-class at 96 devices, 175B-class at scale: no such devices here; (h) checks the "
+        "simulator against a profile measured on this machine), 1-16 failed stage instances "
+        "spread over replicas; geometric mean over the cases where the baseline can still run.",
+        "",
         *table(["scale", "cases", "ElasWave / ReCycle-style", "ElasWave / TorchFT (drop)",
                 "ElasWave / TorchFT (grad. accumulation)"], rows),
         "", "![throughput](results/throughput.png)", "",
@@ -237,12 +253,17 @@ def mttr(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
                      f"{results['restart_lost_iterations']:.0f}",
                      f"{results['restart_over_elaswave']:.1f}x"])
     if torchft_s is not None:
-        rows.append(["TorchFT (torchft package, DDP replicas)", f"{torchft_s:.2f}", "0",
-                     f"{torchft_s / results['elaswave_mttr_s']:.1f}x"])
+        replicas = results["torchft"].get("replicas", "?")
+        rows.append([f"TorchFT (torchft package, {replicas} DDP replicas)", f"{torchft_s:.2f}",
+                     "0", f"{torchft_s / results['elaswave_mttr_s']:.1f}x"])
     lines = [
         "Measured: 8 CPU ranks (TP2 x PP2 x DP2, 8 layers, the demo's text), rank 5 SIGKILLed "
         "from outside the job; MTTR from the SIGKILL until the broken iteration completes again; "
-        "medians. Target: ElasWave at most a tenth of restart-from-checkpoint.", "",
+        "medians. Target: ElasWave at most a tenth of restart-from-checkpoint. TorchFT trains "
+        "the same GPT on as many processes, one replica of the whole model each (its fault "
+        "tolerance is across data-parallel replicas), with the same global batch, on random "
+        "tokens; its last replica is SIGKILLed mid-step, and its MTTR ends with the first step "
+        "every survivor commits without it.", "",
         *table(["recovery", "MTTR (s)", "iterations recomputed", "/ ElasWave"], rows),
         "", "ElasWave's MTTR by phase (medians, s): " + ", ".join(
             f"{k.removesuffix('_s')} {v:.2f}" for k, v in results["elaswave_breakdown_s"].items()
@@ -352,6 +373,29 @@ def chaos_report(sizes: Sizes, results: dict) -> list[str]:
     return lines
 
 
+def calibration(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
+    results = bench_json("calibration.py", *sizes.calibration)
+    predicted, measured = results["predicted"], results["measured"]
+    ratios = results["predicted_over_measured"]
+    rows = [[name, f"{predicted[key] * 1e3:.1f}", f"{measured[key] * 1e3:.1f}",
+             f"{ratios[key]:.3f}"]
+            for key, name in (("failure_free_s", "failure-free"),
+                              ("after_failure_s", f"after rank {results['fail_rank']} failed"))]
+    stages = [[stage["ranks"] for stage in replica["stages"]]
+              for replica in measured["layout_after"]]
+    lines = [
+        f"Measured and simulated: {results['layout']} on CPU processes; the profile was measured "
+        f"by `pretrain_gpt.py --elastic-profile-out` on {results['profile_device']}, the same "
+        "job then ran with `--elastic --elastic-profile` (so the runtime planned its recovery "
+        "from that profile) and lost a rank. Predicted: the planner's step time at the nominal "
+        "clock from the profile; measured: median iteration times.", "",
+        *table(["step", "predicted (ms)", "measured (ms)", "predicted / measured"], rows), "",
+        f"The runtime recovered to {stages}: "
+        f"{'the layout the planner predicted' if results['same_layout_after'] else 'not the layout the planner predicted'}.",
+    ]
+    return lines, results
+
+
 def headline_rows(figures: dict) -> list[list]:
     """One row per headline figure: what, measured or simulated, ours, the paper's (or the
     target), ours / paper."""
@@ -417,6 +461,7 @@ EXPERIMENTS = {
     "e": ("MTTR against restart-from-checkpoint and TorchFT", mttr),
     "f": ("Overhead on failure-free training", overhead),
     "g": ("Chaos soak: random faults on one long run", chaos),
+    "h": ("The simulator against a real run", calibration),
 }
 
 

@@ -14,8 +14,11 @@ completed again:
   torchrun does when a worker dies, every worker is stopped at once, then all are launched again
   with ``--load DIR``; the iterations since the last checkpoint are computed again (counted as
   ``lost_iterations``).
-* ``torchft``: ``scripts/bench/torchft_mttr.py`` (the ``torchft`` package, DDP replicas on the
-  same machine); reported as that script measures it, when torchft is installed.
+* ``torchft``: ``scripts/bench/torchft_mttr.py`` (the ``torchft`` package) on the same GPT and
+  as many processes: 8 replicas of one process each, each holding the whole model (TorchFT is
+  fault tolerant across data-parallel replicas; it does not reshard a TP x PP replica), the
+  same global batch (2 sequences per replica), random tokens; the last replica is SIGKILLed
+  mid-step. Reported as that script measures it, when torchft is installed.
 * ``elaswave_12`` (with ``--scale``): the ``elaswave`` arm on 12 ranks (TP2 x PP2 x DP3, the
   same 8 samples per replica and iteration), to show how recovery grows with the job; the ratio
   12 / 8 ranks is printed.
@@ -49,14 +52,20 @@ from megatron_elaswave.store import read_worker
 REPO = SCRIPTS.parent
 NPROC = 8
 SAMPLES_PER_REPLICA = 8
+GPT_SHAPE = ("--num-layers", "8", "--hidden-size", "128", "--num-attention-heads", "4",
+             "--seq-length", "128")
+"""The GPT of every arm. The demo corpus's 257 byte ids are padded by megatron-core to a
+vocabulary of 512 at TP2, the TorchFT arm's vocabulary."""
+
+
+def global_batch(nproc: int) -> int:
+    return SAMPLES_PER_REPLICA * nproc // 4  # TP2 x PP2: 4 ranks per replica
 
 
 def model_flags(data: str, train_iters: int, nproc: int = NPROC) -> list[str]:
-    global_batch = SAMPLES_PER_REPLICA * nproc // 4  # TP2 x PP2: 4 ranks per replica
     return [
-        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-        "--num-layers", "8", "--hidden-size", "128", "--num-attention-heads", "4",
-        "--seq-length", "128", "--micro-batch-size", "2", "--global-batch-size", str(global_batch),
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", *GPT_SHAPE,
+        "--micro-batch-size", "2", "--global-batch-size", str(global_batch(nproc)),
         "--train-iters", str(train_iters), "--lr", "1e-3", "--seed", "1234",
         "--use-distributed-optimizer", "--untie-embeddings-and-output-weights",
         "--data-path", data, "--split", "98,2,0", "--log-interval", "1", "--eval-interval", "100000",
@@ -158,9 +167,16 @@ def restart(data: str, workdir: Path, fail_at: int, fail_rank: int, save_interva
 
 
 def torchft(repetitions: int) -> dict | None:
+    """``torchft_mttr.py`` on the GPT of the other arms and as many processes: one replica of
+    the whole model per process (TorchFT's fault tolerance is across data-parallel replicas),
+    the same global batch, random tokens instead of the corpus."""
     script = SCRIPTS / "bench" / "torchft_mttr.py"
-    result = subprocess.run([sys.executable, str(script), "--repetitions", str(repetitions), "--json"],
-                            capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    per_replica = global_batch(NPROC) // NPROC
+    command = [sys.executable, str(script), "--repetitions", str(repetitions), "--json",
+               "--replicas", str(NPROC), *GPT_SHAPE, "--vocab-size", "512",
+               "--untie-embeddings-and-output-weights", "--batch-size", str(per_replica)]
+    result = subprocess.run(command, capture_output=True, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
     if result.returncode != 0:
         print(f"torchft arm skipped: {(result.stderr or result.stdout).strip().splitlines()[-1:]}",
               file=sys.stderr)
@@ -234,7 +250,8 @@ def main() -> None:
               f"{summary['elaswave_12_over_8']:.3f}x the 8-rank MTTR "
               f"({summary['elaswave_mttr_s']:.3f} s)")
     if summary.get("torchft_mttr_s") is not None:
-        print(f"TorchFT (torchft package, DDP replicas): {summary['torchft_mttr_s']:.2f} s")
+        print(f"TorchFT (torchft package, {NPROC} DDP replicas of the same GPT): "
+              f"{summary['torchft_mttr_s']:.2f} s")
     if summary["elaswave_breakdown_s"]:
         print("ElasWave breakdown (median s): " + ", ".join(
             f"{k} {v:.2f}" for k, v in summary["elaswave_breakdown_s"].items()))

@@ -158,7 +158,8 @@ def build_gpt(args):
     return GPTModel(
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
         vocab_size=args.vocab_size, max_sequence_length=args.seq_length,
-        pre_process=True, post_process=True, share_embeddings_and_output_weights=True,
+        pre_process=True, post_process=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
     )
 
 
@@ -504,7 +505,7 @@ def run_all(args) -> dict:
         },
         "model": {name: getattr(args, name) for name in (
             "num_layers", "hidden_size", "num_attention_heads", "seq_length", "vocab_size",
-            "batch_size")},
+            "batch_size", "untie_embeddings_and_output_weights")},
         "runs": runs,
         "failed_runs": failed,
     }
@@ -552,6 +553,7 @@ def parse_args(argv=None):
     parser.add_argument("--num-attention-heads", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--vocab-size", type=int, default=512)
+    parser.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per replica per step")
     parser.add_argument("--seed", type=int, default=1234)
     # Worker side (set by the driver).
