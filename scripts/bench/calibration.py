@@ -25,7 +25,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import pretrain_metrics
+from common import mock_gpt_flags, pretrain_metrics
 
 from megatron_elaswave.planner.cost import CostModel
 from megatron_elaswave.planner.frequency import PowerModel
@@ -37,14 +37,12 @@ from megatron_elaswave.training.planning import plan_without
 
 def job_flags(args: argparse.Namespace, train_iters: int) -> list[str]:
     return [
-        "--tensor-model-parallel-size", str(args.tp), "--pipeline-model-parallel-size", str(args.pp),
-        "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
-        "--num-attention-heads", "4", "--seq-length", str(args.seq_length),
-        "--micro-batch-size", str(args.micro_batch_size),
-        "--global-batch-size", str(args.global_batch_size), "--train-iters", str(train_iters),
-        "--lr", "1e-3", "--mock-data", "--vocab-size", "511", "--use-distributed-optimizer",
-        "--untie-embeddings-and-output-weights", "--log-interval", "1000",
-        "--eval-interval", "100000",
+        "--tensor-model-parallel-size", str(args.tp),
+        *mock_gpt_flags(pipeline=args.pp, num_layers=args.num_layers, hidden_size=args.hidden_size,
+                        micro_batch_size=args.micro_batch_size,
+                        global_batch_size=args.global_batch_size, train_iters=train_iters,
+                        seq_length=args.seq_length),
+        "--untie-embeddings-and-output-weights",
     ]
 
 
