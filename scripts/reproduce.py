@@ -388,7 +388,10 @@ def calibration(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
         f"by `pretrain_gpt.py --elastic-profile-out` on {results['profile_device']}, the same "
         "job then ran with `--elastic --elastic-profile` (so the runtime planned its recovery "
         "from that profile) and lost a rank. Predicted: the planner's step time at the nominal "
-        "clock from the profile; measured: median iteration times.", "",
+        "clock from the profile; measured: median iteration times. Where the ranks outnumber "
+        "the cores, every time in the profile includes waiting for a core among all the job's "
+        "processes: after a failure fewer processes share the cores and each part runs faster "
+        "than profiled.", "",
         *table(["step", "predicted (ms)", "measured (ms)", "predicted / measured"], rows), "",
         f"The runtime recovered to {stages}: "
         f"{'the layout the planner predicted' if results['same_layout_after'] else 'not the layout the planner predicted'}.",
