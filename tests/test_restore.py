@@ -37,6 +37,8 @@ def test_a_failure_noticed_after_every_member_restored_does_not_undo_the_commit(
     store = dist.HashStore()
     with ThreadPoolExecutor(2) as pool:
         others = [pool.submit(outcome, restore_round(store, rank)) for rank in (1, 2)]
+        prefix = restore_round(store, 0).prefix
+        store.wait([f"{prefix}/restored/{rank}" for rank in (1, 2)], timedelta(seconds=30))
         late = outcome(restore_round(store, 0, failure_noticed=True))
         assert [future.result(timeout=30) for future in others] == ["committed", "committed"]
     assert late == "committed"
