@@ -22,9 +22,9 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from megatron_elaswave.keys import DEATH_COUNT_KEY, death_key, exit_key, worker_key
