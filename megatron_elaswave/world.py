@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from megatron_elaswave.keys import generation_prefix, ready_key
+from megatron_elaswave.patches.distributed_work import abandoned_work_pending
 from megatron_elaswave.store import wait_for_keys
 
 if TYPE_CHECKING:
@@ -181,19 +182,30 @@ _retired: list[tuple[float, ProcessGroup]] = []
 
 
 def retire(groups: list[ProcessGroup], hold: timedelta) -> None:
-    """Keep ``groups``, about to be destroyed, referenced for ``hold`` (their op timeout), and
-    release those retired longer ago.
+    """Keep ``groups``, about to be destroyed, referenced while a collective abandoned after an
+    abort may still be inside them, for ``hold`` (their op timeout) at the most, and release
+    every group retired earlier that nothing holds any more.
 
-    A collective abandoned after an abort (``patches.distributed_work``) may hold one of gloo's
-    worker threads until its deadline, and dropping a group's last reference joins that thread:
-    without this, destroying the group would block whoever dropped it for the rest of the op
-    timeout.
+    An abandoned operation (``patches.distributed_work``) may hold one of gloo's worker threads
+    until its deadline, and dropping a group's last reference joins that thread: released too
+    early, a group would block whoever dropped it for the rest of the op timeout. Released too
+    late, every retired group keeps a gloo event loop waking a hundred times a second, which
+    slowed each step after a dozen recoveries by a third on a loaded host.
     """
     now = time.monotonic()
     with _lock:
-        expired = [group for until, group in _retired if until <= now]
-        _retired[:] = [(until, group) for until, group in _retired if until > now]
         _retired.extend((now + hold.total_seconds(), group) for group in groups)
+    release_retired(now)
+
+
+def release_retired(now: float | None = None) -> None:
+    """Release the retired groups that no abandoned operation can still be inside: all of them
+    once every abandoned operation has ended, else those retired longer than their hold ago."""
+    now = time.monotonic() if now is None else now
+    pending = abandoned_work_pending()
+    with _lock:
+        expired = [group for until, group in _retired if until <= now or not pending]
+        _retired[:] = [(until, group) for until, group in _retired if until > now and pending]
     del expired  # released outside the lock: their threads are done
 
 
@@ -309,4 +321,5 @@ def _meet_survivors(
                 f"{list(decision.survivors)} arrived within {timeout.total_seconds():g} s"
             )
         time.sleep(_MEET_POLL_INTERVAL_S)
+
 

@@ -24,8 +24,9 @@ megatron-core's all-reduces are covered too), otherwise (point-to-point requests
 that waits for it. gloo's own wait cannot be shortened instead: a send or receive that times out
 fails every connection of its group. The abandoned operation stays with a gloo thread until its
 deadline; its group must stay referenced until then (destroying the last reference joins that
-thread). Inert until an event is given: device backends whose ``wait`` does not block the host
-(NCCL) must not get one.
+thread). :func:`abandoned_work_pending` tells whether any abandoned operation is still there,
+so that its groups are released once none is. Inert until an event is given: device backends
+whose ``wait`` does not block the host (NCCL) must not get one.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import functools
 import threading
 import time
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 from .registry import PatchRegistry
 
@@ -44,6 +45,9 @@ _POLL_S = 0.02
 """How often a wait looks at the abandon event (a done future wakes it at once)."""
 
 _abandon: threading.Event | None = None
+_pending: list[Callable[[], bool]] = []
+"""For every wait given up and not yet known to be over: whether its operation has ended."""
+_pending_lock = threading.Lock()
 
 
 class CollectiveAbandoned(RuntimeError):
@@ -55,6 +59,19 @@ def abandon_waits_when(event: threading.Event | None) -> None:
     is set (the failure monitor's ``failure_detected``); ``None``: they wait as torch does."""
     global _abandon
     _abandon = event
+
+
+def abandoned_work_pending() -> bool:
+    """Whether an operation whose wait was abandoned may still hold a gloo thread or buffer of
+    its group. Its groups can be released (and their threads joined at once) when not."""
+    with _pending_lock:
+        _pending[:] = [ended for ended in _pending if not ended()]
+        return bool(_pending)
+
+
+def _abandoned(ended: Callable[[], bool]) -> None:
+    with _pending_lock:
+        _pending.append(ended)
 
 
 def _abandonable(wait):
@@ -72,6 +89,7 @@ def _abandonable(wait):
         deadline = time.monotonic() + timeout.total_seconds() if timeout else None
         while not done.wait(_POLL_S):
             if abandon.is_set():
+                _abandoned(work.is_completed)
                 raise CollectiveAbandoned("collective abandoned: a failure was detected")
             if deadline is not None and time.monotonic() >= deadline:
                 break
@@ -92,12 +110,15 @@ def _wait_on_a_thread(wait, work: Any, timeout: timedelta, abandon: threading.Ev
         try:
             outcome["completed"] = wait(work, timeout)
         except BaseException as error:  # re-raised on the waiting thread
-            outcome["error"] = error
+            # Without its traceback, which would hold this frame, ``work`` and so its group's
+            # gloo context in a reference cycle after the wait was abandoned.
+            outcome["error"] = error.with_traceback(None)
         done.set()
 
     threading.Thread(target=run, name="elaswave-p2p-wait", daemon=False).start()
     while not done.wait(_POLL_S):
         if abandon.is_set():
+            _abandoned(done.is_set)
             raise CollectiveAbandoned("point-to-point request abandoned: a failure was detected")
     if "error" in outcome:
         raise outcome["error"]

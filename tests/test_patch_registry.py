@@ -156,8 +156,9 @@ def test_a_collective_that_nothing_ends_is_abandoned_once_a_failure_is_detected(
                                                                                  operation):
     """Rank 1 never joins rank 0's all-reduce (or never sends what rank 0 receives), and nothing
     fails it: the armed wait gives up as soon as its event is set, and the group it leaves
-    behind is destroyed without waiting for gloo's deadline. Unpatched, rank 0 waits until rank
-    1 exits, 8 s in."""
+    behind is destroyed without waiting for gloo's deadline. The retired group (its gloo event
+    loop) lives on while the abandoned operation may still be inside it, and is released once
+    that operation ended. Unpatched, rank 0 waits until rank 1 exits, 8 s in."""
     args = [worker_script("collective_abandon.py"), str(tmp_path), operation]
     args += ["--patched"] if patched else []
     with launch(args, nproc_per_node=2, master_port=free_port()) as job:
@@ -169,5 +170,9 @@ def test_a_collective_that_nothing_ends_is_abandoned_once_a_failure_is_detected(
         assert report["error"].startswith("CollectiveAbandoned"), report
         assert 0.9 < report["waited_s"] < 3, report
         assert report["destroyed_in_s"] < 1, report
+        assert report["pending_retired"], report
+        assert report["loops_retired"] == report["loops_before"], report
+        assert report["loops_released"] == report["loops_before"] - 1, report
+        assert report["released_in_s"] < 1, report
     else:
         assert report["waited_s"] > 6, report

@@ -25,6 +25,7 @@ failure-free layout again. :mod:`.elastic_setup` builds the trainer.
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 from collections.abc import Callable
@@ -43,6 +44,7 @@ from megatron_elaswave.metrics import MetricsWriter
 from megatron_elaswave.monitor import FailureDetected, FailureMonitor
 from megatron_elaswave.planner.cost import CostModel
 from megatron_elaswave.planner.frequency import ClockPlan
+from megatron_elaswave.world import release_retired
 
 from . import relayout
 from .checkpoint import TrainingProgress, save_checkpoint
@@ -83,6 +85,7 @@ class ElasticTrainer(Trainer):
     def __post_init__(self) -> None:
         self._step_started = self._pipeline_done = 0.0
         self._nan_output = False
+        self._collected_layout = self.layout
         self._stage_timer = self._layers_timer = None
         if self.rank in self.layout.active_ranks():  # a replacement has no stage before it joins
             super().__post_init__()
@@ -267,7 +270,19 @@ class ElasticTrainer(Trainer):
             log(f" {said}")
         self._record(result, gbs, energy_j=self.governor.energy_j(result.step_time_s))
         self._follow_report(result.reported)
+        self._release_past_layouts()
         return result
+
+    def _release_past_layouts(self) -> None:
+        """Free the process groups of the layouts this rank trained on before, once no
+        operation abandoned in a recovery is still inside them: each keeps gloo threads that
+        wake a hundred times a second. The past models that hold them are collected on the
+        first step of a new layout: their hooks and the tracebacks of the step they failed in
+        hold them in reference cycles."""
+        release_retired()
+        if self.layout is not self._collected_layout:
+            self._collected_layout = self.layout
+            gc.collect()
 
     def write_records(self, up_to: int | None = None) -> None:
         """The logger writes the held-back records it has not written yet and says so in the

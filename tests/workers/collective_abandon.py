@@ -5,7 +5,10 @@ armed with.
 Usage: collective_abandon.py OUT_DIR all_reduce|recv [--patched]; rank 0 writes
 ``OUT_DIR/rank0.json`` with the first (completed) all-reduce's result, how long the operation
 that follows it was waited for, the error that ended the wait, and how long destroying its group
-then took. With ``--patched`` the project's patches are installed first and the wait is armed.
+then took. With ``--patched`` the project's patches are installed first and the wait is armed;
+the report then also says how many gloo event loops ran before and after the group was retired
+and destroyed, and after the abandoned operation ended (rank 1 gone) and the retired groups
+were released.
 """
 
 import json
@@ -18,6 +21,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+
+def gloo_event_loops() -> int:
+    """Threads of this process that run a gloo TCP event loop: one per live gloo group."""
+    return sum(open(f"/proc/self/task/{task}/comm").read().strip() == "gloo_tcp_loop"
+               for task in os.listdir("/proc/self/task"))
+
+
 if __name__ == "__main__":
     out_dir, operation, patched = sys.argv[1], sys.argv[2], "--patched" in sys.argv[3:]
     abandon = threading.Event()
@@ -27,7 +37,7 @@ if __name__ == "__main__":
 
         install(resolve_device_backend("cpu"))
         distributed_work.abandon_waits_when(abandon)
-    from megatron_elaswave.world import retire
+    from megatron_elaswave.world import release_retired, retire
 
     timeout = timedelta(seconds=30)
     dist.init_process_group("gloo", init_method="env://", timeout=timeout)
@@ -48,11 +58,23 @@ if __name__ == "__main__":
     except RuntimeError as error:
         report["error"] = f"{type(error).__name__}: {str(error)[:200]}"
     report["waited_s"] = time.monotonic() - started
+    loops_before = gloo_event_loops()
     started = time.monotonic()
     retire([group], timeout)
     dist.destroy_process_group(group)
     del group
     report["destroyed_in_s"] = time.monotonic() - started
+    if patched:
+        report["loops_before"] = loops_before
+        report["loops_retired"] = gloo_event_loops()
+        report["pending_retired"] = distributed_work.abandoned_work_pending()
+        deadline = time.monotonic() + 20  # rank 1 exits 8 s in, which ends the operation
+        while distributed_work.abandoned_work_pending() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        started = time.monotonic()
+        release_retired()
+        report["released_in_s"] = time.monotonic() - started
+        report["loops_released"] = gloo_event_loops()
     with open(os.path.join(out_dir, "rank0.json"), "w") as out:
         json.dump(report, out)
     os._exit(0)
