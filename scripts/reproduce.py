@@ -354,7 +354,12 @@ def chaos_report(sizes: Sizes, results: dict) -> list[str]:
         f"recoveries {results['recoveries']}, grows {results['grows']}, clean stops "
         f"{results['clean_stops']}. Against the failure-free run of the same {results['iterations']} "
         f"iterations: {results['samples_lost']} samples lost, largest relative loss difference "
-        f"{results['largest_relative_loss_difference']:.2e}.", "",
+        f"{results['largest_relative_loss_difference']:.2e}"
+        + ("" if "other_layout_largest_relative_loss_difference" not in results else
+           f" (a failure-free run on TP2 x PP1 x DP4, which sums the gradients in another order: "
+           f"{results['other_layout_largest_relative_loss_difference']:.2e}); iterations off the "
+           f"failure-free trajectory (beyond 1e-4 and beyond twice that run's difference in "
+           f"their window of 100): {len(results['iterations_off_trajectory'])}") + ".", "",
         *table(["fault", "count", "MTTR median (s)", "p90 (s)", "max (s)", "p90 target (s)",
                 "met"], rows),
     ]

@@ -15,7 +15,12 @@ Every dead worker is started again (``--rejoin``) and joins at a step boundary. 
 fault the soak waits until the job runs on all eight ranks again, then a random number of
 iterations. After the last fault the job trains a few iterations on every rank and the soak
 stops it; the failure-free run of the same flags, up to the same iteration, is the reference:
-every iteration must be recorded exactly once, with the same samples and a loss within 1e-4.
+every iteration must be recorded exactly once, with the same samples and a loss on the
+failure-free trajectory: within 1e-4 of the reference, or, where the reference itself drifts
+further, within twice what a second failure-free run on another parallel layout (TP2 x PP1 x DP4,
+the same samples) differs from it in the same window of iterations. Summing gradients in another
+order (micro-batches dealt differently, another data-parallel width) changes the loss in its
+last digits, and over a thousand Adam steps that grows past 1e-4 with no failure at all.
 
 Prints the faults injected, recoveries, grows, clean stops, samples lost, the largest relative
 loss difference, and the MTTR (from the fault's first signal to the recovery record of its last
@@ -52,6 +57,14 @@ NODES, PER_NODE = 2, 4
 RANKS = NODES * PER_NODE
 KINDS = ("kill", "stop", "recovery-kill", "burst", "node")
 LOSS_TOLERANCE = 1e-4
+OTHER_LAYOUT = {"--pipeline-model-parallel-size": "1"}
+"""The failure-free run that measures how far summation order alone moves the loss: TP2 x PP1 x
+DP4, on the same samples in the same order."""
+DRIFT_WINDOW = 100
+"""Iterations per window in which the two failure-free runs' largest difference is taken."""
+DRIFT_MARGIN = 2.0
+"""How much further than the other layout the soak may drift in a window (where that exceeds
+``LOSS_TOLERANCE``)."""
 HEARTBEAT_TIMEOUT_S = 3.0
 NODE_TIMEOUT_S = 3.0
 """Launcher heartbeat silence after which node 0 declares a node lost. One second, on two cores
@@ -68,8 +81,8 @@ TRAILING_ITERATIONS = 5
 """Iterations trained on every rank after the last fault, before the soak stops the job."""
 
 
-def model_flags(train_iters: int) -> list[str]:
-    return [
+def model_flags(train_iters: int, layout: dict[str, str] | None = None) -> list[str]:
+    flags = [
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "16",
@@ -79,6 +92,9 @@ def model_flags(train_iters: int) -> list[str]:
         "--eval-interval", "100000", "--elastic", "--elastic-rebalance-window", "0",
         "--elastic-heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
     ]
+    for flag, value in (layout or {}).items():
+        flags[flags.index(flag) + 1] = value
+    return flags
 
 
 @dataclass
@@ -285,14 +301,16 @@ def run_soak(faults: int, seed: int, kinds: tuple[str, ...], workdir: Path,
         path.read_text() for path in sorted(workdir.glob("node*.log")))
 
 
-def reference_run(train_iters: int, until: int, workdir: Path) -> list[dict]:
-    """Iterations 1 to ``until`` of the failure-free run of a ``train_iters`` job."""
-    metrics = workdir / "reference.jsonl"
+def reference_run(train_iters: int, until: int, workdir: Path, name: str = "reference",
+                  layout: dict[str, str] | None = None) -> list[dict]:
+    """Iterations 1 to ``until`` of the failure-free run of a ``train_iters`` job (on the soak's
+    layout unless ``layout`` changes some of its flags)."""
+    metrics = workdir / f"{name}.jsonl"
     command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={RANKS}",
                f"--master-port={free_port()}", str(SCRIPTS / "pretrain_gpt.py"),
-               *model_flags(train_iters), "--elastic-metrics-file", str(metrics)]
+               *model_flags(train_iters, layout), "--elastic-metrics-file", str(metrics)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    with open(workdir / "reference.log", "w") as log:
+    with open(workdir / f"{name}.log", "w") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                    start_new_session=True)
         deadline = time.monotonic() + REFERENCE_START_S + REFERENCE_ITERATION_S * until
@@ -307,7 +325,7 @@ def reference_run(train_iters: int, until: int, workdir: Path) -> list[dict]:
     iterations = read_metrics(str(metrics), "iteration") if metrics.exists() else []
     if not iterations or iterations[-1]["iteration"] < until:
         sys.exit(f"the failure-free run ended before iteration {until}:\n"
-                 f"{(workdir / 'reference.log').read_text()[-3000:]}")
+                 f"{(workdir / f'{name}.log').read_text()[-3000:]}")
     return [r for r in iterations if r["iteration"] <= until]
 
 
@@ -329,8 +347,27 @@ def attribute(faults: list[Fault], recoveries: list[dict], deaths: list[WorkerDe
                             for r in mine]
 
 
+def relative_differences(run: list[dict], reference: list[dict]) -> dict[int, float]:
+    """Per iteration of both: the relative difference of ``run``'s loss from ``reference``'s."""
+    losses = {r["iteration"]: r["lm_loss"] for r in run}
+    return {r["iteration"]: abs(losses[r["iteration"]] - r["lm_loss"]) / abs(r["lm_loss"])
+            for r in reference if r["iteration"] in losses}
+
+
+def off_trajectory(differences: dict[int, float], floor: dict[int, float]) -> list[int]:
+    """The iterations whose difference exceeds both ``LOSS_TOLERANCE`` and ``DRIFT_MARGIN``
+    times the largest difference of the other layout's run (``floor``) in their window."""
+    window_floor: dict[int, float] = {}
+    for iteration, difference in floor.items():
+        window = iteration // DRIFT_WINDOW
+        window_floor[window] = max(window_floor.get(window, 0.0), difference)
+    return [iteration for iteration, difference in sorted(differences.items())
+            if difference > max(LOSS_TOLERANCE,
+                                DRIFT_MARGIN * window_floor.get(iteration // DRIFT_WINDOW, 0.0))]
+
+
 def summarise(faults: list[Fault], records: list[dict], deaths: list[WorkerDeath],
-              reference: list[dict], output: str) -> dict:
+              reference: list[dict], other_layout: list[dict], output: str) -> dict:
     iterations = [r for r in records if r["event"] == "iteration"]
     recoveries = [r for r in records if r["event"] == "recovery"]
     attribute(faults, recoveries, deaths)
@@ -339,15 +376,11 @@ def summarise(faults: list[Fault], records: list[dict], deaths: list[WorkerDeath
     gbs = reference[0]["global_batch_size"]
     missing = sorted({r["iteration"] for r in reference} - set(seen))
     repeated = sorted({i for i in seen if seen.count(i) > 1})
-    other_samples = []
-    worst = 0.0
-    for ref in reference:
-        got = by_iteration.get(ref["iteration"])
-        if got is None:
-            continue
-        if got["samples_digest"] != ref["samples_digest"]:
-            other_samples.append(ref["iteration"])
-        worst = max(worst, abs(got["lm_loss"] - ref["lm_loss"]) / abs(ref["lm_loss"]))
+    other_samples = [ref["iteration"] for ref in reference if ref["iteration"] in by_iteration
+                     and by_iteration[ref["iteration"]]["samples_digest"] != ref["samples_digest"]]
+    differences = relative_differences(iterations, reference)
+    floor = relative_differences(other_layout, reference)
+    off = off_trajectory(differences, floor)
     lost = gbs * (len(missing) + len(seen) - len(set(seen)) + len(other_samples))
     mttr = {}
     for kind in KINDS:
@@ -367,8 +400,10 @@ def summarise(faults: list[Fault], records: list[dict], deaths: list[WorkerDeath
         "iterations_missing": missing,
         "iterations_recorded_twice": repeated,
         "iterations_on_other_samples": other_samples,
-        "largest_relative_loss_difference": worst,
-        "on_trajectory": lost == 0 and worst <= LOSS_TOLERANCE,
+        "largest_relative_loss_difference": max(differences.values(), default=0.0),
+        "other_layout_largest_relative_loss_difference": max(floor.values(), default=0.0),
+        "iterations_off_trajectory": off,
+        "on_trajectory": lost == 0 and not off,
         "mttr": mttr,
         "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
         "node_timeout_s": NODE_TIMEOUT_S,
@@ -406,26 +441,28 @@ def main() -> None:
     print("failure-free reference run", flush=True)
     trained = max((r["iteration"] for r in records if r["event"] == "iteration"), default=0)
     reference = reference_run(ITERATIONS_PER_FAULT * args.faults + 50, trained, workdir)
-    summary = summarise(faults, records, deaths, reference, output)
+    print("failure-free run on another layout (summation order)", flush=True)
+    other_layout = reference_run(ITERATIONS_PER_FAULT * args.faults + 50, trained, workdir,
+                                 "other-layout", OTHER_LAYOUT)
+    summary = summarise(faults, records, deaths, reference, other_layout, output)
     print(f"faults injected: {summary['faults']} {summary['faults_per_kind']}")
     print(f"recoveries: {summary['recoveries']}, grows: {summary['grows']}, "
           f"clean stops: {summary['clean_stops']}")
     print(f"samples lost: {summary['samples_lost']}; largest relative loss difference from the "
           f"failure-free run: {summary['largest_relative_loss_difference']:.2e} over "
-          f"{summary['iterations']} iterations")
+          f"{summary['iterations']} iterations (a failure-free run on TP2 x PP1 x DP4: "
+          f"{summary['other_layout_largest_relative_loss_difference']:.2e})")
     for kind, figures in summary["mttr"].items():
         print(f"  MTTR {kind:14s} n={figures['count']:3d}  median {figures['median_s']:.2f} s  "
               f"p90 {figures['p90_s']:.2f} s  max {figures['max_s']:.2f} s")
     problems = [f"{name.replace('_', ' ')}: {summary[name]}" for name in (
-        "iterations_missing", "iterations_recorded_twice", "iterations_on_other_samples")
-        if summary[name]]
+        "iterations_missing", "iterations_recorded_twice", "iterations_on_other_samples",
+        "iterations_off_trajectory") if summary[name]]
     if summary["faults_without_recovery"]:
         problems.append(f"faults with no recovery record: {summary['faults_without_recovery']}")
     if summary["faults"] < args.faults:
         problems.append(f"only {summary['faults']} of {args.faults} faults injected: the job did "
                         "not run on every rank again, or ended, before the next one")
-    if summary["largest_relative_loss_difference"] > LOSS_TOLERANCE:
-        problems.append(f"the loss left the failure-free run by more than {LOSS_TOLERANCE:g}")
     for problem in problems:
         print(problem, file=sys.stderr)
     if args.json_out:
