@@ -403,7 +403,7 @@ def test_a_worker_paused_from_outside_again_and_again_is_a_straggler(text_data, 
                                                                     tmp_path):
     """Rank 1 is SIGSTOPped for 0.2 s at a time and let run for a random 20 to 60 ms between
     pauses, far below the heartbeat timeout: the job sees a slow replica, not a failure, and
-    re-deals the micro-batches. The run windows are shorter than its pipeline and not periodic,
+    re-deals the micro-batches (or moves layers off the paused stage). The run windows are shorter than its pipeline and not periodic,
     so its pauses cannot all fall into the gradient reduction, where every replica waits alike."""
     metrics = tmp_path / "paused.jsonl"
 
@@ -440,7 +440,13 @@ def test_a_worker_paused_from_outside_again_and_again_is_a_straggler(text_data, 
     assert not recorded("recovery")
     first = recorded("rebalance")[0]
     assert "replica 1 takes" in first["reason"]
-    assert [r["num_microbatches"] for r in first["layout"]] == [3, 1]
+    # The slow replica gets fewer micro-batches or, where the time per layer of its paused stage
+    # is what stands out (on a loaded machine), fewer layers on that stage.
+    if first["reason"].startswith("a stage of replica 1"):
+        before = recorded("iteration")[0]["layout"][1]["stages"]
+        assert [s["layers"] for s in first["layout"][1]["stages"]] != [s["layers"] for s in before]
+    else:
+        assert [r["num_microbatches"] for r in first["layout"]] == [3, 1]
     assert_on_trajectory(small_reference, recorded("iteration"))
 
 
