@@ -192,17 +192,17 @@ def retire(groups: list[ProcessGroup], hold: timedelta) -> None:
     late, every retired group keeps a gloo event loop waking a hundred times a second, which
     slowed each step after a dozen recoveries by a third on a loaded host.
     """
-    now = time.monotonic()
     with _lock:
-        _retired.extend((now + hold.total_seconds(), group) for group in groups)
-    release_retired(now)
+        _retired.extend((time.monotonic() + hold.total_seconds(), group) for group in groups)
+    release_retired()
 
 
-def release_retired(now: float | None = None) -> None:
+def release_retired() -> None:
     """Release the retired groups that no abandoned operation can still be inside: all of them
     once every abandoned operation has ended, else those retired longer than their hold ago."""
-    now = time.monotonic() if now is None else now
-    pending = abandoned_work_pending()
+    if not _retired:  # the usual step: nothing to look at
+        return
+    now, pending = time.monotonic(), abandoned_work_pending()
     with _lock:
         expired = [group for until, group in _retired if until <= now or not pending]
         _retired[:] = [(until, group) for until, group in _retired if until > now and pending]
@@ -321,5 +321,3 @@ def _meet_survivors(
                 f"{list(decision.survivors)} arrived within {timeout.total_seconds():g} s"
             )
         time.sleep(_MEET_POLL_INTERVAL_S)
-
-

@@ -403,8 +403,9 @@ def test_a_worker_paused_from_outside_again_and_again_is_a_straggler(text_data, 
                                                                     tmp_path):
     """Rank 1 is SIGSTOPped for 0.2 s at a time and let run for a random 20 to 60 ms between
     pauses, far below the heartbeat timeout: the job sees a slow replica, not a failure, and
-    re-deals the micro-batches (or moves layers off the paused stage). The run windows are shorter than its pipeline and not periodic,
-    so its pauses cannot all fall into the gradient reduction, where every replica waits alike."""
+    re-deals the micro-batches (or moves layers off the paused stage). The run windows are
+    shorter than its pipeline and not periodic, so its pauses cannot all fall into the gradient
+    reduction, where every replica waits alike."""
     metrics = tmp_path / "paused.jsonl"
 
     def recorded(event: str) -> list[dict]:

@@ -85,7 +85,7 @@ class ElasticTrainer(Trainer):
     def __post_init__(self) -> None:
         self._step_started = self._pipeline_done = 0.0
         self._nan_output = False
-        self._collected_layout = self.layout
+        self._collected_generation = self.registry.generation
         self._stage_timer = self._layers_timer = None
         if self.rank in self.layout.active_ranks():  # a replacement has no stage before it joins
             super().__post_init__()
@@ -277,11 +277,11 @@ class ElasticTrainer(Trainer):
         """Free the process groups of the layouts this rank trained on before, once no
         operation abandoned in a recovery is still inside them: each keeps gloo threads that
         wake a hundred times a second. The past models that hold them are collected on the
-        first step of a new layout: their hooks and the tracebacks of the step they failed in
-        hold them in reference cycles."""
+        first step after the groups changed: their hooks and the tracebacks of the step they
+        failed in hold them in reference cycles."""
         release_retired()
-        if self.layout is not self._collected_layout:
-            self._collected_layout = self.layout
+        if self.registry.generation != self._collected_generation:
+            self._collected_generation = self.registry.generation
             gc.collect()
 
     def write_records(self, up_to: int | None = None) -> None:
