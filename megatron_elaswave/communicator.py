@@ -16,6 +16,13 @@ needs and, after a failure, edits them into the groups of the next layout. It gu
   it no longer uses (every list with a failed rank among them). In the default ``inplace`` mode
   only the members of a created group take part in creating it: dead ranks never participate
   and bystanders do nothing. ``partial`` and ``full`` exist for comparison (:class:`EditMode`).
+* **Host state travels on gloo.** The groups that move host-memory state (snapshot replicas,
+  migrated optimizer shards: :data:`HOST_ROLES`) have a gloo twin with the same members wherever
+  the device backend is not gloo, as Megatron keeps gloo groups beside its NCCL ones for its
+  CPU-side work (:meth:`GroupRegistry.host_group`); NCCL refuses host tensors. Twins are created,
+  kept and destroyed with their device group. On gloo the device group serves both, unless
+  ``ELASWAVE_SEPARATE_HOST_GROUPS=1`` asks for twins there too, which runs the code path of an
+  NCCL job on a CPU-only machine.
 * **Ranks are launch ranks.** Specs, keys and lookups use the ranks the launcher gave; the
   registry translates to the default group's numbering, which differs only after a ``full``
   rebuild (:meth:`GroupRegistry.world_rank`).
@@ -40,6 +47,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -96,13 +104,21 @@ _ONE_PER_RANK = frozenset(
 )
 """Roles of which a rank holds at most one group (DP and TP-DP are one per layer group)."""
 
+HOST_ROLES = frozenset({Role.WORLD, Role.MEMBERS})
+"""Roles whose groups also carry host-memory tensors: snapshot replicas (:attr:`Role.WORLD`) and
+the state a recovery migrates (:attr:`Role.MEMBERS`)."""
+
+SEPARATE_HOST_GROUPS_ENV = "ELASWAVE_SEPARATE_HOST_GROUPS"
+"""Set to ``1`` to give the :data:`HOST_ROLES` groups gloo twins on a gloo job too."""
+
+HOST_BACKEND = "gloo"
+
 
 class EditMode(str, enum.Enum):
     """How :meth:`GroupRegistry.edit` re-creates groups."""
 
     INPLACE = "inplace"
-    """Only the groups that change, each created by its members alone (NCCL: shrunk where the
-    new group is the old one minus the failed ranks)."""
+    """Only the groups that change, each created by its members alone."""
     PARTIAL = "partial"
     """Only the groups that change, but every survivor takes part in creating each of them
     (``new_group`` without local synchronisation) and waits for all survivors after each one,
@@ -175,6 +191,11 @@ def member_lists(specs: Iterable[GroupSpec]) -> tuple[tuple[int, ...], ...]:
     return tuple(dict.fromkeys(spec.ranks for spec in specs))
 
 
+def host_member_lists(layout: Layout) -> tuple[tuple[int, ...], ...]:
+    """The member lists of ``layout``'s :data:`HOST_ROLES` groups, in canonical order."""
+    return member_lists(spec for spec in group_specs(layout) if spec.role in HOST_ROLES)
+
+
 @dataclass(frozen=True)
 class EditPlan:
     """What an in-place edit does to the communicators (member lists), job-wide."""
@@ -185,15 +206,11 @@ class EditPlan:
     """Used by the new layout and new, or broken: created, in canonical order."""
     drop: tuple[tuple[int, ...], ...]
     """Used by the old layout and not kept: destroyed by their surviving members."""
-
-    def shrink_source(
-        self, members: tuple[int, ...], failed: frozenset[int]
-    ) -> tuple[int, ...] | None:
-        """The dropped list that ``members`` is, minus ``failed`` and in the same order, if any."""
-        for old in self.drop:
-            if tuple(r for r in old if r not in failed) == members and not failed.isdisjoint(old):
-                return old
-        return None
+    host_create: tuple[tuple[int, ...], ...] = ()
+    """Lists of the new layout's :data:`HOST_ROLES` groups whose gloo twin is created: all but
+    those of kept groups that had a twin already."""
+    host_drop: tuple[tuple[int, ...], ...] = ()
+    """Lists of the old layout's host twins that are not kept."""
 
 
 def plan_edit(old: Layout, new: Layout, failed_ranks: Iterable[int],
@@ -212,10 +229,14 @@ def plan_edit(old: Layout, new: Layout, failed_ranks: Iterable[int],
     before, after = member_lists(group_specs(old)), member_lists(group_specs(new))
     reusable = set(before) - {tuple(members) for members in broken}
     keep = tuple(m for m in after if m in reusable)
+    host_before, host_after = host_member_lists(old), host_member_lists(new)
+    host_keep = set(keep) & set(host_before)
     return EditPlan(
         keep=keep,
         create=tuple(m for m in after if m not in reusable),
         drop=tuple(m for m in before if m not in set(keep)),
+        host_create=tuple(m for m in host_after if m not in host_keep),
+        host_drop=tuple(m for m in host_before if m not in host_keep),
     )
 
 
@@ -227,7 +248,7 @@ class EditReport:
     generation: int
     """Generation of the groups after the edit."""
     created: int
-    """Communicators this rank created (or shrank)."""
+    """Communicators this rank created (host twins included)."""
     kept: int
     """Communicators this rank kept."""
     destroyed: int
@@ -241,14 +262,15 @@ def _group_name(generation: int, world_ranks: Sequence[int]) -> str:
     return f"elaswave-gen{generation}-{digest.hexdigest()[:20]}"
 
 
-def _new_named_groups(groups: dict[K, tuple[Sequence[int], str]], backend: str,
+def _new_named_groups(groups: dict[K, tuple[Sequence[int], str, str]],
                       timeout: timedelta, store: Store, creation_timeout: timedelta,
                       abort: threading.Event | None) -> dict[K, ProcessGroup]:
     """Groups created by their members only, under names they all derive the same way
     (:func:`~megatron_elaswave.patches.distributed_c10d.new_named_group`): ``groups`` maps a key
-    to the group's ranks in the default group and its name. The members rendezvous on ``store``,
-    bounded by ``creation_timeout``. Every group connects on a thread of its own; the call
-    returns once all have formed.
+    to the group's ranks in the default group, its name and its backend. The members
+    rendezvous on ``store``, bounded by ``creation_timeout``. Every group connects on a thread
+    of its own; the call returns once all have formed. A failure aborts them
+    (:func:`~megatron_elaswave.world.abort_collectives`) from the moment they begin to form.
 
     Raises the first error a group's creation raised. With ``abort``, raises
     :class:`~megatron_elaswave.store.WaitInterrupted` as soon as it is set, even while the
@@ -263,22 +285,25 @@ def _new_named_groups(groups: dict[K, tuple[Sequence[int], str]], backend: str,
     outcomes: dict[K, ProcessGroup | BaseException] = {}
     finished = threading.Semaphore(0)
 
-    def create(key: K, world_ranks: Sequence[int], name: str) -> None:
+    def create(key: K, world_ranks: Sequence[int], name: str, backend: str) -> None:
         try:
             outcomes[key] = new_named_group(world_ranks, backend, store, name, creation_timeout)
         except BaseException as error:  # handed to the caller, or dropped once it gave up
             outcomes[key] = error
         finished.release()
 
-    with recording_connections():  # so that a failure can abort what runs on them
-        for key, (world_ranks, name) in groups.items():
-            threading.Thread(target=create, args=(key, world_ranks, name),
+    with recording_connections() as device_groups:  # so that a failure can abort them
+        for key, (world_ranks, name, backend) in groups.items():
+            threading.Thread(target=create, args=(key, world_ranks, name, backend),
                              name=f"elaswave-connect-{name}", daemon=False).start()
         for _ in groups:
             while not finished.acquire(timeout=_ABORT_POLL_S):
                 if abort is not None and abort.is_set():
                     raise WaitInterrupted(f"a failure was detected while {len(groups)} groups "
                                           "connected")
+        device_groups.extend(outcome for key, outcome in outcomes.items()
+                             if groups[key][2] != HOST_BACKEND
+                             and not isinstance(outcome, BaseException))
     errors = [o for o in outcomes.values() if isinstance(o, BaseException)]
     if errors:
         raise errors[0]
@@ -324,7 +349,8 @@ class GroupRegistry:
     default group (which must already exist). ``store`` is the job store, not a prefixed view:
     ``partial`` and ``full`` edits synchronise through it and a ``full`` edit forms generation
     ``g``'s default group on ``PrefixStore(f"gen{g}/", store)``. ``timeout`` bounds the creation
-    of every group and every operation on it.
+    of every group and every operation on it. ``backend`` is the device backend; the
+    :data:`HOST_ROLES` groups get gloo twins where it is not gloo (:meth:`host_group`).
     """
 
     def __init__(self, layout: Layout, rank: int, *, store: Store, backend: str = "gloo",
@@ -333,7 +359,10 @@ class GroupRegistry:
             raise ValueError(f"rank {rank} is rank {dist.get_rank()} of the default group")
         self._configure(layout, rank, store, backend, timeout, generation)
         self._world_ranks = {r: r for r in layout.known_ranks()}
-        self._groups.update(self._create_local(self._own(member_lists(self._specs)), abort=None))
+        groups, twins = self._create_local(self._own(member_lists(self._specs)),
+                                           self._own(self._host_lists(layout)), abort=None)
+        self._groups.update(groups)
+        self._host_groups.update(twins)
 
     @classmethod
     def joining(cls, layout: Layout, rank: int, *, store: Store, backend: str = "gloo",
@@ -355,11 +384,15 @@ class GroupRegistry:
         self._rank = rank
         self._store = store
         self._backend = backend
+        self._separate_host_groups = (backend != HOST_BACKEND
+                                      or os.environ.get(SEPARATE_HOST_GROUPS_ENV) == "1")
         self._timeout = timeout
         self._generation = generation
         self._layout = layout
         self._specs = group_specs(layout)
         self._groups: dict[tuple[int, ...], ProcessGroup] = {}
+        self._host_groups: dict[tuple[int, ...], ProcessGroup] = {}
+        """The gloo twins of the :data:`HOST_ROLES` groups, where they are separate."""
         self._interruptible: dict[threading.Event | None, InterruptibleStore] = {}
         self._intact = True
         """False while a ``full`` rebuild is under way, and after one was interrupted."""
@@ -409,6 +442,15 @@ class GroupRegistry:
 
     def group_of(self, spec: GroupSpec) -> ProcessGroup:
         return self._groups[spec.ranks]
+
+    def host_group(self, role: Role, key: tuple[int, ...] | None = None) -> ProcessGroup:
+        """The gloo group for host-memory tensors of this rank's group of ``role``, one of
+        :data:`HOST_ROLES`: its twin where the device backend is not gloo, else the group
+        itself. Same members, same order as :meth:`group`."""
+        if role not in HOST_ROLES:
+            raise ValueError(f"{role.value} groups carry no host-memory state")
+        ranks = self.spec(role, key).ranks
+        return self._host_groups[ranks] if self._separate_host_groups else self._groups[ranks]
 
     def layer_groups(self) -> tuple[int, ...]:
         """Indices (into ``layout.layer_groups()``) of the layer groups this rank holds."""
@@ -476,7 +518,7 @@ class GroupRegistry:
         if mode == EditMode.FULL:
             counts = self._rebuild(new_layout, abort)
         else:
-            counts = self._edit(plan, failed, survivors, mode, abort)
+            counts = self._edit(plan, survivors, mode, abort)
         self._layout, self._specs = new_layout, group_specs(new_layout)
         return EditReport(mode, self._generation, *counts, time.perf_counter() - started)
 
@@ -495,50 +537,60 @@ class GroupRegistry:
         self._layout, self._specs = new_layout, group_specs(new_layout)
         return EditReport(EditMode.FULL, generation, *counts, time.perf_counter() - started)
 
-    def _edit(self, plan: EditPlan, failed: frozenset[int], survivors: tuple[int, ...],
+    def _edit(self, plan: EditPlan, survivors: tuple[int, ...],
               mode: EditMode, abort: threading.Event | None) -> tuple[int, int, int]:
-        destroyed = 0
-        created: dict[tuple[int, ...], ProcessGroup] = {}
-        local: list[tuple[int, ...]] = []
-        for number, members in enumerate(plan.create):
-            if mode == EditMode.PARTIAL:
-                group = self._create_global(members, abort)
-                self._wait_for_survivors(number, len(survivors), abort)
-                if group is not None:
-                    created[members] = group
-            elif self._rank not in members:
-                continue
-            elif (source := plan.shrink_source(members, failed)) is not None and self._can_shrink():
-                created[members] = self._shrink(source, failed)
-                destroyed += 1
-            else:
-                local.append(members)
-        created.update(self._create_local(local, abort))
-        # Destroyed only now: a dropped group may be the source of a shrink above.
-        for members in plan.drop:
-            group = self._groups.pop(members, None)
-            if group is not None:
-                retire([group], self._timeout)
-                dist.destroy_process_group(group)
-                destroyed += 1
+        host_create = plan.host_create if self._separate_host_groups else ()
+        if mode == EditMode.PARTIAL:
+            created = self._create_all_global(plan.create, self._backend, 0, survivors, abort)
+            twins = self._create_all_global(host_create, HOST_BACKEND, len(plan.create),
+                                            survivors, abort)
+        else:
+            created, twins = self._create_local(self._own(plan.create), self._own(host_create),
+                                                abort)
+        destroyed = self._destroy(self._groups, plan.drop) + self._destroy(self._host_groups,
+                                                                          plan.host_drop)
         self._groups.update(created)
-        return len(created), len(self._own(plan.keep)), destroyed
+        self._host_groups.update(twins)
+        return len(created) + len(twins), len(self._own(plan.keep)), destroyed
+
+    def _create_all_global(self, lists: Sequence[tuple[int, ...]], backend: str, first: int,
+                           survivors: tuple[int, ...],
+                           abort: threading.Event | None) -> dict[tuple[int, ...], ProcessGroup]:
+        """Every group of ``lists``, each created by every survivor and followed by a store
+        barrier (numbered from ``first``); this rank's groups."""
+        created = {}
+        for number, members in enumerate(lists, start=first):
+            group = self._create_global(members, backend, abort)
+            self._wait_for_survivors(number, len(survivors), abort)
+            if group is not None:
+                created[members] = group
+        return created
+
+    def _destroy(self, groups: dict[tuple[int, ...], ProcessGroup],
+                 lists: Iterable[tuple[int, ...]]) -> int:
+        """Destroy this rank's groups of ``lists`` held in ``groups``; how many."""
+        dropped = [group for members in lists if (group := groups.pop(members, None)) is not None]
+        retire(dropped, self._timeout)
+        for group in dropped:
+            dist.destroy_process_group(group)
+        return len(dropped)
 
     def _rebuild(self, layout: Layout, abort: threading.Event | None) -> tuple[int, int, int]:
         """A new default group over ``layout``'s ranks, then all its groups, the ``partial`` way.
         The ranks first meet in the store, where ``abort`` interrupts the wait: torch's
         rendezvous would wait for a dead rank until the timeout."""
         survivors, lists = tuple(sorted(layout.known_ranks())), member_lists(group_specs(layout))
-        destroyed = len(self._groups)
+        destroyed = len(self._groups) + len(self._host_groups)
         self._intact = False
-        retire([*self._groups.values(), *([dist.group.WORLD] if dist.is_initialized() else [])],
-               self._timeout)
+        retire([*self._groups.values(), *self._host_groups.values(),
+                *([dist.group.WORLD] if dist.is_initialized() else [])], self._timeout)
         self._groups.clear()
+        self._host_groups.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
         _store_barrier(self._store, communicator_key(self._generation, "meet"), len(survivors),
                        self._timeout, abort)
-        with recording_connections():
+        with recording_connections() as device_groups:
             dist.init_process_group(
                 self._backend,
                 store=self._rendezvous_store(abort),
@@ -546,30 +598,34 @@ class GroupRegistry:
                 world_size=len(survivors),
                 timeout=self._creation_timeout(abort),
             )
+            if self._backend != HOST_BACKEND:
+                device_groups.append(dist.group.WORLD)
         dist.group.WORLD.set_timeout(self._timeout)
         self._world_ranks = {r: i for i, r in enumerate(survivors)}
-        for number, members in enumerate(lists):
-            group = self._create_global(members, abort)
-            if group is not None:
-                self._groups[members] = group
-            self._wait_for_survivors(number, len(survivors), abort)
+        self._groups.update(self._create_all_global(lists, self._backend, 0, survivors, abort))
+        self._host_groups.update(self._create_all_global(
+            self._host_lists(layout), HOST_BACKEND, len(lists), survivors, abort))
         self._intact = True
-        return len(self._groups), 0, destroyed
+        return len(self._groups) + len(self._host_groups), 0, destroyed
 
     def destroy(self) -> None:
         """Destroy every group of this registry (not the default group)."""
-        retire(list(self._groups.values()), self._timeout)
-        for group in self._groups.values():
-            dist.destroy_process_group(group)
-        self._groups.clear()
+        self._destroy(self._groups, list(self._groups))
+        self._destroy(self._host_groups, list(self._host_groups))
 
     # ---- creation ---------------------------------------------------------------------------
 
     def _own(self, lists: Iterable[tuple[int, ...]]) -> tuple[tuple[int, ...], ...]:
         return tuple(members for members in lists if self._rank in members)
 
-    def _create_local(self, lists: Sequence[tuple[int, ...]],
-                      abort: threading.Event | None) -> dict[tuple[int, ...], ProcessGroup]:
+    def _host_lists(self, layout: Layout) -> tuple[tuple[int, ...], ...]:
+        """The lists whose gloo twins ``layout`` needs: none where the device groups serve."""
+        return host_member_lists(layout) if self._separate_host_groups else ()
+
+    def _create_local(self, lists: Sequence[tuple[int, ...]], host_lists: Sequence[tuple[int, ...]],
+                      abort: threading.Event | None
+                      ) -> tuple[dict[tuple[int, ...], ProcessGroup],
+                                 dict[tuple[int, ...], ProcessGroup]]:
         """Groups created by their members only, all at once. The members of each first meet in
         the store, where ``abort`` interrupts the wait: gloo's rendezvous would wait for a dead
         member (until :data:`CREATION_TIMEOUT`). ``abort`` also ends the wait while they
@@ -577,16 +633,22 @@ class GroupRegistry:
 
         The groups connect concurrently, each on a thread of its own: one after the other, a
         recovery's dozen groups took most of its group-edit time waiting on store round trips.
-        Members need no common order, since no group waits for another."""
-        if not lists:
-            return {}
-        worlds = {members: [self._world_ranks[r] for r in members] for members in lists}
-        names = {members: _group_name(self._generation, world) for members, world in worlds.items()}
-        meetings = {communicator_key(self._generation, names[m]): len(m) for m in lists}
+        Members need no common order, since no group waits for another. Returns the device
+        groups of ``lists`` and the gloo twins of ``host_lists``."""
+        specs = {}
+        for host, members in [(False, m) for m in lists] + [(True, m) for m in host_lists]:
+            world = [self._world_ranks[r] for r in members]
+            name = _group_name(self._generation, world) + ("-host" if host else "")
+            specs[(host, members)] = (world, name, HOST_BACKEND if host else self._backend)
+        if not specs:
+            return {}, {}
+        meetings = {communicator_key(self._generation, name): len(world)
+                    for world, name, _ in specs.values()}
         _store_barriers(self._store, meetings, self._timeout, abort)
-        return _new_named_groups({m: (worlds[m], names[m]) for m in lists}, self._backend,
-                                 self._timeout, self._rendezvous_store(abort),
-                                 self._creation_timeout(abort), abort)
+        created = _new_named_groups(specs, self._timeout, self._rendezvous_store(abort),
+                                    self._creation_timeout(abort), abort)
+        return ({m: g for (host, m), g in created.items() if not host},
+                {m: g for (host, m), g in created.items() if host})
 
     def _creation_timeout(self, abort: threading.Event | None) -> timedelta:
         """:data:`CREATION_TIMEOUT` where a monitor tells of failures; at start-up, when the
@@ -601,25 +663,19 @@ class GroupRegistry:
             self._interruptible[abort] = InterruptibleStore(self._store, abort, self._timeout)
         return dist.PrefixStore(generation_prefix(self._generation), self._interruptible[abort])
 
-    def _create_global(self, members: tuple[int, ...],
+    def _create_global(self, members: tuple[int, ...], backend: str,
                        abort: threading.Event | None) -> ProcessGroup | None:
         """``new_group`` without local synchronisation: every rank of the default group that is
         alive calls it for every group, in the same order; ``None`` on non-members."""
-        with recording_connections():
-            group = dist.new_group([self._world_ranks[r] for r in members],
+        with recording_connections() as device_groups:
+            group = dist.new_group([self._world_ranks[r] for r in members], backend=backend,
                                    timeout=self._creation_timeout(abort), sort_ranks=False)
-        if group is dist.GroupMember.NON_GROUP_MEMBER:
-            return None
+            if group is dist.GroupMember.NON_GROUP_MEMBER:
+                return None
+            if backend != HOST_BACKEND:
+                device_groups.append(group)
         group.set_timeout(self._timeout)
         return group
-
-    def _can_shrink(self) -> bool:
-        return self._backend == "nccl" and hasattr(dist, "shrink_group")
-
-    def _shrink(self, source: tuple[int, ...], failed: frozenset[int]) -> ProcessGroup:
-        """NCCL: the group ``source`` without its failed members; consumes ``source``'s group."""
-        excluded = [source.index(r) for r in source if r in failed]
-        return dist.shrink_group(excluded, group=self._groups.pop(source))
 
     def _wait_for_survivors(self, number: int, count: int,
                             abort: threading.Event | None) -> None:

@@ -24,16 +24,19 @@ Guarantees:
   snapshots and buddies' replicas together.
 
 Capture copies tensors to host memory. From host memory it copies and checksums a block at a time,
-so each block is checksummed while still in cache; from CUDA the device-to-host copies run on a side
-stream into pinned memory, and are checksummed once :meth:`SnapshotStore.complete` has waited for
-them.
+so each block is checksummed while still in cache. From CUDA the device-to-host copies run on a side
+stream into pinned memory, and a thread of the store checksums each tensor as soon as its copy is
+done, its chunks on a pool of threads (zlib releases the GIL): neither blocks the training thread,
+which waits only in :meth:`SnapshotStore.complete`.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import pickle
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 
@@ -85,10 +88,12 @@ def _memory(flat_bytes: torch.Tensor) -> memoryview:
     return memoryview(flat_bytes.numpy())
 
 
-def chunk_checksums(data: memoryview, chunk_bytes: int) -> tuple[int, ...]:
-    """CRC-32 of each ``chunk_bytes`` piece of ``data``."""
-    return tuple(zlib.crc32(data[start:start + chunk_bytes])
-                 for start in range(0, len(data), chunk_bytes)) or (zlib.crc32(b""),)
+def chunk_checksums(data: memoryview, chunk_bytes: int,
+                    pool: ThreadPoolExecutor | None = None) -> tuple[int, ...]:
+    """CRC-32 of each ``chunk_bytes`` piece of ``data``, on ``pool``'s threads if given."""
+    pieces = [data[start:start + chunk_bytes] for start in range(0, len(data), chunk_bytes)]
+    return tuple(pool.map(zlib.crc32, pieces) if pool else map(zlib.crc32, pieces)) \
+        or (zlib.crc32(b""),)
 
 
 def copy_checksummed(tensor: torch.Tensor, target: torch.Tensor,
@@ -174,16 +179,34 @@ class Snapshot:
     def nbytes(self) -> int:
         return self.payload.numel() + len(self.state)
 
-    def _compute_checksums(self) -> dict[str, tuple[int, ...]]:
+    def _compute_checksums(self, pool: ThreadPoolExecutor | None = None
+                           ) -> dict[str, tuple[int, ...]]:
         data = _memory(self.payload)
-        checksums = {name: chunk_checksums(data[start:end], self.chunk_bytes)
+        checksums = {name: chunk_checksums(data[start:end], self.chunk_bytes, pool)
                      for name, start, end in self.extents()}
         checksums[_STATE] = chunk_checksums(memoryview(self.state), self.chunk_bytes)
         return checksums
 
-    def seal(self) -> None:
-        """Record the checksums of the current contents."""
-        self.checksums = self._compute_checksums()
+    def seal(self, pool: ThreadPoolExecutor | None = None) -> None:
+        """Record the checksums of the current contents (computed on ``pool`` if given)."""
+        self.checksums = self._compute_checksums(pool)
+
+    def seal_as_copied(self, copied: list[Any], pool: ThreadPoolExecutor) -> None:
+        """:meth:`seal` while the copies into the payload are still arriving: ``copied`` holds
+        one event per tensor (anything with a blocking ``synchronize()``), in layout order, and
+        each tensor's chunks go to ``pool`` as soon as its event has passed, so that
+        checksumming overlaps the copies still in flight."""
+        data = _memory(self.payload)
+        pending = {}
+        for (name, start, end), event in zip(self.extents(), copied, strict=True):
+            event.synchronize()
+            pending[name] = [
+                pool.submit(zlib.crc32, data[offset:min(offset + self.chunk_bytes, end)])
+                for offset in range(start, end, self.chunk_bytes)]
+        checksums = {name: tuple(f.result() for f in futures) or (zlib.crc32(b""),)
+                     for name, futures in pending.items()}
+        checksums[_STATE] = chunk_checksums(memoryview(self.state), self.chunk_bytes)
+        self.checksums = checksums
 
     def verify(self) -> None:
         """Raise :class:`SnapshotCorrupted` naming the first part that changed."""
@@ -212,13 +235,18 @@ class PendingSnapshot:
     """A snapshot whose copies may still be in flight (:meth:`SnapshotStore.start_capture`)."""
 
     snapshot: Snapshot
-    copied: Any = None
-    """The CUDA event recorded after the device-to-host copies; ``None`` when they are done and
-    the checksums taken."""
+    sealed: Future | None = None
+    """Done once the device-to-host copies have ended and the checksums are taken; ``None``
+    when they were taken at capture."""
 
     def wait(self) -> None:
-        if self.copied is not None:
-            self.copied.synchronize()
+        """Return once the copies are done and checksummed; raises what checksumming raised."""
+        if self.sealed is not None:
+            self.sealed.result()
+
+
+_CHECKSUM_THREADS = min(8, os.cpu_count() or 1)
+"""Threads that checksum the chunks of a snapshot copied from a device."""
 
 
 class SnapshotStore:
@@ -230,6 +258,9 @@ class SnapshotStore:
         self._held: dict[tuple[int, int], Snapshot] = {}
         self._copy_stream = None
         """The side stream of device-to-host copies, made at the first capture from CUDA."""
+        self._sealer: ThreadPoolExecutor | None = None
+        """Waits for each capture's copies and checksums them, one capture after the other."""
+        self._checksum_pool: ThreadPoolExecutor | None = None
 
     def _payload_buffer(self, rank: int, iteration: int, nbytes: int,
                         pinned: bool = False) -> torch.Tensor:
@@ -255,7 +286,8 @@ class SnapshotStore:
                       state: Mapping[str, Any]) -> PendingSnapshot:
         """Start :meth:`capture`; :meth:`complete` finishes it. Host tensors are copied and
         checksummed at once; CUDA tensors are copied on a side stream that first waits for the
-        work queued so far, and must not be written before :meth:`complete` returns."""
+        work queued so far, then checksummed on the store's threads, and must not be written
+        before :meth:`complete` returns."""
         layout = tensor_layout(tensors)
         from_device = any(tensor.is_cuda for tensor in tensors.values())
         payload = self._payload_buffer(self.rank, iteration, _payload_bytes(layout),
@@ -272,21 +304,25 @@ class SnapshotStore:
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream()
         self._copy_stream.wait_stream(torch.cuda.current_stream())
+        copied = []
         with torch.cuda.stream(self._copy_stream):
             for tensor, target in zip(tensors.values(), snapshot.tensors.values()):
                 target.copy_(tensor.detach(), non_blocking=True)
                 if tensor.is_cuda:  # its memory is not reused before the copy is done
                     tensor.record_stream(self._copy_stream)
-            copied = torch.cuda.Event()
-            copied.record()
-        return PendingSnapshot(snapshot, copied)
+                copied.append(torch.cuda.Event())
+                copied[-1].record()
+        if self._sealer is None:
+            self._sealer = ThreadPoolExecutor(1, thread_name_prefix="elaswave-snapshot-seal")
+            self._checksum_pool = ThreadPoolExecutor(_CHECKSUM_THREADS,
+                                                     thread_name_prefix="elaswave-checksum")
+        return PendingSnapshot(snapshot, self._sealer.submit(snapshot.seal_as_copied, copied,
+                                                             self._checksum_pool))
 
     def complete(self, pending: PendingSnapshot) -> Snapshot:
-        """Wait for the copies of ``pending``, checksum them and hold the snapshot."""
-        if pending.copied is not None:
-            pending.wait()
-            pending.snapshot.seal()
-            pending.copied = None
+        """Wait for the copies of ``pending`` and their checksums, and hold the snapshot."""
+        pending.wait()
+        pending.sealed = None
         self._keep(pending.snapshot)
         return pending.snapshot
 

@@ -44,6 +44,18 @@ not wait for it: its wait for the collective is given up once the monitor detect
 (``patches.distributed_work``), and the groups destroyed afterwards stay referenced for their op
 timeout (:func:`retire`), since dropping a group joins its worker threads.
 
+Aborting device collectives
+---------------------------
+NCCL and HCCL collectives do not block the host thread that issued them: a collective waiting for
+a dead peer holds its stream, and the host waits at the next synchronisation. Their groups are
+aborted by their backend's own abort instead (``ProcessGroup.abort()``: ``ncclCommAbort`` on NCCL,
+the backend's equivalent where torch_npu implements one), which ends the kernels still waiting.
+The registry records every group of a device backend it creates
+(:func:`recording_connections` yields the list to add them to) and :func:`abort_collectives`
+aborts them beside shutting down the gloo connections: one call ends every pending operation,
+host and device alike. Host-memory state never travels on a device group: it goes over gloo
+groups of the same members (``communicator.GroupRegistry.host_group``).
+
 The op timeout given to :func:`init_generation` remains the backstop for what cannot be
 aborted: a group whose creation is still in progress, groups created with
 ``TORCH_GLOO_LAZY_INIT=1`` (their connections open after creation and are not recorded), and
@@ -57,6 +69,7 @@ import os
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -99,8 +112,17 @@ class _Connection:
 
 _lock = threading.Lock()
 _connections: list[_Connection] = []
+_device_groups: weakref.WeakSet[ProcessGroup] = weakref.WeakSet()
+"""Groups of a device backend (NCCL, HCCL) created here and not aborted yet."""
 _aborts = 0
 """How many times :func:`abort_collectives` ran."""
+
+
+def _abort_device_groups(groups: list[ProcessGroup]) -> None:
+    for group in groups:
+        # A group whose communicator never formed, or failed already, has nothing to end.
+        with contextlib.suppress(RuntimeError):
+            group.abort()
 
 
 def _inode(fd: int) -> str | None:
@@ -137,17 +159,20 @@ def _is_tcp_connection(fd: int) -> bool:
 
 
 @contextlib.contextmanager
-def recording_connections() -> Iterator[None]:
-    """Record the TCP connections opened inside the block, for :func:`abort_collectives`.
+def recording_connections() -> Iterator[list[ProcessGroup]]:
+    """Record the TCP connections opened inside the block, and the device-backend groups added
+    to the list it yields, for :func:`abort_collectives`.
 
     Only the calling thread should open sockets meanwhile: a socket another thread opens inside
     the block would be recorded too. If :func:`abort_collectives` runs while the block does, the
-    connections are shut down at its end instead: the abort covers a group still forming.
+    connections are shut down and the groups aborted at its end instead: the abort covers a
+    group still forming.
     """
     with _lock:
         aborts_before = _aborts
     before = _open_sockets()
-    yield
+    device_groups: list[ProcessGroup] = []
+    yield device_groups
     opened = [
         _Connection(fd, inode)
         for fd, inode in _open_sockets().items()
@@ -157,25 +182,32 @@ def recording_connections() -> Iterator[None]:
         overlapped = _aborts != aborts_before
         if not overlapped:
             _connections.extend(opened)
+            _device_groups.update(device_groups)
     if overlapped:
         for connection in opened:
             connection.shutdown()
+        _abort_device_groups(device_groups)
 
 
 def abort_collectives() -> None:
     """Make every pending and future collective of the groups created here fail at once,
     including a group whose creation is under way (see :func:`recording_connections`).
 
-    Safe to call from any thread, any number of times. The groups stay registered with
-    ``torch.distributed``; destroy them (:func:`init_generation` does) before forming new ones.
+    Gloo groups fail once their connections are shut down; groups of a device backend are
+    aborted by that backend (see "Aborting device collectives" above). Safe to call from any
+    thread, any number of times. The groups stay registered with ``torch.distributed``; destroy
+    them (:func:`init_generation` does) before forming new ones.
     """
     global _aborts
     with _lock:
         _aborts += 1
         aborted = list(_connections)
         _connections.clear()
+        device_groups = list(_device_groups)
+        _device_groups.clear()
     for connection in aborted:
         connection.shutdown()
+    _abort_device_groups(device_groups)
 
 
 _retired: list[tuple[float, ProcessGroup]] = []
@@ -288,7 +320,7 @@ def init_generation(
     _meet_survivors(decision, store, rank, timeout, abort)
     # Held here: torch keeps only the C++ half of a store written in Python.
     _generation_store = InterruptibleStore(store, abort, timeout)
-    with recording_connections():
+    with recording_connections() as device_groups:
         dist.init_process_group(
             backend,
             store=dist.PrefixStore(generation_prefix(decision.generation), _generation_store),
@@ -296,6 +328,8 @@ def init_generation(
             world_size=len(decision.survivors),
             timeout=timeout,
         )
+        if backend != "gloo":
+            device_groups.append(dist.group.WORLD)
     return dist.group.WORLD
 
 

@@ -25,8 +25,12 @@ that waits for it. gloo's own wait cannot be shortened instead: a send or receiv
 fails every connection of its group. The abandoned operation stays with a gloo thread until its
 deadline; its group must stay referenced until then (destroying the last reference joins that
 thread). :func:`abandoned_work_pending` tells whether any abandoned operation is still there,
-so that its groups are released once none is. Inert until an event is given: device backends
-whose ``wait`` does not block the host (NCCL) must not get one.
+so that its groups are released once none is. Inert until an event is given.
+
+A device backend's work is left to torch: NCCL completes a work's future when the operation is
+enqueued (its ``wait`` makes the current stream wait, and blocks no host thread), so the wrapped
+wait finds it done and calls torch's at once. A device collective that waits for a dead peer is
+ended by the backend's abort instead (``megatron_elaswave.world``).
 """
 
 from __future__ import annotations

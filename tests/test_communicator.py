@@ -22,10 +22,13 @@ from harness import free_port, launch, worker_script
 
 from megatron_elaswave.communicator import (
     CREATION_TIMEOUT,
+    HOST_ROLES,
+    SEPARATE_HOST_GROUPS_ENV,
     EditMode,
     GroupSpec,
     Role,
     group_specs,
+    host_member_lists,
     member_lists,
     plan_edit,
 )
@@ -129,15 +132,18 @@ def test_a_broken_group_is_recreated_even_if_its_members_live():
     assert (2, 6) in plan.create and (2, 6) in plan.drop and (2, 6) not in plan.keep
 
 
-def test_a_group_that_only_loses_its_failed_ranks_can_be_shrunk():
+def test_host_twins_follow_their_device_groups():
     old = Layout.megatron(tp=1, pp=1, dp=3, num_layers=2, num_microbatches=3)
     new = Layout(num_layers=2, replicas=(
         Replica(0, (StageInstance((0,), 0, 1),), (0, 1)),
         Replica(2, (StageInstance((2,), 0, 1),), (2,)),
     ))
+    assert host_member_lists(old) == ((0, 1, 2),)  # the world is every member
     plan = plan_edit(old, new, {1})
-    assert plan.create == ((0, 2),)
-    assert plan.shrink_source((0, 2), frozenset({1})) == (0, 1, 2)
+    assert plan.host_create == ((0, 2),) and plan.host_drop == ((0, 1, 2),)
+    # A re-plan that keeps the groups keeps their twins; a broken group's twin is re-created.
+    assert plan_edit(old, old, ()).host_create == ()
+    assert plan_edit(old, old, (), broken=[(0, 1, 2)]).host_create == ((0, 1, 2),)
 
 
 def test_an_edit_refuses_a_layout_that_uses_a_failed_rank():
@@ -260,16 +266,25 @@ def assert_groups_work(reports: dict[int, dict], victim: int) -> None:
 @multiprocess
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
-    "mode, victim, sigkill, broken",
+    "mode, victim, sigkill, broken, separate_host",
     [
-        (EditMode.INPLACE, 5, True, [(2, 6)]),
-        (EditMode.INPLACE, 0, True, []),
-        (EditMode.PARTIAL, 3, False, []),
-        (EditMode.FULL, 0, False, []),
+        (EditMode.INPLACE, 5, True, [(2, 6)], False),
+        (EditMode.INPLACE, 0, True, [], False),
+        (EditMode.PARTIAL, 3, False, [], False),
+        (EditMode.FULL, 0, False, [], False),
+        (EditMode.INPLACE, 5, True, [(2, 6)], True),
+        (EditMode.PARTIAL, 3, False, [], True),
+        (EditMode.FULL, 0, False, [], True),
     ],
-    ids=["inplace-sigkill-5-broken", "inplace-sigkill-0", "partial-exit-3", "full-exit-0"],
+    ids=["inplace-sigkill-5-broken", "inplace-sigkill-0", "partial-exit-3", "full-exit-0",
+         "host-twins-inplace-sigkill-5", "host-twins-partial-exit-3", "host-twins-full-exit-0"],
 )
-def test_survivors_edit_their_groups_and_every_group_works(tmp_path, mode, victim, sigkill, broken):
+def test_survivors_edit_their_groups_and_every_group_works(tmp_path, monkeypatch, mode, victim,
+                                                           sigkill, broken, separate_host):
+    """With ``separate_host``, the host-memory groups have gloo twins (an NCCL job's groups,
+    gloo for both): every twin works after the edit too, and is a group of its own."""
+    if separate_host:
+        monkeypatch.setenv(SEPARATE_HOST_GROUPS_ENV, "1")
     reports = run_edit_job(tmp_path, mode, victim, sigkill, broken)
     assert_groups_work(reports, victim)
     new_layout = Layout.from_json(reports[min(reports)]["layout"], reports[min(reports)]["spares"])
@@ -278,13 +293,19 @@ def test_survivors_edit_their_groups_and_every_group_works(tmp_path, mode, victi
     for rank, report in reports.items():
         edit = report["edit"]
         assert (edit["mode"], edit["generation"]) == (mode.value, 1)
+        host_checks = [c for c in report["after"] if c["kind"] == "host"]
+        assert {(c["role"], c["separate"]) for c in host_checks} == {
+            (role.value, separate_host) for role in HOST_ROLES
+            if any(s.role == role and rank in s.ranks for s in group_specs(new_layout))}, rank
+        twins = host_member_lists(new_layout) if separate_host else ()
         if mode == EditMode.FULL:
-            created = [m for m in member_lists(group_specs(new_layout)) if rank in m]
+            created = [m for m in member_lists(group_specs(new_layout)) + twins if rank in m]
             assert (edit["created"], edit["kept"]) == (len(created), 0), rank
             assert report["world_size_after"] == WORLD_8 - 1
         else:
             # Exactly the planned groups changed; the default group is the stale one.
-            created = [m for m in plan.create if rank in m]
+            created = [m for m in plan.create + (plan.host_create if separate_host else ())
+                       if rank in m]
             kept = [m for m in plan.keep if rank in m]
             assert (edit["created"], edit["kept"]) == (len(created), len(kept)), rank
             assert report["world_size_after"] == WORLD_8

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from harness import free_port, is_gone, launch
+from megatron_elaswave.communicator import SEPARATE_HOST_GROUPS_ENV
 from megatron_elaswave.metrics import read_metrics
 from test_pretrain_gpt import PRETRAIN, model_flags, text_data  # noqa: F401  (fixture)
 
@@ -121,6 +122,19 @@ def test_sigkilled_workers_leave_the_trajectory_unchanged(text_data, reference, 
         assert record["total_s"] > 0 and record["bytes_moved"] > 0
     # After the failure the job runs on fewer ranks, with the same global batch.
     assert iterations[-1]["world_size"] < 8
+
+
+@pytest.mark.timeout(300)
+def test_with_host_state_on_gloo_twins_of_the_device_groups_two_failures_stay_on_trajectory(
+        text_data, reference, tmp_path, monkeypatch):  # noqa: F811
+    """The groups of an NCCL job (snapshots and migrated state on gloo twins of the device
+    groups), gloo for both: two ranks SIGKILLed one after the other."""
+    monkeypatch.setenv(SEPARATE_HOST_GROUPS_ENV, "1")
+    flags = elastic_flags(text_data, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    iterations, recoveries, output = run(tmp_path, "twins", flags, kills=[(5, 3), (2, 8)])
+    assert_on_trajectory(reference, iterations)
+    assert [r["failed_ranks"] for r in recoveries] == [[5], [2]], output[-6000:]
+    assert all(record["bytes_moved"] > 0 for record in recoveries)
 
 
 def run_with_faults(tmp_path: Path, name: str, flags: list[str], inject, nproc: int = 8,

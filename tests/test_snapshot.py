@@ -8,6 +8,7 @@ import json
 import pickle
 import random
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import numpy
@@ -23,6 +24,7 @@ from megatron_elaswave.snapshot import (
     SnapshotCorrupted,
     SnapshotMissing,
     SnapshotStore,
+    chunk_checksums,
 )
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.training.snapshots import StepSnapshots, restore_rng_states, rng_states
@@ -200,3 +202,31 @@ def test_buddy_restores_a_killed_ranks_snapshot(tmp_path):
     result = json.loads((tmp_path / "restored3.json").read_text())
     assert result == {"rank": victim, "iteration": steps, "bit_exact": True,
                       "held": [[2, 2], [2, 3], [3, 2], [3, 3]]}
+
+
+def test_checksums_taken_on_a_pool_of_threads_are_those_of_one_thread():
+    data = memoryview(torch.randint(0, 256, (9 << 20,), dtype=torch.uint8).numpy())
+    with ThreadPoolExecutor(4) as pool:
+        assert chunk_checksums(data, 1 << 20, pool) == chunk_checksums(data, 1 << 20)
+    assert len(chunk_checksums(data, 1 << 20)) == 9
+
+
+def test_a_snapshot_sealed_as_its_copies_arrive_has_the_checksums_of_one_sealed_at_once():
+    class Arrived:
+        """Stands in for a CUDA event: the copy it follows lands when it is waited for."""
+
+        def __init__(self, target: torch.Tensor, source: torch.Tensor) -> None:
+            self.target, self.source = target, source
+
+        def synchronize(self) -> None:
+            self.target.copy_(self.source)
+
+    live, config = shard(0, 1), SnapshotConfig(chunk_bytes=1 << 12)
+    zeros = {name: torch.zeros_like(tensor) for name, tensor in live.items()}
+    copy = SnapshotStore(0, config).capture(1, zeros, {"iteration": 1})
+    arriving = [Arrived(copy.tensors[name], tensor) for name, tensor in live.items()]
+    with ThreadPoolExecutor(3) as pool:
+        copy.seal_as_copied(arriving, pool)
+    at_once = SnapshotStore(0, config).capture(1, live, {"iteration": 1})
+    assert copy.checksums == at_once.checksums
+    copy.verify()

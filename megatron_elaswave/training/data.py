@@ -109,18 +109,20 @@ class MicrobatchSource:
 
 @dataclass
 class StepData:
-    """The micro-batches one replica runs in one step; remembers which samples it handed out.
-    Each batch also carries its global ``microbatch_id``."""
+    """The micro-batches one replica runs in one step, on the model's ``device``; remembers
+    which samples it handed out. Each batch also carries its global ``microbatch_id``."""
 
     source: MicrobatchSource
     consumed_samples: int
     microbatch_ids: Sequence[int]
+    device: torch.device = torch.device("cpu")
     served_sample_ids: dict[int, list[int]] = field(default_factory=dict)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for microbatch_id in self.microbatch_ids:
             batch = self.source.batch(self.consumed_samples, microbatch_id)
-            self.served_sample_ids[microbatch_id] = batch["sample_ids"].tolist()
+            self.served_sample_ids[microbatch_id] = batch.pop("sample_ids").tolist()
+            batch = {key: value.to(self.device, non_blocking=True) for key, value in batch.items()}
             batch["microbatch_id"] = microbatch_id
             yield batch
 

@@ -453,7 +453,7 @@ class ElasticTrainer(Trainer):
         try:
             values, moved = migrate(
                 held, needs, rank=self.rank, members=list(members), store=self.store,
-                prefix=f"{restore.prefix}/migrate", group=self.registry.group(Role.MEMBERS),
+                prefix=f"{restore.prefix}/migrate", group=self.registry.host_group(Role.MEMBERS),
                 timeout=timedelta(seconds=self.monitor.config.collective_timeout_s),
                 failure=self.monitor.failure_detected)
         except StateLost as lost:  # every member finds the same pieces missing
@@ -472,7 +472,7 @@ class ElasticTrainer(Trainer):
             # The snapshots held so far stay: named globally, they serve any later layout, and a
             # failure before the new ones are replicated still finds its state in them.
             self.snapshots = StepSnapshots(layout, self.rank, self.snapshots.store.config,
-                                           group=self.registry.group(Role.WORLD),
+                                           group=self.registry.host_group(Role.WORLD),
                                            store=self.snapshots.store)
             self._snapshot_now()
         times.migrated_at = time.time()

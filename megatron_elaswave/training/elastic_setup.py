@@ -46,9 +46,9 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
     model_factory = model_factory or ModelFactory.from_flags(args, vocab_size)
     objects = build_stage_objects(args, layout, registry, model_factory, backend.device())
     monitor = FailureMonitor(store, rank, Decision.initial(world_size), config, job_size=world_size)
-    _abandon_waits_on_failure(backend, monitor)
+    _abandon_waits_on_failure(monitor)
     snapshots = StepSnapshots(layout, rank, snapshot_config(args, backend),
-                              group=registry.group(Role.WORLD))
+                              group=registry.host_group(Role.WORLD))
     parts = _runtime_parts(args, backend, rank, vocab_size, config, model_factory)
     parts["governor"].apply(nominal_clock_plan(parts["cost"], layout, 0, PowerModel()), layout)
     return ElasticTrainer(
@@ -59,12 +59,11 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
         **trainer_fields)
 
 
-def _abandon_waits_on_failure(backend: DeviceBackend, monitor: FailureMonitor) -> None:
-    """A collective still pending when the monitor detects a failure is given up
-    (:mod:`megatron_elaswave.patches.distributed_work`); gloo only, as NCCL's waits do not
-    block the host."""
-    if backend.dist_backend == "gloo":
-        distributed_work.abandon_waits_when(monitor.failure_detected)
+def _abandon_waits_on_failure(monitor: FailureMonitor) -> None:
+    """A gloo operation still pending when the monitor detects a failure is given up
+    (:mod:`megatron_elaswave.patches.distributed_work`): every job has gloo groups, for its
+    host-memory state if not for its collectives. NCCL's waits are left as they are."""
+    distributed_work.abandon_waits_when(monitor.failure_detected)
 
 
 def _runtime_parts(args: argparse.Namespace, backend: DeviceBackend, rank: int, vocab_size: int,
@@ -99,7 +98,7 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
     plan = relayout.wait_for_acceptance(store, rank)
     monitor = FailureMonitor(store, rank, plan.decision, config, job_size=world_size,
                              skip_recorded_deaths=True)
-    _abandon_waits_on_failure(backend, monitor)
+    _abandon_waits_on_failure(monitor)
     monitor.start()  # the members watch this rank's heartbeat from the plan on
     registry = GroupRegistry.joining(plan.layout, rank, store=store,
                                      backend=backend.dist_backend,

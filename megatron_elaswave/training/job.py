@@ -7,6 +7,8 @@ import contextlib
 import os
 from datetime import timedelta
 
+import torch.distributed as dist
+
 from megatron_elaswave import dropout_rng, patches
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.metrics import MetricsWriter
@@ -53,8 +55,11 @@ def build_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int, t
     objects = wrap_and_optimize(args, config, chunks, pg_collection)
     train_set, valid_set = build_datasets(args, tokenizer)
     layout = failure_free_layout(args)
-    snapshots = (StepSnapshots(layout, rank, snapshot_config(args, backend))
-                 if args.elastic_snapshots else None)
+    snapshots = None
+    if args.elastic_snapshots:
+        # Snapshots are host memory: on NCCL or HCCL their replicas go over a gloo group.
+        host_group = None if backend.dist_backend == "gloo" else dist.new_group(backend="gloo")
+        snapshots = StepSnapshots(layout, rank, snapshot_config(args, backend), group=host_group)
     return Trainer(
         args=args,
         objects=objects,

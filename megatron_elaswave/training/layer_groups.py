@@ -60,6 +60,7 @@ from .model import (
     build_scheduler,
     layout_invariant_init,
     optimizer_config,
+    place_chunk,
     transformer_config,
 )
 
@@ -274,7 +275,7 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
         model_groups = ProcessGroupCollection(tp=tp, cp=cp, pp=LayerGroupStage(c, len(ranges)),
                                               embd=None, pos_embd=None)
         chunk = factory.build_chunk(config, c == 0, c == len(ranges) - 1, model_groups)
-        chunk.to(device)
+        place_chunk(chunk, config, device)
         if initialize:
             layout_invariant_init(chunk, config, args.seed, tp_rank, tp.size())
         # The tied embedding's two uses are summed by ``finalize`` below, so Megatron's own

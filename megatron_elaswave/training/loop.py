@@ -130,7 +130,7 @@ class Trainer:
 
     def _step_data(self, source: MicrobatchSource, consumed: int) -> list[StepData | MicrobatchIds]:
         return [
-            StepData(source, consumed, self.replica.microbatch_ids)
+            StepData(source, consumed, self.replica.microbatch_ids, self.backend.device())
             if stage_of(stage).pre_process or stage_of(stage).post_process
             else MicrobatchIds(self.replica.microbatch_ids)  # ids only, for dropout_rng
             for stage in self.stages

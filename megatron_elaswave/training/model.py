@@ -149,6 +149,14 @@ def _initial_value(name: str, shape: tuple[int, ...], std: float, num_layers: in
     return torch.randn(shape, generator=generator) * std
 
 
+def place_chunk(chunk: GPTModel, config: TransformerConfig, device: torch.device) -> None:
+    """Every parameter of ``chunk`` on ``device`` in the training dtype, as Megatron-LM's
+    ``Float16Module`` makes them: torch's norms are created in fp32 whatever ``params_dtype``
+    says, and the distributed optimizer reorders a parameter group that mixes dtypes behind its
+    own index of it (its main parameters would be restored into the wrong tensors)."""
+    chunk.to(device=device, dtype=config.params_dtype)
+
+
 @torch.no_grad()
 def layout_invariant_init(chunk: GPTModel, config: TransformerConfig, seed: int,
                           tp_rank: int, tp_size: int) -> None:
@@ -186,7 +194,7 @@ def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, voca
             pg_collection=pg_collection,
             vp_stage=vp_stage if vpp > 1 else None,
         )
-        chunk.to(device)
+        place_chunk(chunk, config, device)
         layout_invariant_init(chunk, config, args.seed, pg_collection.tp.rank(),
                               pg_collection.tp.size())
         chunks.append(chunk)

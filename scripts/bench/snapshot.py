@@ -26,12 +26,17 @@ def main() -> None:
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--train-iters", type=int, default=25)
     parser.add_argument("--warmup-iters", type=int, default=5)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--global-batch-size", type=int, default=16)
+    parser.add_argument("--bf16", action="store_true", help="train in bf16 (CUDA, NPU)")
     parser.add_argument("--rounds", type=int, default=3, help="runs per arm")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     base = mock_gpt_flags(pipeline=args.pp, num_layers=args.num_layers,
-                          hidden_size=args.hidden_size, micro_batch_size=2, global_batch_size=16,
+                          hidden_size=args.hidden_size, micro_batch_size=args.micro_batch_size,
+                          global_batch_size=args.global_batch_size,
                           train_iters=args.train_iters, seq_length=args.seq_length)
+    base += ["--bf16"] if args.bf16 else []
     arms_flags = {
         "none": [],
         "local": ["--elastic-snapshots", "--elastic-snapshot-replicas", "0"],

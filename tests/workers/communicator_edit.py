@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_elaswave.communicator import GroupRegistry, Role
+from megatron_elaswave.communicator import HOST_ROLES, GroupRegistry, Role
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.planner.cost import CostModel, MemoryModel
 from megatron_elaswave.planner.job import JobSpec
@@ -52,10 +52,15 @@ def check_all_reduces(registry: GroupRegistry) -> list[dict]:
     order (the same on every rank, so no two ranks wait on each other in a cycle)."""
     results = []
     for spec in registry.specs():
-        value = torch.tensor([float(registry.rank)])
-        dist.all_reduce(value, group=registry.group_of(spec))
-        results.append({"role": spec.role.value, "key": list(spec.key), "ranks": list(spec.ranks),
-                        "sum": value.item()})
+        groups = {"device": registry.group_of(spec)}
+        if spec.role in HOST_ROLES:
+            groups["host"] = registry.host_group(spec.role, spec.key)
+        for kind, group in groups.items():
+            value = torch.tensor([float(registry.rank)])
+            dist.all_reduce(value, group=group)
+            results.append({"role": spec.role.value, "key": list(spec.key), "kind": kind,
+                            "ranks": list(spec.ranks), "sum": value.item(),
+                            "separate": kind == "device" or group is not groups["device"]})
     return results
 
 
