@@ -59,7 +59,10 @@ import torch.distributed as dist
 
 from megatron_elaswave.keys import communicator_key, generation_prefix
 from megatron_elaswave.layout import Layout, Replica
-from megatron_elaswave.patches.distributed_c10d import new_named_group
+from megatron_elaswave.patches.distributed_c10d import (
+    forget_unformed_default_group,
+    new_named_group,
+)
 from megatron_elaswave.store import WaitInterrupted, wait_for_keys
 from megatron_elaswave.world import InterruptibleStore, recording_connections, retire
 
@@ -588,6 +591,7 @@ class GroupRegistry:
         self._host_groups.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
+        forget_unformed_default_group()  # that of an interrupted rebuild
         _store_barrier(self._store, communicator_key(self._generation, "meet"), len(survivors),
                        self._timeout, abort)
         with recording_connections() as device_groups:

@@ -78,6 +78,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from megatron_elaswave.keys import generation_prefix, ready_key
+from megatron_elaswave.patches.distributed_c10d import forget_unformed_default_group
 from megatron_elaswave.patches.distributed_work import abandoned_work_pending
 from megatron_elaswave.store import wait_for_keys
 
@@ -317,6 +318,7 @@ def init_generation(
     if dist.is_initialized():
         retire([dist.group.WORLD], timeout)
         dist.destroy_process_group()
+    forget_unformed_default_group()  # that of a generation abandoned while it formed
     _meet_survivors(decision, store, rank, timeout, abort)
     # Held here: torch keeps only the C++ half of a store written in Python.
     _generation_store = InterruptibleStore(store, abort, timeout)

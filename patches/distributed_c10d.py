@@ -1,6 +1,7 @@
 """Process groups created by their members only, under a name they all derive the same way.
 
-Checked against torch 2.13 (``torch/distributed/distributed_c10d.py``).
+Checked against torch 2.13 (``torch/distributed/distributed_c10d.py``); ``new_named_group`` also
+ran on torch 2.11 with NCCL.
 
 ``new_group(ranks, use_local_synchronization=True)`` cannot be used as is: torch 2.13 names such a
 group by hashing its ranks *together with the number of groups the calling process holds*, so
@@ -42,3 +43,16 @@ def new_named_group(world_ranks: Sequence[int], backend: str, store: Store, name
     # translation know the group.
     distributed_c10d._world.pg_group_ranks[group] = {r: i for i, r in enumerate(world_ranks)}
     return group
+
+
+def forget_unformed_default_group() -> None:
+    """Name the next default group as a first one, where no default group exists.
+
+    ``init_process_group`` names the default group after the number of groups created so far,
+    and takes that number before its rendezvous: one whose rendezvous raised (a member died
+    while the group formed) leaves no group but the number taken, so this process would name its
+    next default group ``"1"`` where the others say ``"0"``, and their rendezvous would wait
+    under different store prefixes until the timeout. ``destroy_process_group()`` resets the
+    number the same way after a group that formed."""
+    if not distributed_c10d.is_initialized():
+        distributed_c10d._world.group_count = 0

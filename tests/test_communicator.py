@@ -33,6 +33,7 @@ from megatron_elaswave.communicator import (
     plan_edit,
 )
 from megatron_elaswave.layout import Layout, Replica, StageInstance
+from megatron_elaswave.patches.distributed_c10d import forget_unformed_default_group
 from megatron_elaswave.store import WaitInterrupted
 from megatron_elaswave.world import InterruptibleStore
 
@@ -210,6 +211,21 @@ def test_a_recovery_stops_connecting_to_a_member_that_hung_after_publishing_its_
     report = json.loads((tmp_path / "rank0.json").read_text())
     assert report["error"].startswith("WaitInterrupted: a failure was detected"), report
     assert report["after_abort_s"] < CREATION_TIMEOUT.total_seconds(), report
+
+
+def test_a_default_group_whose_rendezvous_failed_leaves_the_next_one_named_as_a_first_one():
+    """A survivor whose rebuild was interrupted while its default group formed must name the
+    next one as the survivors that never got that far do, or their rendezvous never meet."""
+    assert not dist.is_initialized()
+    with pytest.raises(dist.DistStoreError):  # rank 1 never comes
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=2,
+                                timeout=timedelta(seconds=1))
+    forget_unformed_default_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert dist.group.WORLD.group_name == "0"
+    finally:
+        dist.destroy_process_group()
 
 
 def test_an_interruptible_store_reads_and_writes_through():
