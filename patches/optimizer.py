@@ -1,6 +1,7 @@
-"""Optimizer parameter groups aligned over a given group instead of the whole default world.
+"""Optimizer parameter groups aligned over a given group instead of the whole default world,
+and the separate gradient-norm groups agreed on once for all the optimizers of a rank.
 
-Checked against megatron-core 0.16.1.
+Checked against megatron-core 0.16.1 and 0.19.2.
 
 ``_get_param_groups`` (optimizer/__init__.py:108) aligns parameter-group keys across ranks with
 ``all_gather_object`` on the default group, sized by the default group's world size
@@ -18,7 +19,9 @@ import functools
 import threading
 from collections.abc import Iterator
 
+import torch
 import torch.distributed as dist
+from megatron.core.optimizer import optimizer as megatron_optimizer
 
 from .registry import PatchRegistry
 
@@ -59,6 +62,32 @@ def _gathering_on_alignment_group(get_param_groups):
             dist.get_world_size, dist.all_gather_object = world_size, gather
 
     return get_param_groups_on_group
+
+
+_SEPARATE_GRAD_NORM_GROUPS: tuple[str, ...] = getattr(
+    megatron_optimizer, "SEPARATE_GRAD_NORM_GROUPS", ())
+"""Gradient-norm groups clipped apart from the rest (megatron-core 0.19: ``('mtp',)``; none
+before)."""
+
+
+def agree_grad_norm_groups(chained, group: dist.ProcessGroup) -> None:
+    """Answer ``has_grad_norm_group`` for ``chained`` and each of its optimizers with one
+    reduction over ``group`` (the ranks that step together).
+
+    megatron-core 0.19 answers it, the first time a step clips, with one reduction per
+    optimizer over its grad-stats group (the world): a rank that holds more layer groups, and so
+    more optimizers, issues more of them, and the job hangs in its first step after a re-plan.
+    Nothing to do before 0.19."""
+    if not _SEPARATE_GRAD_NORM_GROUPS:
+        return
+    owned = torch.tensor([
+        any(getattr(param, megatron_optimizer.GRAD_NORM_GROUP_ATTR, None) == name
+            for optimizer in chained.chained_optimizers for param in optimizer.get_parameters())
+        for name in _SEPARATE_GRAD_NORM_GROUPS], dtype=torch.int)
+    dist.all_reduce(owned, op=dist.ReduceOp.MAX, group=group)
+    answers = dict(zip(_SEPARATE_GRAD_NORM_GROUPS, (bool(flag) for flag in owned.tolist())))
+    for optimizer in (chained, *chained.chained_optimizers):
+        optimizer._has_grad_norm_group_cache = dict(answers)
 
 
 def register(registry: PatchRegistry) -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
+import torch
+import torch.distributed as dist
 
 from megatron_elaswave.layout import Layout, Replica, StageInstance
 from megatron_elaswave.training.layer_groups import ChunkRange, chunk_ranges
@@ -29,3 +33,26 @@ def test_interleaved_chunks_are_the_layers_each_in_its_layer_groups_data_paralle
 def test_an_unknown_sharding_is_refused():
     with pytest.raises(ValueError, match="interleaved or contiguous"):
         chunk_ranges(heterogeneous_layout(), "striped")
+
+
+def test_separate_grad_norm_groups_are_agreed_on_once_for_all_of_a_ranks_optimizers(monkeypatch):
+    """megatron-core 0.19 asks each optimizer once, with one reduction each: a rank with more
+    layer groups would issue more. One reduction answers for all (stand-ins for the optimizers;
+    the tagged parameter belongs to the second)."""
+    from megatron_elaswave.patches import optimizer as optimizer_patch
+
+    monkeypatch.setattr(optimizer_patch, "_SEPARATE_GRAD_NORM_GROUPS", ("mtp", "other"))
+    monkeypatch.setattr(optimizer_patch.megatron_optimizer, "GRAD_NORM_GROUP_ATTR",
+                        "grad_norm_group", raising=False)
+    tagged = torch.nn.Parameter(torch.zeros(1))
+    tagged.grad_norm_group = "mtp"
+    first = SimpleNamespace(get_parameters=lambda: [torch.nn.Parameter(torch.zeros(1))])
+    second = SimpleNamespace(get_parameters=lambda: [tagged])
+    chained = SimpleNamespace(chained_optimizers=[first, second])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        optimizer_patch.agree_grad_norm_groups(chained, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    for optimizer in (chained, first, second):
+        assert optimizer._has_grad_norm_group_cache == {"mtp": True, "other": False}

@@ -51,7 +51,7 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_elaswave.communicator import GroupRegistry, Role
 from megatron_elaswave.layout import Layout
-from megatron_elaswave.patches.optimizer import param_groups_aligned_on
+from megatron_elaswave.patches.optimizer import agree_grad_norm_groups, param_groups_aligned_on
 from megatron_elaswave.patches.parallel_state import install_process_groups
 
 from .model import (
@@ -294,6 +294,7 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
         chunks.append(ddp)
         chunk_groups.append(groups_of_chunk)
     optimizer = ChainedOptimizer(optimizers)
+    agree_grad_norm_groups(optimizer, world)
     allocate_optimizer_state(optimizers)
     tied = tied_embedding_copies(chunks)
     embedding_group = registry.group(Role.EMBEDDING) if len(tied) == 1 else None
