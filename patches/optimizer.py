@@ -21,7 +21,6 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
-from megatron.core.optimizer import optimizer as megatron_optimizer
 
 from .registry import PatchRegistry
 
@@ -64,10 +63,15 @@ def _gathering_on_alignment_group(get_param_groups):
     return get_param_groups_on_group
 
 
-_SEPARATE_GRAD_NORM_GROUPS: tuple[str, ...] = getattr(
-    megatron_optimizer, "SEPARATE_GRAD_NORM_GROUPS", ())
-"""Gradient-norm groups clipped apart from the rest (megatron-core 0.19: ``('mtp',)``; none
-before)."""
+def _separate_grad_norm_groups() -> tuple[tuple[str, ...], str]:
+    """The gradient-norm groups clipped apart from the rest (megatron-core 0.19: ``('mtp',)``;
+    none before) and the parameter attribute that names a parameter's group."""
+    # Imported here: importing megatron-core's optimizer warns about TE and Apex on stderr, and
+    # the patches are imported by scripts whose errors must stay one line.
+    from megatron.core.optimizer import optimizer
+
+    return (getattr(optimizer, "SEPARATE_GRAD_NORM_GROUPS", ()),
+            getattr(optimizer, "GRAD_NORM_GROUP_ATTR", "grad_norm_group"))
 
 
 def agree_grad_norm_groups(chained, group: dist.ProcessGroup) -> None:
@@ -78,14 +82,15 @@ def agree_grad_norm_groups(chained, group: dist.ProcessGroup) -> None:
     optimizer over its grad-stats group (the world): a rank that holds more layer groups, and so
     more optimizers, issues more of them, and the job hangs in its first step after a re-plan.
     Nothing to do before 0.19."""
-    if not _SEPARATE_GRAD_NORM_GROUPS:
+    names, attribute = _separate_grad_norm_groups()
+    if not names:
         return
     owned = torch.tensor([
-        any(getattr(param, megatron_optimizer.GRAD_NORM_GROUP_ATTR, None) == name
+        any(getattr(param, attribute, None) == name
             for optimizer in chained.chained_optimizers for param in optimizer.get_parameters())
-        for name in _SEPARATE_GRAD_NORM_GROUPS], dtype=torch.int)
+        for name in names], dtype=torch.int)
     dist.all_reduce(owned, op=dist.ReduceOp.MAX, group=group)
-    answers = dict(zip(_SEPARATE_GRAD_NORM_GROUPS, (bool(flag) for flag in owned.tolist())))
+    answers = dict(zip(names, (bool(flag) for flag in owned.tolist())))
     for optimizer in (chained, *chained.chained_optimizers):
         optimizer._has_grad_norm_group_cache = dict(answers)
 

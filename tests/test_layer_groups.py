@@ -41,9 +41,8 @@ def test_separate_grad_norm_groups_are_agreed_on_once_for_all_of_a_ranks_optimiz
     the tagged parameter belongs to the second)."""
     from megatron_elaswave.patches import optimizer as optimizer_patch
 
-    monkeypatch.setattr(optimizer_patch, "_SEPARATE_GRAD_NORM_GROUPS", ("mtp", "other"))
-    monkeypatch.setattr(optimizer_patch.megatron_optimizer, "GRAD_NORM_GROUP_ATTR",
-                        "grad_norm_group", raising=False)
+    monkeypatch.setattr(optimizer_patch, "_separate_grad_norm_groups",
+                        lambda: (("mtp", "other"), "grad_norm_group"))
     tagged = torch.nn.Parameter(torch.zeros(1))
     tagged.grad_norm_group = "mtp"
     first = SimpleNamespace(get_parameters=lambda: [torch.nn.Parameter(torch.zeros(1))])
