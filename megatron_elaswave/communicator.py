@@ -115,6 +115,7 @@ SEPARATE_HOST_GROUPS_ENV = "ELASWAVE_SEPARATE_HOST_GROUPS"
 """Set to ``1`` to give the :data:`HOST_ROLES` groups gloo twins on a gloo job too."""
 
 HOST_BACKEND = "gloo"
+"""The backend of the twins, as of Megatron's own groups for CPU-side work."""
 
 
 class EditMode(str, enum.Enum):

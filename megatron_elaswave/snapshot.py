@@ -88,12 +88,10 @@ def _memory(flat_bytes: torch.Tensor) -> memoryview:
     return memoryview(flat_bytes.numpy())
 
 
-def chunk_checksums(data: memoryview, chunk_bytes: int,
-                    pool: ThreadPoolExecutor | None = None) -> tuple[int, ...]:
-    """CRC-32 of each ``chunk_bytes`` piece of ``data``, on ``pool``'s threads if given."""
-    pieces = [data[start:start + chunk_bytes] for start in range(0, len(data), chunk_bytes)]
-    return tuple(pool.map(zlib.crc32, pieces) if pool else map(zlib.crc32, pieces)) \
-        or (zlib.crc32(b""),)
+def chunk_checksums(data: memoryview, chunk_bytes: int) -> tuple[int, ...]:
+    """CRC-32 of each ``chunk_bytes`` piece of ``data``."""
+    return tuple(zlib.crc32(data[start:start + chunk_bytes])
+                 for start in range(0, len(data), chunk_bytes)) or (zlib.crc32(b""),)
 
 
 def copy_checksummed(tensor: torch.Tensor, target: torch.Tensor,
@@ -179,23 +177,18 @@ class Snapshot:
     def nbytes(self) -> int:
         return self.payload.numel() + len(self.state)
 
-    def _compute_checksums(self, pool: ThreadPoolExecutor | None = None
-                           ) -> dict[str, tuple[int, ...]]:
+    def _compute_checksums(self) -> dict[str, tuple[int, ...]]:
         data = _memory(self.payload)
-        checksums = {name: chunk_checksums(data[start:end], self.chunk_bytes, pool)
+        checksums = {name: chunk_checksums(data[start:end], self.chunk_bytes)
                      for name, start, end in self.extents()}
         checksums[_STATE] = chunk_checksums(memoryview(self.state), self.chunk_bytes)
         return checksums
 
-    def seal(self, pool: ThreadPoolExecutor | None = None) -> None:
-        """Record the checksums of the current contents (computed on ``pool`` if given)."""
-        self.checksums = self._compute_checksums(pool)
-
     def seal_as_copied(self, copied: list[Any], pool: ThreadPoolExecutor) -> None:
-        """:meth:`seal` while the copies into the payload are still arriving: ``copied`` holds
-        one event per tensor (anything with a blocking ``synchronize()``), in layout order, and
-        each tensor's chunks go to ``pool`` as soon as its event has passed, so that
-        checksumming overlaps the copies still in flight."""
+        """Record the checksums :meth:`verify` checks while the copies into the payload are
+        still arriving: ``copied`` holds one event per tensor (anything with a blocking
+        ``synchronize()``), in layout order, and each tensor's chunks go to ``pool`` as soon as
+        its event has passed, so that checksumming overlaps the copies still in flight."""
         data = _memory(self.payload)
         pending = {}
         for (name, start, end), event in zip(self.extents(), copied, strict=True):

@@ -24,7 +24,6 @@ from megatron_elaswave.snapshot import (
     SnapshotCorrupted,
     SnapshotMissing,
     SnapshotStore,
-    chunk_checksums,
 )
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.training.snapshots import StepSnapshots, restore_rng_states, rng_states
@@ -202,13 +201,6 @@ def test_buddy_restores_a_killed_ranks_snapshot(tmp_path):
     result = json.loads((tmp_path / "restored3.json").read_text())
     assert result == {"rank": victim, "iteration": steps, "bit_exact": True,
                       "held": [[2, 2], [2, 3], [3, 2], [3, 3]]}
-
-
-def test_checksums_taken_on_a_pool_of_threads_are_those_of_one_thread():
-    data = memoryview(torch.randint(0, 256, (9 << 20,), dtype=torch.uint8).numpy())
-    with ThreadPoolExecutor(4) as pool:
-        assert chunk_checksums(data, 1 << 20, pool) == chunk_checksums(data, 1 << 20)
-    assert len(chunk_checksums(data, 1 << 20)) == 9
 
 
 def test_a_snapshot_sealed_as_its_copies_arrive_has_the_checksums_of_one_sealed_at_once():
