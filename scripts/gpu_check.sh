@@ -38,10 +38,10 @@ REPO=$PWD
 cd "$OUT"  # the checkout's megatron_elaswave/ lacks the installed patches sub-package
 
 status=0
-step() {  # step NAME COMMAND...: run, log to OUT/NAME.log, remember a failure, go on
+step() {  # step NAME COMMAND...: run (15 min at most), log to OUT/NAME.log, remember a failure
     local name=$1; shift
     echo "== $name"
-    "$@" 2>&1 | tee "$OUT/$name.log"
+    timeout 900 "$@" 2>&1 | tee "$OUT/$name.log"
     local code=${PIPESTATUS[0]}
     echo "== $name: exit $code"
     [ "$code" -eq 0 ] || status=1
