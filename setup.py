@@ -8,7 +8,7 @@ from setuptools import find_packages, setup
 
 # The Megatron-Core releases the patches were checked against; megatron_elaswave.patches refuses
 # any other version at import time with a clear message.
-MEGATRON_CORE = "megatron-core>=0.16.1,<0.17"
+MEGATRON_CORE = "megatron-core>=0.16.1,<0.20"
 
 setup(
     name="megatron-elaswave",

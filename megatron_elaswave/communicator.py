@@ -469,7 +469,7 @@ class GroupRegistry:
         Expert groups are those of expert parallelism 1 (dense models).
         """
         # Imported here: megatron.core takes seconds to import and the registry needs none of it.
-        from megatron.core.process_groups_config import ProcessGroupCollection
+        from megatron_elaswave.patches.process_groups_config import process_group_collection
 
         if layer_group is None:
             held = self.layer_groups()
@@ -481,7 +481,7 @@ class GroupRegistry:
         tp, cp, mp = member[Role.TP], member[Role.CP], member[Role.MP]
         dp = self.group(Role.DP, (layer_group, tp_rank))
         tp_dp = self.group(Role.TP_DP, (layer_group,))
-        return ProcessGroupCollection(
+        return process_group_collection(
             tp=tp, pp=member[Role.PP], mp=mp, cp=cp, tp_cp=tp,
             embd=member.get(Role.EMBEDDING), pos_embd=member.get(Role.POSITION_EMBEDDING),
             dp=dp, dp_cp=dp, intra_dp_cp=dp, tp_dp_cp=tp_dp,

@@ -1,5 +1,6 @@
 """Optimizer parameter groups aligned over a given group instead of the whole default world,
-and the separate gradient-norm groups agreed on once for all the optimizers of a rank.
+the separate gradient-norm groups agreed on once for all the optimizers of a rank, and a rank's
+optimizer state by names that do not depend on the release.
 
 Checked against megatron-core 0.16.1 and 0.19.2.
 
@@ -76,7 +77,7 @@ def _separate_grad_norm_groups() -> tuple[tuple[str, ...], str]:
 
 def agree_grad_norm_groups(chained, group: dist.ProcessGroup) -> None:
     """Answer ``has_grad_norm_group`` for ``chained`` and each of its optimizers with one
-    reduction over ``group`` (the ranks that step together).
+    reduction over ``group`` (the ranks that step together; a group that reduces host tensors).
 
     megatron-core 0.19 answers it, the first time a step clips, with one reduction per
     optimizer over its grad-stats group (the world): a rank that holds more layer groups, and so
@@ -93,6 +94,22 @@ def agree_grad_norm_groups(chained, group: dist.ProcessGroup) -> None:
     answers = dict(zip(names, (bool(flag) for flag in owned.tolist())))
     for optimizer in (chained, *chained.chained_optimizers):
         optimizer._has_grad_norm_group_cache = dict(answers)
+
+
+def main_params_and_states(optimizer) -> dict[str, torch.Tensor]:
+    """This rank's main parameters and optimizer state of a ``ChainedOptimizer``, by stable names:
+    ``optimizer{o}.group{g}.param{p}.main`` and ``.{state key}``, the tensors themselves."""
+    tensors = {}
+    for o, chained in enumerate(optimizer.chained_optimizers):
+        inner = chained.optimizer
+        for g, group in enumerate(inner.param_groups):
+            for p, param in enumerate(group["params"]):
+                prefix = f"optimizer{o}.group{g}.param{p}"
+                tensors[f"{prefix}.main"] = param.detach()
+                for key, value in inner.state.get(param, {}).items():
+                    if torch.is_tensor(value):
+                        tensors[f"{prefix}.{key}"] = value
+    return tensors
 
 
 def register(registry: PatchRegistry) -> None:

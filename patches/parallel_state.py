@@ -1,6 +1,6 @@
 """Megatron's ``parallel_state`` globals from groups that already exist.
 
-Checked against megatron-core 0.16.1.
+Checked against megatron-core 0.16.1 and 0.19.2.
 
 ``initialize_model_parallel`` cannot run after a death: every rank creates every group of the
 whole default world, dead ranks included. :func:`install_process_groups` instead points the
@@ -56,6 +56,20 @@ _GROUPS_FROM_COLLECTION = {
 }
 """``parallel_state`` global -> ``ProcessGroupCollection`` field."""
 
+_GTP_REMAT_GLOBALS = {
+    "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "_DATA_PARALLEL_GROUP",
+    "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": "_DATA_PARALLEL_GROUP_WITH_CP",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT":
+        "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
+    "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "_EXPERT_DATA_PARALLEL_GROUP",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT":
+        "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP",
+    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP":
+        "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP",
+}
+"""megatron-core 0.19's generalized-tensor-parallel variants (absent from 0.16.1) -> the global
+each equals with a GTP remat size of 1; 0.19's getters return the variant by default."""
+
 _RANK_LISTS_FROM_GROUPS = {
     "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": "_TENSOR_MODEL_PARALLEL_GROUP",
     "_PIPELINE_GLOBAL_RANKS": "_PIPELINE_MODEL_PARALLEL_GROUP",
@@ -91,6 +105,9 @@ def install_process_groups(pg_collection: ProcessGroupCollection,
         setattr(parallel_state, name, value)
     for name, field in _GROUPS_FROM_COLLECTION.items():
         setattr(parallel_state, name, getattr(pg_collection, field, None))
+    for name, base in _GTP_REMAT_GLOBALS.items():
+        if hasattr(parallel_state, name):
+            setattr(parallel_state, name, getattr(parallel_state, base))
     for name, group_name in _RANK_LISTS_FROM_GROUPS.items():
         group = getattr(parallel_state, group_name)
         setattr(parallel_state, name, None if group is None else dist.get_process_group_ranks(group))

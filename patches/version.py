@@ -7,8 +7,9 @@ from importlib import metadata
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-SUPPORTED_MEGATRON_CORE = SpecifierSet(">=0.16.1,<0.17")
-"""Every module in this package was read and tested against megatron-core 0.16.1."""
+SUPPORTED_MEGATRON_CORE = SpecifierSet(">=0.16.1,<0.20")
+"""Every module in this package was read and tested against megatron-core 0.16.1 and 0.19.2
+(0.17 and later need Python 3.12 or newer)."""
 
 
 class UnsupportedMegatronVersion(RuntimeError):

@@ -4,5 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # shellcheck disable=SC1091
-. "${ELASWAVE_VENV:-.venv}/bin/activate"
+. "${ELASWAVE_VENV:-.venv${MEGATRON_CORE:+-mcore$MEGATRON_CORE}}/bin/activate"
 exec python scripts/demo.py "$@"

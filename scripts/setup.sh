@@ -1,14 +1,48 @@
 #!/usr/bin/env bash
 # Create (or reuse) the virtual environment and install megatron-elaswave with its test tools.
 # torch 2.13.0 is installed first and on its own, so that pip never swaps in another build.
+#
+# MEGATRON_CORE=0.19.2 sets up that megatron-core release instead of the newest the Python allows
+# (megatron-core 0.17 and later need Python 3.12 or newer: PYTHON names the interpreter, or the
+# newest python3.12 / python3.13 found is used, pyenv's included), in .venv-mcore<release>.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv="${ELASWAVE_VENV:-.venv}"
+megatron_core="${MEGATRON_CORE:-}"
+venv="${ELASWAVE_VENV:-.venv${megatron_core:+-mcore$megatron_core}}"
+
+# Print the command that runs a Python the megatron-core release can be installed on.
+python_for_release() {
+  if [ -n "${PYTHON:-}" ] || [ -z "$megatron_core" ]; then
+    echo "${PYTHON:-python3}"
+    return
+  fi
+  if python3 -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+    echo python3
+    return
+  fi
+  local minor version
+  for minor in 3.12 3.13; do
+    if "python$minor" --version >/dev/null 2>&1; then
+      echo "python$minor"
+      return
+    fi
+    version=$(pyenv versions --bare 2>/dev/null | grep -E "^${minor//./\\.}\.[0-9]+$" | tail -n 1 || true)
+    if [ -n "$version" ]; then
+      echo "env PYENV_VERSION=$version python$minor"
+      return
+    fi
+  done
+  echo "error: megatron-core $megatron_core needs Python 3.12 or newer; set PYTHON to one" >&2
+  exit 2
+}
+
 if [ ! -x "$venv/bin/python" ]; then
-  "${PYTHON:-python3}" -m venv "$venv"
+  python_cmd=$(python_for_release)
+  $python_cmd -m venv "$venv"
 fi
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-python -m pip install --quiet --disable-pip-version-check -e ".[test]"
+python -m pip install --quiet --disable-pip-version-check -e ".[test]" \
+  ${megatron_core:+"megatron-core==$megatron_core"}
 python -c "import megatron_elaswave.patches as p; p.check_megatron_core_version()"

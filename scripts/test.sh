@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # shellcheck disable=SC1091
-. "${ELASWAVE_VENV:-.venv}/bin/activate"
+. "${ELASWAVE_VENV:-.venv${MEGATRON_CORE:+-mcore$MEGATRON_CORE}}/bin/activate"
 status=0
 python -m pytest -q --durations=15 "$@" || status=$?
 if [ "$status" -eq 5 ]; then

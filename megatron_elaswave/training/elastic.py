@@ -42,6 +42,7 @@ from megatron_elaswave.keys import FINISHED_KEY, RECORDS_WRITTEN_KEY, done_key, 
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter
 from megatron_elaswave.monitor import FailureDetected, FailureMonitor
+from megatron_elaswave.patches.gpt_model import transformer_layers
 from megatron_elaswave.planner.cost import CostModel
 from megatron_elaswave.planner.frequency import ClockPlan
 from megatron_elaswave.world import release_retired
@@ -51,7 +52,6 @@ from .checkpoint import TrainingProgress, save_checkpoint
 from .layer_groups import ModelFactory, build_stage_objects
 from .loop import StepResult, Trainer, log
 from .migration import StateLost, adam_step, load_pieces, migrate, named_shard, needed_pieces
-from .model import transformer_layers
 from .planning import plan_growth
 from .records import (
     RecoveryTimes,
@@ -347,7 +347,7 @@ class ElasticTrainer(Trainer):
     def _reform_default_group(self) -> None:
         held, step = named_shard(self.objects, self.tp_rank), adam_step(self.objects)
         scheduler = self.objects.scheduler.state_dict()
-        self.objects = self.stages = self.p2p = None
+        self.objects = self.stages = self.forward_backward = None
         leaving = set(self.layout.known_ranks() - self.layout.active_ranks())
         self.layout = Layout(self.layout.num_layers, self.layout.replicas)
         self.registry.edit(leaving, self.layout, EditMode.FULL)
@@ -444,7 +444,7 @@ class ElasticTrainer(Trainer):
         if active and state is None:
             raise CannotContinue(f"rank {self.rank} holds no snapshot of iteration {iteration}")
         # Drop the old objects before building new ones: their groups are gone.
-        self.objects = self.stages = self.p2p = None
+        self.objects = self.stages = self.forward_backward = None
         self.layout = layout
         if active:
             self._build_objects()

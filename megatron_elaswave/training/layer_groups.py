@@ -51,8 +51,10 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_elaswave.communicator import GroupRegistry, Role
 from megatron_elaswave.layout import Layout
+from megatron_elaswave.patches.distributed_data_parallel import distributed_data_parallel
 from megatron_elaswave.patches.optimizer import agree_grad_norm_groups, param_groups_aligned_on
 from megatron_elaswave.patches.parallel_state import install_process_groups
+from megatron_elaswave.patches.process_groups_config import process_group_collection
 
 from .model import (
     TrainingObjects,
@@ -272,7 +274,7 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
     chunks, chunk_groups, optimizers = [], [], []
     for c in held:
         dp = registry.group(Role.DP, (ranges[c].layer_group, tp_rank))
-        model_groups = ProcessGroupCollection(tp=tp, cp=cp, pp=LayerGroupStage(c, len(ranges)),
+        model_groups = process_group_collection(tp=tp, cp=cp, pp=LayerGroupStage(c, len(ranges)),
                                               embd=None, pos_embd=None)
         chunk = factory.build_chunk(config, c == 0, c == len(ranges) - 1, model_groups)
         place_chunk(chunk, config, device)
@@ -280,13 +282,12 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
             layout_invariant_init(chunk, config, args.seed, tp_rank, tp.size())
         # The tied embedding's two uses are summed by ``finalize`` below, so Megatron's own
         # embedding groups are this rank alone (``None`` would make it read the global ones).
-        groups_of_chunk = ProcessGroupCollection(
+        groups_of_chunk = process_group_collection(
             tp=tp, cp=cp, pp=pp, ep=cp, embd=cp, pos_embd=cp, dp=dp, dp_cp=dp,
             intra_dp_cp=dp, expt_dp=cp, intra_dist_opt=world, mp=LayerGroupStage(c, len(ranges)),
             tp_ep_pp=None,
         )
-        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
-                                      pg_collection=groups_of_chunk)
+        ddp = distributed_data_parallel(config, ddp_config, chunk, groups_of_chunk)
         with param_groups_aligned_on(dp):
             optimizers += get_megatron_optimizer(
                 opt_config, [ddp], use_gloo_process_groups=False, pg_collection=groups_of_chunk
@@ -294,7 +295,8 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
         chunks.append(ddp)
         chunk_groups.append(groups_of_chunk)
     optimizer = ChainedOptimizer(optimizers)
-    agree_grad_norm_groups(optimizer, world)
+    # A host tensor: the world's gloo twin where the device backend is not gloo.
+    agree_grad_norm_groups(optimizer, registry.host_group(Role.WORLD))
     allocate_optimizer_state(optimizers)
     tied = tied_embedding_copies(chunks)
     embedding_group = registry.group(Role.EMBEDDING) if len(tied) == 1 else None
@@ -314,7 +316,7 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
 
     config.finalize_model_grads_func = finalize
     stage_module = chunks[0] if len(chunks) == 1 else ChunkSequence(chunks, config)
-    schedule_groups = ProcessGroupCollection(tp=tp, cp=cp, pp=pp, embd=None, pos_embd=None,
+    schedule_groups = process_group_collection(tp=tp, cp=cp, pp=pp, embd=None, pos_embd=None,
                                              dp_cp=chunk_groups[0].dp)
     return StageObjects(
         config=config,

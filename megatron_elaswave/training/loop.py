@@ -17,14 +17,13 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_elaswave import dropout_rng
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter, samples_digest
+from megatron_elaswave.patches.schedules import forward_backward_on
 
 from .data import MicrobatchIds, MicrobatchSource, StepData
 from .model import TrainingObjects
@@ -115,11 +114,8 @@ class Trainer:
         self.replica = self.layout.replica_by_index()[position[0]]
         self.is_data_reporter = position[2] == 0  # one rank of each TP group reports
         self.stages = self.objects.stages
-        self.p2p = P2PCommunicator(pp_group=self.pg_collection.pp, config=self.objects.config)
-        self.forward_backward = get_forward_backward_func(
-            pp_size=self.pg_collection.pp.size(),
-            vp_size=self.args.virtual_pipeline_model_parallel_size,
-        )
+        self.forward_backward = forward_backward_on(
+            self.pg_collection, self.objects.config, self.args.virtual_pipeline_model_parallel_size)
 
     @property
     def is_logger(self) -> bool:
@@ -146,8 +142,6 @@ class Trainer:
             seq_length=self.args.seq_length,
             micro_batch_size=self.args.micro_batch_size,
             forward_only=forward_only,
-            p2p_communicator=self.p2p,
-            pg_collection=self.pg_collection,
         )
 
     def _reduce(self, data: list[StepData | MicrobatchIds], losses: list[dict], gbs: int,

@@ -28,11 +28,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_elaswave.patches.distrib_optimizer import set_shard_state, shard_range, shard_state
+from megatron_elaswave.patches.gpt_model import global_parameter_names
 from megatron_elaswave.patches.p2p_communication import wait as p2p_wait
 from megatron_elaswave.planner.zero import assign_waves
 from megatron_elaswave.store import wait_for_keys
 
-from .model import global_parameter_names
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -83,12 +84,12 @@ def named_shard(objects, tp_rank: int) -> dict[str, torch.Tensor]:
     """This rank's optimizer shard under layout-independent keys (module docstring)."""
     tensors = {}
     for optimizer, name, param in _chunk_params(objects):
-        if param not in optimizer.model_param_group_index_map:
+        span = shard_range(optimizer, param)
+        if span is None:
             continue  # this rank owns no element of it
-        span = optimizer._get_model_param_range_map(param)["param"]
-        state = optimizer._get_main_param_and_optimizer_states(param)
+        state = shard_state(optimizer, param)
         for kind in KINDS:
-            tensors[Piece(tp_rank, name, kind, span.start, span.end).key] = state[kind]
+            tensors[Piece(tp_rank, name, kind, span.start, span.stop).key] = state[kind]
     return tensors
 
 
@@ -106,10 +107,9 @@ def needed_pieces(objects, tp_rank: int) -> list[Piece]:
     needs = []
     for optimizer, name, param in _chunk_params(objects):
         needs.append(Piece(tp_rank, name, "param", 0, param.numel()))
-        if param in optimizer.model_param_group_index_map:
-            span = optimizer._get_model_param_range_map(param)["param"]
-            if span.end > span.start:
-                needs += [Piece(tp_rank, name, kind, span.start, span.end) for kind in KINDS[1:]]
+        span = shard_range(optimizer, param)
+        if span:
+            needs += [Piece(tp_rank, name, kind, span.start, span.stop) for kind in KINDS[1:]]
     return needs
 
 
@@ -271,13 +271,13 @@ def load_pieces(objects, values: Sequence[torch.Tensor], step: float) -> None:
     for optimizer, _, param in _chunk_params(objects):
         full = next(received)
         param.data.copy_(full.view_as(param).to(param.dtype))
-        if param not in optimizer.model_param_group_index_map:
+        span = shard_range(optimizer, param)
+        if span is None:
             continue
-        span = optimizer._get_model_param_range_map(param)["param"]
-        tensors = {"param": full[span.start:span.end]}
-        if span.end > span.start:
+        tensors = {"param": full[span.start:span.stop]}
+        if span:
             tensors.update({kind: next(received) for kind in KINDS[1:]})
-        optimizer._set_main_param_and_optimizer_states(param, tensors)
+        set_shard_state(optimizer, param, tensors)
     for optimizer in objects.optimizer.chained_optimizers:
         for state in optimizer.optimizer.state.values():
             if "step" in state:

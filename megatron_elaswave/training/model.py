@@ -14,8 +14,6 @@ import argparse
 import hashlib
 import math
 import random
-import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy
@@ -33,10 +31,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-_LAYER_PREFIX = re.compile(r"^decoder\.layers\.(\d+)\.")
-# Megatron scales the init of the two projections that feed the residual stream.
-_RESIDUAL_OUTPUT_WEIGHTS = ("linear_proj.weight", "linear_fc2.weight")
-_WORD_EMBEDDING = "embedding.word_embeddings.weight"
+from megatron_elaswave.patches.distributed_data_parallel import distributed_data_parallel
+from megatron_elaswave.patches.gpt_model import RESIDUAL_OUTPUT_WEIGHTS, global_parameter_names
 
 
 @dataclass
@@ -116,34 +112,12 @@ def _parameter_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def global_parameter_names(chunk: GPTModel) -> dict[str, str]:
-    """Map stage-local parameter names to global ones (layer indices counted over the model).
-    The last stage's copy of a tied embedding is named as the embedding: it holds the same
-    values, and either copy can stand in for the other."""
-    layer_numbers = {str(i): layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)}
-    tied = getattr(chunk, "share_embeddings_and_output_weights", False)
-    names = {}
-    for name, _ in chunk.named_parameters():
-        if tied and name == "output_layer.weight":
-            names[name] = _WORD_EMBEDDING
-            continue
-        names[name] = _LAYER_PREFIX.sub(
-            lambda m: f"decoder.layers.{layer_numbers[m.group(1)]}.", name
-        )
-    return names
-
-
-def transformer_layers(chunks: Iterable[GPTModel]) -> list[torch.nn.Module]:
-    """The transformer layers of ``chunks``, in model order."""
-    return [layer for chunk in chunks for layer in chunk.decoder.layers]
-
-
 def _initial_value(name: str, shape: tuple[int, ...], std: float, num_layers: int, seed: int):
     if name.endswith(".bias"):
         return torch.zeros(shape)
     if "norm" in name.rsplit(".", 1)[0].rsplit(".", 1)[-1]:
         return torch.ones(shape)
-    if name.endswith(_RESIDUAL_OUTPUT_WEIGHTS):
+    if name.endswith(RESIDUAL_OUTPUT_WEIGHTS):
         std = std / math.sqrt(2.0 * num_layers)
     generator = torch.Generator().manual_seed(_parameter_seed(seed, name))
     return torch.randn(shape, generator=generator) * std
@@ -210,8 +184,8 @@ def wrap_and_optimize(args: argparse.Namespace, config: TransformerConfig, chunk
         use_distributed_optimizer=args.use_distributed_optimizer,
     )
     model = [
-        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
-                                disable_bucketing=index > 0, pg_collection=pg_collection)
+        distributed_data_parallel(config, ddp_config, chunk, pg_collection,
+                                  disable_bucketing=index > 0)
         for index, chunk in enumerate(chunks)
     ]
     config.finalize_model_grads_func = finalize_model_grads

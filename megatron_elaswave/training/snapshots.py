@@ -20,23 +20,9 @@ from megatron.core.optimizer import MegatronOptimizer
 
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.layout import Layout
+from megatron_elaswave.patches.optimizer import main_params_and_states
 from megatron_elaswave.planner.zero import buddy_ranks
 from megatron_elaswave.snapshot import PendingSnapshot, SnapshotConfig, SnapshotStore
-
-
-def optimizer_shard(optimizer: MegatronOptimizer) -> dict[str, torch.Tensor]:
-    """This rank's main parameters and optimizer state, by stable names."""
-    tensors = {}
-    for o, chained in enumerate(optimizer.chained_optimizers):
-        inner = chained.optimizer
-        for g, group in enumerate(inner.param_groups):
-            for p, param in enumerate(group["params"]):
-                prefix = f"optimizer{o}.group{g}.param{p}"
-                tensors[f"{prefix}.main"] = param.detach()
-                for key, value in inner.state.get(param, {}).items():
-                    if torch.is_tensor(value):
-                        tensors[f"{prefix}.{key}"] = value
-    return tensors
 
 
 def rng_states() -> dict:
@@ -120,7 +106,7 @@ class StepSnapshots:
         at :meth:`settle`."""
         state = {"iteration": iteration, "consumed_samples": consumed_samples,
                  "scheduler": scheduler.state_dict(), "rng": rng_states(), **extra_state}
-        tensors = optimizer_shard(optimizer) if tensors is None else tensors
+        tensors = main_params_and_states(optimizer) if tensors is None else tensors
         assert self._pending is None, "the previous snapshot was neither settled nor discarded"
         self._pending = self.store.start_capture(iteration, tensors, state)
         if not self.store.config.overlap:
