@@ -40,11 +40,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.store import REJOIN_ENV
 from megatron_elaswave.training import exit_status
 
 from . import register_layout_invariant_rng
+from .interfaces import DeviceBackend
 from .registry import PatchRegistry
 
 TRAINING = "megatron.training.training"
@@ -209,7 +209,7 @@ class ElasticHooks:
         from megatron_elaswave import dropout_rng
 
         registry = PatchRegistry()
-        register_layout_invariant_rng(registry, self.backend)
+        register_layout_invariant_rng(registry, self.backend, dropout_rng)
         registry.apply()
         dropout_rng.set_seed(args.seed)
 
