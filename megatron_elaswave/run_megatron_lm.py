@@ -1,29 +1,7 @@
-"""``python -m megatron_elaswave.run_megatron_lm SCRIPT [ARGS...]``: adapt Megatron-LM
-(:mod:`megatron_elaswave.megatron_adaptor`), then run an unmodified Megatron-LM training script as
-``__main__`` with its arguments, as ``python SCRIPT ARGS...`` would."""
+"""``python -m megatron_elaswave.run_megatron_lm SCRIPT [ARGS...]``: the documented entry point of
+the runner (:mod:`megatron_elaswave.megatron_lm.runner`)."""
 
-from __future__ import annotations
-
-import importlib
-import os
-import runpy
-import sys
-
-
-def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
-        sys.exit("usage: python -m megatron_elaswave.run_megatron_lm SCRIPT [ARGS...] "
-                 "(a Megatron-LM training script, e.g. pretrain_gpt.py, and its flags)")
-    script = os.path.abspath(sys.argv[1])
-    if not os.path.isfile(script):
-        sys.exit(f"megatron_elaswave.run_megatron_lm: no such script: {sys.argv[1]}")
-    # As `python SCRIPT` would: the script's directory first (a checkout's root holds `megatron`).
-    sys.path.insert(0, os.path.dirname(script))
-    importlib.import_module("megatron_elaswave.megatron_adaptor")  # adapts on import
-
-    sys.argv = [script, *sys.argv[2:]]
-    runpy.run_path(script, run_name="__main__")
-
+from megatron_elaswave.megatron_lm.runner import main
 
 if __name__ == "__main__":
     main()

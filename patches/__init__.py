@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from packaging.version import Version
 
-from megatron_elaswave.device import DeviceBackend
-
 from . import (
     device_compat,
     distrib_optimizer,
@@ -22,10 +20,13 @@ from . import (
     transformer_block,
     transformer_layer,
 )
+from .interfaces import DeviceBackend, DropoutSeeds
 from .registry import PatchRegistry, PatchTargetError
 from .version import SUPPORTED_MEGATRON_CORE, UnsupportedMegatronVersion, check_megatron_core_version
 
 __all__ = [
+    "DeviceBackend",
+    "DropoutSeeds",
     "PatchRegistry",
     "PatchTargetError",
     "SUPPORTED_MEGATRON_CORE",
@@ -37,12 +38,13 @@ __all__ = [
 ]
 
 
-def compatibility_registry(backend: DeviceBackend, *, layout_invariant_rng: bool = False,
+def compatibility_registry(backend: DeviceBackend, *, dropout_seeds: DropoutSeeds | None = None,
                            megatron_core_version: Version | None = None) -> PatchRegistry:
     """The patches any run on ``backend`` needs: device compatibility (off CUDA) and fixes.
 
-    ``layout_invariant_rng`` adds the layout-invariant dropout RNG (:mod:`.transformer_layer`,
-    :mod:`.language_model_embedding`; see ``megatron_elaswave.dropout_rng``). Off by default.
+    ``dropout_seeds`` adds the layout-invariant dropout RNG (:mod:`.transformer_layer`,
+    :mod:`.language_model_embedding`), seeded from it (see ``megatron_elaswave.dropout_rng``).
+    Off by default.
     ``megatron_core_version``: the version of the megatron-core that will be patched, when it is
     not the installed package (a Megatron-LM checkout); checked like the installed one.
     """
@@ -57,20 +59,21 @@ def compatibility_registry(backend: DeviceBackend, *, layout_invariant_rng: bool
     # Inert unless a heterogeneous layout asks for them (see each module).
     optimizer.register(registry)
     transformer_block.register(registry)
-    if layout_invariant_rng:
-        register_layout_invariant_rng(registry, backend)
+    if dropout_seeds is not None:
+        register_layout_invariant_rng(registry, backend, dropout_seeds)
     return registry
 
 
-def register_layout_invariant_rng(registry: PatchRegistry, backend: DeviceBackend) -> None:
+def register_layout_invariant_rng(registry: PatchRegistry, backend: DeviceBackend,
+                                  dropout_seeds: DropoutSeeds) -> None:
     """Register the layout-invariant dropout RNG (:mod:`.transformer_layer`,
-    :mod:`.language_model_embedding`; see ``megatron_elaswave.dropout_rng``)."""
-    transformer_layer.register(registry, backend)
-    language_model_embedding.register(registry, backend)
+    :mod:`.language_model_embedding`), seeded from ``dropout_seeds``."""
+    transformer_layer.register(registry, backend, dropout_seeds)
+    language_model_embedding.register(registry, backend, dropout_seeds)
 
 
-def install(backend: DeviceBackend, *, layout_invariant_rng: bool = False) -> PatchRegistry:
+def install(backend: DeviceBackend, *, dropout_seeds: DropoutSeeds | None = None) -> PatchRegistry:
     """Apply :func:`compatibility_registry` and return it (``remove()`` undoes it)."""
-    registry = compatibility_registry(backend, layout_invariant_rng=layout_invariant_rng)
+    registry = compatibility_registry(backend, dropout_seeds=dropout_seeds)
     registry.apply()
     return registry

@@ -30,8 +30,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_elaswave.device import DeviceBackend
-
+from .interfaces import DeviceBackend
 from .registry import PatchRegistry
 
 LITERAL_CUDA_MODULES = (

@@ -5,20 +5,18 @@ Checked against megatron-core 0.16.1
 
 Installed only when asked, with :mod:`.transformer_layer` (see there). Right before
 ``LanguageModelEmbedding.forward`` runs in training, the default device generator and the RNG
-tracker's ``'model-parallel-rng'`` state are reseeded from
-:func:`megatron_elaswave.dropout_rng.stream_seeds` of ``EMBEDDING_LAYER`` and the embedding's
-tensor-parallel rank (``self.tp_group``, language_model_embedding.py:47), and put back when it
-returns. The embedding dropout draws from the default generator, or, with sequence parallelism,
-from the model-parallel stream on this rank's slice of the sequence (lines 133-148).
+tracker's ``'model-parallel-rng'`` state are reseeded from ``dropout_seeds.stream_seeds`` of
+``dropout_seeds.EMBEDDING_LAYER`` and the embedding's tensor-parallel rank (``self.tp_group``,
+language_model_embedding.py:47), and put back when it returns. The embedding dropout draws from
+the default generator, or, with sequence parallelism, from the model-parallel stream on this
+rank's slice of the sequence (lines 133-148).
 """
 
 from __future__ import annotations
 
 import functools
 
-from megatron_elaswave import dropout_rng
-from megatron_elaswave.device import DeviceBackend
-
+from .interfaces import DeviceBackend, DropoutSeeds
 from .registry import PatchRegistry
 from .tensor_parallel_random import keyed_streams
 
@@ -26,17 +24,18 @@ FORWARD = ("megatron.core.models.common.embeddings.language_model_embedding."
            "LanguageModelEmbedding.forward")
 
 
-def _keyed_forward(forward, backend: DeviceBackend):
+def _keyed_forward(forward, backend: DeviceBackend, dropout_seeds: DropoutSeeds):
     @functools.wraps(forward)
     def forward_with_keyed_rng(self, *args, **kwargs):
         if not self.training or self.embedding_dropout.p == 0:
             return forward(self, *args, **kwargs)
-        seeds = dropout_rng.stream_seeds(dropout_rng.EMBEDDING_LAYER, self.tp_group.rank())
+        seeds = dropout_seeds.stream_seeds(dropout_seeds.EMBEDDING_LAYER, self.tp_group.rank())
         with keyed_streams(backend, seeds.default, seeds.model_parallel):
             return forward(self, *args, **kwargs)
 
     return forward_with_keyed_rng
 
 
-def register(registry: PatchRegistry, backend: DeviceBackend) -> None:
-    registry.register_wrapper(FORWARD, lambda forward: _keyed_forward(forward, backend))
+def register(registry: PatchRegistry, backend: DeviceBackend, dropout_seeds: DropoutSeeds) -> None:
+    registry.register_wrapper(FORWARD,
+                              lambda forward: _keyed_forward(forward, backend, dropout_seeds))

@@ -22,9 +22,8 @@ import functools
 import types
 from typing import Callable
 
-from megatron_elaswave.device import DeviceBackend
-
 from .device_compat import device_mapped_torch, stay_on_device
+from .interfaces import DeviceBackend
 from .registry import PatchRegistry
 
 LITERAL_CUDA_MODULES = (

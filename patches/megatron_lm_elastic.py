@@ -4,15 +4,16 @@ Checked against Megatron-LM ``core_v0.16.1`` (``megatron/training/training.py``:
 ``setup_model_and_optimizer``, ``build_train_valid_test_data_iterators``, ``train_step``,
 ``train`` and ``evaluate``; ``megatron/core/timers.py``). Each hook is looked up by ``pretrain``
 or ``train()`` as a module global at call time. Without ``--elastic`` every hook calls through.
+With it, the hooks call into the elastic run only through the :class:`ElasticRuntime` handed
+to :func:`register` (built by the runtime's Megatron-LM wing, ``megatron_elaswave.megatron_lm``).
 
 1. ``pretrain``: the ``--elastic*`` flags join Megatron-LM's parser (through its
    ``extra_args_provider``); the script's ``forward_step`` is kept for the elastic job.
 2. ``setup_model_and_optimizer``: with ``--elastic`` the flags are checked, the elastic job starts
-   (:class:`megatron_elaswave.training.megatron_lm.MegatronLMJob`, whose chunks the script's own
-   model provider builds) and ``train()`` gets its list of chunks, ``ChainedOptimizer`` and LR
-   schedule. Megatron-LM's rerun state machine is disabled: the job re-runs broken iterations
-   itself, and the machine's re-runs replay Megatron-LM's data iterators and agree over the
-   first world.
+   (its chunks built by the script's own model provider) and ``train()`` gets its list of
+   chunks, ``ChainedOptimizer`` and LR schedule. Megatron-LM's rerun state machine is disabled:
+   the job re-runs broken iterations itself, and the machine's re-runs replay Megatron-LM's data
+   iterators and agree over the first world.
 3. ``build_train_valid_test_data_iterators``: the job deals each global batch itself, so
    ``train()`` gets placeholders and ``do_train``/``do_valid``/``do_test`` from the job's splits.
 4. ``train_step``: one more iteration of the job, through failures. Then ``train()``'s locals
@@ -30,21 +31,17 @@ or ``train()`` as a module global at call time. Without ``--elastic`` every hook
 
 from __future__ import annotations
 
+import argparse
 import functools
 import inspect
-import os
 import sys
 import types
-from typing import Callable
+from typing import Any, Callable, NoReturn, Protocol
 
 import torch
 import torch.distributed as dist
 
-from megatron_elaswave.device import DeviceBackend
-from megatron_elaswave.store import REJOIN_ENV
-from megatron_elaswave.training import exit_status
-
-from . import register_layout_invariant_rng
+from .interfaces import DeviceBackend
 from .registry import PatchRegistry
 
 TRAINING = "megatron.training.training"
@@ -67,6 +64,65 @@ _UNSUPPORTED = (
     ("fim_data", "--fim-data"),
 )
 """Megatron-LM flags an elastic run does not support: (attribute, what to tell the user)."""
+
+
+class StepResult(Protocol):
+    """What ``train_step`` reports of one iteration of the elastic job."""
+
+    @property
+    def lm_loss(self) -> float: ...
+
+    @property
+    def skipped(self) -> bool: ...
+
+    @property
+    def grad_norm(self) -> float | None: ...
+
+
+class ElasticRuntime(Protocol):
+    """What the hooks call into: the elastic run of this process. ``refuse`` and a failed check
+    end the process with one line."""
+
+    distributed: types.ModuleType
+    """The ``torch.distributed`` Megatron-LM's loop modules see (a :class:`DefaultGroupRedirect`
+    to the job's active ranks)."""
+
+    def check_launch(self) -> None:
+        """End the process unless this worker can run Megatron-LM's loop."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        """Add the ``--elastic*`` flags."""
+
+    def check_arguments(self, args: argparse.Namespace) -> None:
+        """Validate the ``--elastic*`` flags."""
+
+    def refuse(self, message: str) -> NoReturn:
+        """End the process: ``message`` says what Megatron-LM's loop cannot do elastically."""
+
+    def start(self, args: argparse.Namespace, *, tokenizer: Any,
+              transformer_config: Callable[[], Any], model_provider: Callable,
+              scheduler: Callable, forward_step_func: Callable) -> tuple[list, Any, Any]:
+        """Start the elastic job (collective); the chunks, optimizer and LR schedule of
+        ``train()``."""
+
+    def evaluation_splits(self) -> tuple[Any, Any]:
+        """The placeholders of ``train()``'s validation and test iterators (None: no split)."""
+
+    def train_step(self, iteration: int) -> StepResult | None:
+        """Complete iteration ``iteration + 1`` through failures; None on a rank left without a
+        stage once the job is done."""
+
+    def swap_into(self, model: list, optimizer: Any, scheduler: Any) -> None:
+        """Make the objects ``train()`` holds the current ones, in place."""
+
+    @property
+    def num_active_ranks(self) -> int: ...
+
+    @property
+    def consumed_samples(self) -> int: ...
+
+    def evaluate(self, split: Any) -> float | None:
+        """Mean per-token loss on the split a placeholder names (None: nothing to report)."""
 
 
 class DefaultGroupRedirect(types.ModuleType):
@@ -118,14 +174,13 @@ def torch_with_distributed(base: types.ModuleType, distributed: types.ModuleType
     return proxy
 
 
-class ElasticHooks:
-    """The elastic job of this process, once started, and what the hooks need to start it."""
+class _ElasticLoop:
+    """The hooks, and the script's ``forward_step`` that ``pretrain`` was given."""
 
-    def __init__(self, backend: DeviceBackend) -> None:
+    def __init__(self, backend: DeviceBackend, runtime: ElasticRuntime) -> None:
         self.backend = backend
-        self.job = None
+        self.runtime = runtime
         self.forward_step_func: Callable | None = None
-        self.distributed = DefaultGroupRedirect(lambda: self.job.world_group if self.job else None)
 
     # -- 1. pretrain ---------------------------------------------------------------------------
 
@@ -134,19 +189,14 @@ class ElasticHooks:
 
         @functools.wraps(pretrain)
         def elastic_pretrain(*args, **kwargs):
-            if os.environ.get(REJOIN_ENV) == "1":
-                _exit_with(exit_status.BAD_INPUT, "a replacement worker cannot join a Megatron-LM run "
-                           "(its initialisation is collective over the first world): start the "
-                           "job without --rejoin", every_rank=True)
+            self.runtime.check_launch()
             bound = signature.bind(*args, **kwargs)
             self.forward_step_func = bound.arguments["forward_step_func"]
             extra = bound.arguments.get("extra_args_provider")
 
             def with_elastic_args(parser):
-                from megatron_elaswave.training.arguments import add_elastic_args
-
                 parser = extra(parser) if extra is not None else parser
-                add_elastic_args(parser)
+                self.runtime.add_arguments(parser)
                 return parser
 
             bound.arguments["extra_args_provider"] = with_elastic_args
@@ -167,51 +217,32 @@ class ElasticHooks:
             if not margs.elastic:
                 return setup(model_provider_func, model_type, *args, **kwargs)
             self._check(margs)
-            self._apply_layout_invariant_rng(margs)
             # The job re-runs broken iterations itself; the state machine's re-runs would replay
             # Megatron-LM's data iterators and agree over the first world.
             get_rerun_state_machine().set_mode(RerunMode.DISABLED)
-            from megatron_elaswave.training.megatron_lm import MegatronLMJob
-
-            self.job = MegatronLMJob.start(
-                margs, self.backend, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                tokenizer=get_tokenizer(),
+            objects = self.runtime.start(
+                margs, tokenizer=get_tokenizer(),
                 transformer_config=lambda: core_transformer_config_from_args(margs),
                 model_provider=model_provider_func,
                 scheduler=sys.modules[TRAINING].get_optimizer_param_scheduler,
                 forward_step_func=self.forward_step_func)
             margs.iteration = margs.num_floating_point_operations_so_far = 0  # no --load
-            return self.job.objects()
+            return objects
 
         return elastic_setup
 
     def _check(self, args) -> None:
-        from megatron_elaswave.training.arguments import ArgumentError, validate_elastic
-
-        try:
-            validate_elastic(args, dist.get_world_size())
-        except ArgumentError as error:
-            _exit_with(exit_status.BAD_INPUT, str(error))
+        self.runtime.check_arguments(args)
         for name, flag in _UNSUPPORTED:
             if getattr(args, name, None):
-                _exit_with(exit_status.BAD_INPUT, f"--elastic in Megatron-LM's loop does not support {flag}")
+                self.runtime.refuse(f"--elastic in Megatron-LM's loop does not support {flag}")
         if args.context_parallel_size > 1:
-            _exit_with(exit_status.BAD_INPUT, "--elastic does not support --context-parallel-size > 1")
+            self.runtime.refuse("--elastic does not support --context-parallel-size > 1")
         if args.data_path and len(args.data_path) > 1:
-            _exit_with(exit_status.BAD_INPUT, "--elastic takes one --data-path prefix (no blends)")
+            self.runtime.refuse("--elastic takes one --data-path prefix (no blends)")
         if args.elastic_device not in (None, "auto", self.backend.name):
-            _exit_with(exit_status.BAD_INPUT, f"--elastic-device {args.elastic_device}: this run is on "
-                       f"{self.backend.name}")
-
-    def _apply_layout_invariant_rng(self, args) -> None:
-        if args.elastic_rng != "invariant":
-            return
-        from megatron_elaswave import dropout_rng
-
-        registry = PatchRegistry()
-        register_layout_invariant_rng(registry, self.backend)
-        registry.apply()
-        dropout_rng.set_seed(args.seed)
+            self.runtime.refuse(f"--elastic-device {args.elastic_device}: this run is on "
+                                f"{self.backend.name}")
 
     # -- 3. data -------------------------------------------------------------------------------
 
@@ -219,16 +250,15 @@ class ElasticHooks:
         @functools.wraps(build)
         def elastic_iterators(*args, **kwargs):
             from megatron.training import get_args
-            from megatron_elaswave.training.megatron_lm import TEST, VALIDATION
 
             margs = get_args()
             if not margs.elastic:
                 return build(*args, **kwargs)
+            validation, test = self.runtime.evaluation_splits()
             margs.do_train = True
-            margs.do_valid = self.job.sources[VALIDATION] is not None
-            margs.do_test = self.job.sources[TEST] is not None
-            return (iter(()), VALIDATION if margs.do_valid else None,
-                    TEST if margs.do_test else None)
+            margs.do_valid = validation is not None
+            margs.do_test = test is not None
+            return iter(()), validation, test
 
         return elastic_iterators
 
@@ -242,27 +272,19 @@ class ElasticHooks:
             from megatron.core.num_microbatches_calculator import get_num_microbatches
             from megatron.training import get_args
 
-            from megatron_elaswave.training.recovery import CannotContinue
-            from megatron_elaswave.training.migration import StateLost
-
             args = get_args()
             if not args.elastic:
                 return train_step(forward_step_func, data_iterator, model, optimizer,
                                   opt_param_scheduler, config, forward_backward_func,
                                   iteration=iteration)
-            try:
-                result = self.job.train_step(iteration)
-            except (CannotContinue, StateLost) as error:
-                # Every survivor reaches the same verdict; each says it, since rank 0 may be gone.
-                _exit_with(exit_status.CANNOT_CONTINUE, f"cannot continue: {error}", every_rank=True,
-                           prefix="")
-            self.job.swap_into(model, optimizer, opt_param_scheduler)
+            result = self.runtime.train_step(iteration)
+            self.runtime.swap_into(model, optimizer, opt_param_scheduler)
             # args.data_parallel_size stays the micro-batch calculator's: Megatron-LM reports the
             # global batch as its product with the micro-batch size and count.
-            args.world_size = self.job.num_active_ranks
+            args.world_size = self.runtime.num_active_ranks
             if result is None:  # no stage here any more, and the job is done
                 return {}, 0, False, True, 0, None, None, 0
-            args.consumed_train_samples = self.job.consumed_samples - (
+            args.consumed_train_samples = self.runtime.consumed_samples - (
                 parallel_state.get_data_parallel_world_size() * args.micro_batch_size
                 * get_num_microbatches())
             loss = {"lm loss": torch.tensor(result.lm_loss)}
@@ -279,36 +301,29 @@ class ElasticHooks:
 
             if not get_args().elastic:
                 return evaluate(forward_step_func, data_iterator, *args, **kwargs)
-            loss = self.job.evaluate(data_iterator)
+            loss = self.runtime.evaluate(data_iterator)
             return ({"lm loss": torch.tensor(loss)} if loss is not None else {}), None, False
 
         return elastic_evaluate
 
 
-def _exit_with(code: int, message: str, *, every_rank: bool = False,
-               prefix: str = "error: ") -> None:
-    """End this process with ``code`` after one line on stderr (from rank 0 only, unless
-    ``every_rank``: every rank fails the same checks)."""
-    if every_rank or not dist.is_initialized() or dist.get_rank() == 0:
-        script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "megatron-lm"
-        print(f"{script}: {prefix}{message}", file=sys.stderr, flush=True)
-    sys.exit(code)
-
-
-def register(registry: PatchRegistry, hooks: ElasticHooks) -> None:
-    """Register the elastic hooks and, on CUDA, the default-group redirect of the loop modules
-    (off CUDA :mod:`.megatron_lm` puts the redirect into its device-mapped ``torch``)."""
+def register(registry: PatchRegistry, backend: DeviceBackend, runtime: ElasticRuntime) -> None:
+    """Register the hooks, calling into ``runtime``, and, on CUDA, the default-group redirect of
+    the loop modules (off CUDA :mod:`.megatron_lm` puts the redirect into its device-mapped
+    ``torch``)."""
+    loop = _ElasticLoop(backend, runtime)
     for target in (f"{TRAINING}.pretrain", "megatron.training.pretrain"):
-        registry.register_wrapper(target, hooks.pretrain)
+        registry.register_wrapper(target, loop.pretrain)
     registry.register_wrapper(f"{TRAINING}.setup_model_and_optimizer",
-                              hooks.setup_model_and_optimizer)
+                              loop.setup_model_and_optimizer)
     registry.register_wrapper(f"{TRAINING}.build_train_valid_test_data_iterators",
-                              hooks.build_data_iterators)
-    registry.register_wrapper(f"{TRAINING}.train_step", hooks.train_step)
-    registry.register_wrapper(f"{TRAINING}.evaluate", hooks.evaluate)
-    if hooks.backend.name == "cuda":
+                              loop.build_data_iterators)
+    registry.register_wrapper(f"{TRAINING}.train_step", loop.train_step)
+    registry.register_wrapper(f"{TRAINING}.evaluate", loop.evaluate)
+    distributed = runtime.distributed
+    if backend.name == "cuda":
         for module in LOOP_MODULES:
-            registry.register(f"{module}.torch", torch_with_distributed(torch, hooks.distributed))
-    registry.register("megatron.core.timers.torch", torch_with_distributed(torch, hooks.distributed))
+            registry.register(f"{module}.torch", torch_with_distributed(torch, distributed))
+    registry.register("megatron.core.timers.torch", torch_with_distributed(torch, distributed))
     registry.register("megatron.core.timers.dist_all_gather_func",
-                      hooks.distributed.all_gather_into_tensor)
+                      distributed.all_gather_into_tensor)

@@ -18,8 +18,7 @@ from typing import Iterator
 
 import torch
 
-from megatron_elaswave.device import DeviceBackend
-
+from .interfaces import DeviceBackend
 from .registry import PatchRegistry
 
 MODULE = "megatron.core.tensor_parallel.random"

@@ -2,10 +2,10 @@
 
 Checked against megatron-core 0.16.1 (``megatron/core/transformer/transformer_layer.py``).
 
-Installed only when asked (``patches.install(backend, layout_invariant_rng=True)``; the training
-script does so for ``--elastic-rng invariant``). Right before a layer's forward runs in training,
-the default device generator and the RNG tracker's ``'model-parallel-rng'`` state are reseeded
-from :func:`megatron_elaswave.dropout_rng.stream_seeds` of
+Installed only when asked (``patches.install(backend, dropout_seeds=...)``; the training script
+does so for ``--elastic-rng invariant``, with ``megatron_elaswave.dropout_rng``). Right before a
+layer's forward runs in training, the default device generator and the RNG tracker's
+``'model-parallel-rng'`` state are reseeded from ``dropout_seeds.stream_seeds`` of
 
 * the global layer number, ``self.layer_number - 1`` (Megatron sets ``layer_number`` to the
   1-based local index plus ``get_transformer_layer_offset``, transformer_layer.py:280), and
@@ -30,16 +30,14 @@ from __future__ import annotations
 
 import functools
 
-from megatron_elaswave import dropout_rng
-from megatron_elaswave.device import DeviceBackend
-
+from .interfaces import DeviceBackend, DropoutSeeds
 from .registry import PatchRegistry
 from .tensor_parallel_random import keyed_streams
 
 FORWARD = "megatron.core.transformer.transformer_layer.TransformerLayer.forward"
 
 
-def _keyed_forward(forward, backend: DeviceBackend):
+def _keyed_forward(forward, backend: DeviceBackend, dropout_seeds: DropoutSeeds):
     @functools.wraps(forward)
     def forward_with_keyed_rng(self, *args, **kwargs):
         config = self.config
@@ -49,12 +47,13 @@ def _keyed_forward(forward, backend: DeviceBackend):
             raise NotImplementedError(
                 "layout-invariant dropout RNG does not support full activation recompute "
                 "(the recomputed forward would draw other masks); use --elastic-rng megatron")
-        seeds = dropout_rng.stream_seeds(self.layer_number - 1, self.tp_group.rank())
+        seeds = dropout_seeds.stream_seeds(self.layer_number - 1, self.tp_group.rank())
         with keyed_streams(backend, seeds.default, seeds.model_parallel):
             return forward(self, *args, **kwargs)
 
     return forward_with_keyed_rng
 
 
-def register(registry: PatchRegistry, backend: DeviceBackend) -> None:
-    registry.register_wrapper(FORWARD, lambda forward: _keyed_forward(forward, backend))
+def register(registry: PatchRegistry, backend: DeviceBackend, dropout_seeds: DropoutSeeds) -> None:
+    registry.register_wrapper(FORWARD,
+                              lambda forward: _keyed_forward(forward, backend, dropout_seeds))

@@ -141,7 +141,7 @@ def keyed_cpu():
     """CPU compatibility plus the layout-invariant RNG patches, and a seeded tracker (TP rank 0)."""
     from megatron_elaswave.patches import compatibility_registry
 
-    registry = compatibility_registry(CPU, layout_invariant_rng=True)
+    registry = compatibility_registry(CPU, dropout_seeds=dropout_rng)
     registry.apply()
     from megatron.core.tensor_parallel import random as megatron_random
 
@@ -162,7 +162,7 @@ def test_patches_are_installed_only_when_asked():
     targets = {transformer_layer.FORWARD, language_model_embedding.FORWARD}
     assert not targets & set(compatibility_registry(CPU).targets)
     original = TransformerLayer.forward, LanguageModelEmbedding.forward
-    registry = compatibility_registry(CPU, layout_invariant_rng=True)
+    registry = compatibility_registry(CPU, dropout_seeds=dropout_rng)
     assert targets <= set(registry.targets)
     registry.apply()
     try:
@@ -201,7 +201,8 @@ def draws(tracker):
 def test_a_layer_draws_its_keyed_masks_whatever_ran_before(keyed_cpu):
     from megatron_elaswave.patches.transformer_layer import _keyed_forward
 
-    run = _keyed_forward(lambda self: draws(keyed_cpu), CPU)  # the wrapper the patch installs
+    # The wrapper the patch installs.
+    run = _keyed_forward(lambda self: draws(keyed_cpu), CPU, dropout_rng)
     positioned(seed=7, iteration=3, microbatch=5)
     first = run(fake_layer(3, tp_rank=0))
     # Another stage: other layers drew before, and the tracker moved on.
@@ -232,7 +233,7 @@ def test_the_streams_outside_a_layer_are_left_as_they_were(keyed_cpu):
     from megatron_elaswave.patches.transformer_layer import _keyed_forward
 
     positioned()
-    run = _keyed_forward(lambda self: draws(keyed_cpu), CPU)
+    run = _keyed_forward(lambda self: draws(keyed_cpu), CPU, dropout_rng)
     cpu_state = torch.get_rng_state()
     tracker_state = keyed_cpu.get_states()["model-parallel-rng"].clone()
     run(fake_layer(1, tp_rank=0))
@@ -246,7 +247,7 @@ def test_inside_a_model_parallel_fork_the_layer_draws_its_tp_keyed_stream(keyed_
     from megatron_elaswave.patches.transformer_layer import _keyed_forward
 
     positioned()
-    run = _keyed_forward(lambda self: draws(keyed_cpu), CPU)
+    run = _keyed_forward(lambda self: draws(keyed_cpu), CPU, dropout_rng)
     with keyed_cpu.fork():
         got = run(fake_layer(2, tp_rank=0))
     stream = torch.Generator().manual_seed(dropout_rng.stream_seeds(1, 0).model_parallel)
@@ -256,7 +257,7 @@ def test_inside_a_model_parallel_fork_the_layer_draws_its_tp_keyed_stream(keyed_
 def test_eval_and_dropout_free_layers_run_unchanged_and_full_recompute_is_refused(keyed_cpu):
     from megatron_elaswave.patches.transformer_layer import _keyed_forward
 
-    run = _keyed_forward(lambda self: torch.rand(2), CPU)
+    run = _keyed_forward(lambda self: torch.rand(2), CPU, dropout_rng)
     # Not positioned, yet fine: nothing is keyed in eval or without dropout.
     state = torch.get_rng_state()
     run(fake_layer(1, 0, training=False))
@@ -272,7 +273,7 @@ def test_eval_and_dropout_free_layers_run_unchanged_and_full_recompute_is_refuse
 def test_the_embedding_draws_its_keyed_mask(keyed_cpu):
     from megatron_elaswave.patches.language_model_embedding import _keyed_forward
 
-    run = _keyed_forward(lambda self: torch.rand(4), CPU)
+    run = _keyed_forward(lambda self: torch.rand(4), CPU, dropout_rng)
     embedding = SimpleNamespace(training=True, embedding_dropout=torch.nn.Dropout(0.1),
                                 tp_group=_Group(1))
     positioned()

@@ -1,8 +1,11 @@
-"""The patch registry: replacement, stacked wrappers, aliases, idempotence, removal, versions."""
+"""The patch registry: replacement, stacked wrappers, aliases, idempotence, removal, versions;
+and the layering rule of the patches."""
 
+import ast
 import json
 import sys
 import types
+from pathlib import Path
 
 import pytest
 from harness import free_port, launch, worker_script
@@ -126,6 +129,58 @@ def test_megatron_core_version_range():
         check_megatron_core_version(Version("0.15.0"))
     with pytest.raises(UnsupportedMegatronVersion, match="0.17.0"):
         check_megatron_core_version(Version("0.17.0"))
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def absolute_imports(source: str, package: str) -> list[str]:
+    """The absolute imports of ``package`` or its modules in ``source``, at any depth (functions
+    included), with their line numbers; ``importlib.import_module`` of a literal name counts."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names = [node.module]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant)):
+            names = [node.args[0].value]
+        else:
+            continue
+        found += [f"line {node.lineno}: {name}" for name in names
+                  if name == package or str(name).startswith(package + ".")]
+    return found
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "patches").glob("*.py")),
+                         ids=lambda path: path.name)
+def test_the_patches_import_nothing_from_the_runtime(path):
+    """Layers go one way: scripts -> runtime -> patches -> Megatron-Core. What a patch needs of
+    the runtime is handed to its ``register`` (``patches/interfaces.py``), never imported."""
+    assert absolute_imports(path.read_text(), "megatron_elaswave") == []
+
+
+def test_the_runtimes_training_does_not_import_the_megatron_lm_wing():
+    """``megatron_elaswave.megatron_lm`` sits above ``training/``, which knows nothing of it."""
+    for path in sorted((REPO / "megatron_elaswave" / "training").glob("*.py")):
+        assert absolute_imports(path.read_text(), "megatron_elaswave.megatron_lm") == [], path.name
+
+
+def test_imports_are_found_wherever_they_are():
+    source = """
+from megatron_elaswave.device import DeviceBackend
+from . import registry
+import torch, megatron_elaswave.store
+import megatron_elaswave_other
+
+def hook():
+    from megatron_elaswave.training import arguments
+    importlib.import_module("megatron_elaswave.dropout_rng")
+"""
+    assert absolute_imports(source, "megatron_elaswave") == [
+        "line 2: megatron_elaswave.device", "line 4: megatron_elaswave.store",
+        "line 8: megatron_elaswave.training", "line 9: megatron_elaswave.dropout_rng"]
 
 
 @pytest.mark.multiprocess

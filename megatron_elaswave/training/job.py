@@ -122,7 +122,8 @@ def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: in
 def train_job(args: argparse.Namespace, backend: DeviceBackend, rank: int, local_rank: int,
               world_size: int) -> None:
     """Join the job, train to ``--train-iters`` with the checkpoints and profile asked for."""
-    patches.install(backend, layout_invariant_rng=args.elastic_rng == "invariant")
+    layout_invariant_rng = args.elastic_rng == "invariant"
+    patches.install(backend, dropout_seeds=dropout_rng if layout_invariant_rng else None)
     dropout_rng.set_seed(args.seed)
     tokenizer = load_tokenizer(args)
     rejoining = os.environ.get(REJOIN_ENV) == "1"

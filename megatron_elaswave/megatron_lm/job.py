@@ -1,18 +1,21 @@
-"""``--elastic`` inside Megatron-LM's own loop (``pretrain`` -> ``train`` -> ``train_step``).
+"""The elastic job inside Megatron-LM's own loop (``pretrain`` -> ``train`` -> ``train_step``).
 
 Megatron-LM's ``train()`` keeps the model, the optimizer and the data iterator in local
 variables and calls ``train_step`` once per iteration. :class:`MegatronLMJob` is what its hooks
-(``megatron_elaswave.patches.megatron_lm_elastic``) call into; it guarantees that
+(``megatron_elaswave.patches.megatron_lm_elastic``, through :mod:`.hooks`) drive; it guarantees
+that
 
 * the model chunks are built by the script's own model provider with Megatron-LM's transformer
-  config, one chunk per layer group (:mod:`.layer_groups`), and initialised layout-invariantly;
+  config, one chunk per layer group (:mod:`megatron_elaswave.training.layer_groups`), and
+  initialised layout-invariantly;
 * every ``train_step`` call ends with one more iteration done than before, re-running any
-  iteration a failure broke after the survivors resharded (:class:`~.elastic.ElasticTrainer`);
-  the script's ``forward_step`` runs on the micro-batches the layout deals to the replica;
-* :meth:`swap_into` makes ``train()``'s list of chunks and optimizer the current ones in place
-  after a layout change, since ``train()`` never looks them up again;
+  iteration a failure broke after the survivors resharded
+  (:class:`~megatron_elaswave.training.elastic.ElasticTrainer`); the script's ``forward_step``
+  runs on the micro-batches the layout deals to the replica;
+* :meth:`~MegatronLMJob.swap_into` makes ``train()``'s list of chunks and optimizer the current
+  ones in place after a layout change, since ``train()`` never looks them up again;
 * the default process group of Megatron-LM's own collectives (timers, logging) can be pointed at
-  :attr:`world_group`, the group of the ranks that hold a stage.
+  :attr:`~MegatronLMJob.world_group`, the group of the ranks that hold a stage.
 """
 
 from __future__ import annotations
@@ -29,12 +32,11 @@ from torch.distributed import ProcessGroup
 from megatron_elaswave import dropout_rng
 from megatron_elaswave.communicator import Role
 from megatron_elaswave.device import DeviceBackend
-
-from .data import MicrobatchSource, gpt_datasets
-from .elastic import ElasticTrainer, run_elastic
-from .elastic_setup import build_elastic_trainer
-from .layer_groups import ModelFactory
-from .loop import StepResult
+from megatron_elaswave.training.data import MicrobatchSource, gpt_datasets
+from megatron_elaswave.training.elastic import ElasticTrainer, run_elastic
+from megatron_elaswave.training.elastic_setup import build_elastic_trainer
+from megatron_elaswave.training.layer_groups import ModelFactory
+from megatron_elaswave.training.loop import StepResult
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,12 @@ class MegatronLMJob:
     @property
     def consumed_samples(self) -> int:
         return self.trainer.consumed_samples
+
+    def evaluation_splits(self) -> tuple[EvaluationSplit | None, EvaluationSplit | None]:
+        """What ``train()`` holds for its validation and test iterators (None: no such split)."""
+        validation, test = (split if self.sources[split] is not None else None
+                            for split in (VALIDATION, TEST))
+        return validation, test
 
     def objects(self) -> tuple[list, ChainedOptimizer, OptimizerParamScheduler]:
         """The chunks, optimizer and LR schedule to hand to ``train()``."""
