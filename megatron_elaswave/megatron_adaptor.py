@@ -8,7 +8,7 @@ which ``elaswave-run`` picks for a script at the root of a Megatron-LM checkout:
 
 On import the adaptor finds Megatron-LM (``megatron.training``, from a checkout on ``PYTHONPATH``
 or beside the script), checks that its megatron-core is a version this project was checked
-against, and on a machine without CUDA applies the device compatibility patches
+against and that torch has the APIs the project uses, and on a machine without CUDA applies the device compatibility patches
 (``patches.device_compat`` for megatron-core, ``patches.megatron_lm`` for the training loop), so
 the same command trains on CPU with ``--distributed-backend gloo``. It also adds ``--elastic``
 and the ``--elastic-*`` flags to Megatron-LM's parser; with ``--elastic`` the run survives
@@ -56,6 +56,10 @@ def megatron_lm_version() -> Version:
 def adapt() -> patches.PatchRegistry:
     """Check Megatron-LM and apply what this machine needs and the ``--elastic`` hooks; the
     applied patches."""
+    try:
+        patches.check_torch()
+    except patches.UnsupportedTorch as error:
+        raise AdaptorError(str(error)) from None
     version = megatron_lm_version()
     if version not in patches.SUPPORTED_MEGATRON_CORE:
         raise AdaptorError(

@@ -11,4 +11,4 @@ fi
 . "$venv/bin/activate"
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 python -m pip install --quiet --disable-pip-version-check -e ".[test]"
-python -c "import megatron_elaswave.patches as p; p.check_megatron_core_version()"
+python -c "import megatron_elaswave.patches as p; p.check_torch(); p.check_megatron_core_version()"
