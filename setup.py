@@ -9,6 +9,8 @@ from setuptools import find_packages, setup
 # The Megatron-Core releases the patches were checked against; megatron_elaswave.patches refuses
 # any other version at import time with a clear message.
 MEGATRON_CORE = "megatron-core>=0.16.1,<0.20"
+# Kept equal to megatron_elaswave.patches.torch_version.MINIMUM_TORCH (a test compares them).
+TORCH = "torch>=2.12"
 
 setup(
     name="megatron-elaswave",
@@ -23,7 +25,11 @@ setup(
     + ["megatron_elaswave.patches"],
     package_dir={"megatron_elaswave.patches": "patches"},
     install_requires=[
-        "torch>=2.13,<2.14",
+        # The oldest torch with every torch API the project uses: new_group(sort_ranks=...) came
+        # in 2.12 (GroupName in 2.10, ProcessGroup.set_timeout in 2.9, ProcessGroup.abort in 2.7).
+        # No upper bound, so that pip keeps the torch a container already has; at start-up
+        # megatron_elaswave.patches.torch_version names any API that the installed torch lacks.
+        TORCH,
         MEGATRON_CORE,
         "numpy>=1.26",
         # dist_checkpointing's async writer needs psutil but megatron-core does not declare it.

@@ -2,7 +2,8 @@
 
 Each module patches one Megatron-Core module (or, for :mod:`.device_compat`, one concern that
 spans several) and says which versions it was checked against. :func:`install` refuses a
-megatron-core outside :data:`SUPPORTED_MEGATRON_CORE` with a clear message.
+megatron-core outside :data:`SUPPORTED_MEGATRON_CORE`, and a torch that lacks an API the project
+uses (:mod:`.torch_version`), each with a one-line message.
 """
 
 from __future__ import annotations
@@ -22,16 +23,20 @@ from . import (
 )
 from .interfaces import DeviceBackend, DropoutSeeds
 from .registry import PatchRegistry, PatchTargetError
+from .torch_version import MINIMUM_TORCH, UnsupportedTorch, check_torch
 from .version import SUPPORTED_MEGATRON_CORE, UnsupportedMegatronVersion, check_megatron_core_version
 
 __all__ = [
     "DeviceBackend",
     "DropoutSeeds",
     "PatchRegistry",
+    "MINIMUM_TORCH",
     "PatchTargetError",
     "SUPPORTED_MEGATRON_CORE",
     "UnsupportedMegatronVersion",
+    "UnsupportedTorch",
     "check_megatron_core_version",
+    "check_torch",
     "compatibility_registry",
     "install",
     "register_layout_invariant_rng",
@@ -46,8 +51,10 @@ def compatibility_registry(backend: DeviceBackend, *, dropout_seeds: DropoutSeed
     :mod:`.language_model_embedding`), seeded from it (see ``megatron_elaswave.dropout_rng``).
     Off by default.
     ``megatron_core_version``: the version of the megatron-core that will be patched, when it is
-    not the installed package (a Megatron-LM checkout); checked like the installed one.
+    not the installed package (a Megatron-LM checkout); checked like the installed one. Raises
+    :class:`UnsupportedTorch` where torch lacks an API the project uses.
     """
+    check_torch()
     check_megatron_core_version(megatron_core_version)
     registry = PatchRegistry()
     if backend.name != "cuda":

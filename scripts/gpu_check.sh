@@ -32,7 +32,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 index=()
 [ -n "${PIP_FIND_LINKS:-}" ] && index=(--no-index)
 "$PYTHON" -m pip install -q --no-deps --no-build-isolation --target "$OUT/packages" "${index[@]}" \
-    'megatron-core>=0.16.1,<0.17' . || { echo "gpu_check: installation failed" >&2; exit 1; }
+    'megatron-core>=0.16.1,<0.20' . || { echo "gpu_check: installation failed" >&2; exit 1; }
 export PYTHONPATH="$OUT/packages"
 REPO=$PWD
 cd "$OUT"  # the checkout's megatron_elaswave/ lacks the installed patches sub-package

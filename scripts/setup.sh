@@ -45,4 +45,4 @@ fi
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 python -m pip install --quiet --disable-pip-version-check -e ".[test]" \
   ${megatron_core:+"megatron-core==$megatron_core"}
-python -c "import megatron_elaswave.patches as p; p.check_megatron_core_version()"
+python -c "import megatron_elaswave.patches as p; p.check_torch(); p.check_megatron_core_version()"

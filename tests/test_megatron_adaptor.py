@@ -55,7 +55,20 @@ def test_a_megatron_lm_of_another_version_is_refused_in_one_line(tmp_path):
     assert result.returncode == 1, result.stderr
     [line] = result.stderr.strip().splitlines()
     assert line == ("megatron_elaswave.megatron_adaptor: this Megatron-LM has megatron-core 0.15.0; "
-                    "megatron-elaswave supports <0.17,>=0.16.1: use a checkout of core_v0.16.1")
+                    "megatron-elaswave supports <0.20,>=0.16.1: use a checkout of core_v0.16.1")
+
+
+def test_a_torch_without_an_api_used_is_refused_in_one_line():
+    """Before Megatron-LM is looked for: a torch older than the project's needs may not import it."""
+    result = python("-c", "import torch; from torch.distributed import distributed_c10d; "
+                    "del distributed_c10d.GroupName; print(torch.__version__, flush=True); "
+                    "import megatron_elaswave.megatron_adaptor")
+    assert result.returncode == 1, result.stderr
+    [line] = result.stderr.strip().splitlines()
+    version = result.stdout.strip()
+    assert line == (f"megatron_elaswave.megatron_adaptor: megatron-elaswave needs torch>=2.12: "
+                    f"torch {version} has no torch.distributed.distributed_c10d.GroupName "
+                    f"(new in torch 2.10)")
 
 
 @pytest.mark.parametrize("args, message", [

@@ -3,20 +3,30 @@ and the layering rule of the patches."""
 
 import ast
 import json
+import re
 import sys
 import types
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from harness import free_port, launch, worker_script
 from packaging.version import Version
+from torch.distributed import distributed_c10d
 
+from megatron_elaswave.device import resolve_device_backend
 from megatron_elaswave.patches import (
+    MINIMUM_TORCH,
     PatchRegistry,
     PatchTargetError,
     UnsupportedMegatronVersion,
+    UnsupportedTorch,
     check_megatron_core_version,
+    check_torch,
+    compatibility_registry,
 )
+from megatron_elaswave.patches.torch_version import missing_torch_api
 
 
 @pytest.fixture
@@ -127,8 +137,10 @@ def test_megatron_core_version_range():
     assert check_megatron_core_version() >= Version("0.16.1")
     with pytest.raises(UnsupportedMegatronVersion, match=r"found 0\.15\.0; run: pip install"):
         check_megatron_core_version(Version("0.15.0"))
-    with pytest.raises(UnsupportedMegatronVersion, match="0.17.0"):
-        check_megatron_core_version(Version("0.17.0"))
+    for supported in ("0.17.1", "0.18.2", "0.19.2"):
+        assert check_megatron_core_version(Version(supported)) == Version(supported)
+    with pytest.raises(UnsupportedMegatronVersion, match=r"supports megatron-core <0\.20,>=0\.16\.1, found 0\.20\.0"):
+        check_megatron_core_version(Version("0.20.0"))
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -181,6 +193,49 @@ def hook():
     assert absolute_imports(source, "megatron_elaswave") == [
         "line 2: megatron_elaswave.device", "line 4: megatron_elaswave.store",
         "line 8: megatron_elaswave.training", "line 9: megatron_elaswave.dropout_rng"]
+
+
+def test_the_installed_torch_has_every_api_used():
+    assert missing_torch_api() is None
+    check_torch()
+
+
+def test_setup_requires_the_torch_the_check_names():
+    setup_py = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    assert re.findall(r'^TORCH = "torch>=([0-9.]+)"$', setup_py, re.M) == [MINIMUM_TORCH]
+
+
+def _refusal(api: str) -> str:
+    return f"megatron-elaswave needs torch>={MINIMUM_TORCH}: torch {torch.__version__} has no {api}"
+
+
+@pytest.mark.parametrize("owner, name, api", [
+    (distributed_c10d, "GroupName", "torch.distributed.distributed_c10d.GroupName (new in torch 2.10)"),
+    (dist.ProcessGroup, "set_timeout", "torch.distributed.ProcessGroup.set_timeout (new in torch 2.9)"),
+    (dist.ProcessGroup, "abort", "torch.distributed.ProcessGroup.abort (new in torch 2.7)"),
+    (dist.Work, "get_future", "torch.distributed.Work.get_future"),
+    (dist, "get_process_group_ranks", "torch.distributed.get_process_group_ranks"),
+])
+def test_a_torch_without_an_api_used_is_refused_in_one_line(monkeypatch, owner, name, api):
+    monkeypatch.delattr(owner, name)
+    with pytest.raises(UnsupportedTorch) as refused:
+        check_torch()
+    assert str(refused.value) == _refusal(api)
+
+
+def test_a_torch_whose_new_group_lacks_sort_ranks_is_refused_before_patching(monkeypatch):
+    """torch 2.11's ``new_group``: everything but ``sort_ranks``. The refusal comes from
+    :func:`compatibility_registry`, which ``install`` and the Megatron-LM adaptor call first."""
+    def new_group(ranks=None, timeout=None, backend=None, pg_options=None,
+                  use_local_synchronization=False, group_desc=None, device_id=None):
+        raise AssertionError("not to be called")
+
+    monkeypatch.setattr(dist, "new_group", new_group)
+    with pytest.raises(UnsupportedTorch) as refused:
+        compatibility_registry(resolve_device_backend("cpu"))
+    assert str(refused.value) == _refusal("torch.distributed.new_group(sort_ranks=...) "
+                                          "(new in torch 2.12)")
+    assert "\n" not in str(refused.value)
 
 
 @pytest.mark.multiprocess

@@ -150,6 +150,23 @@ def test_bad_input_is_a_one_line_error(flags, world_size, message):
     assert lines[0].startswith("pretrain_gpt.py: error: ") and message in lines[0], lines[0]
 
 
+def test_a_torch_without_an_api_used_is_a_one_line_error():
+    """torch's ``ProcessGroup.abort`` taken away: refused before any group or model is made."""
+    flags = BASE + ["--mock-data", "--vocab-size", "64"]
+    script = ("import runpy, sys, torch.distributed as dist; del dist.ProcessGroup.abort; "
+              f"sys.argv = {[PRETRAIN, *flags]!r}; runpy.run_path(sys.argv[0], run_name='__main__')")
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1", "RANK": "0"}
+    environment.pop("MASTER_ADDR", None)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env=environment, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith("pretrain_gpt.py: error: megatron-elaswave needs torch>=2.12: "
+                               "torch "), lines[0]
+    assert lines[0].endswith(" has no torch.distributed.ProcessGroup.abort (new in torch 2.7)")
+
+
 def test_load_from_a_directory_without_checkpoint(tmp_path):
     result = run_single(BASE + ["--mock-data", "--vocab-size", "64", "--load", str(tmp_path)])
     assert result.returncode == 2, result.stderr[-2000:]

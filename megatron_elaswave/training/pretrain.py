@@ -79,7 +79,7 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
     for message in _KNOWN_WARNINGS + (() if backend.name == "cuda" else _CUDA_HINTS):
         warnings.filterwarnings("ignore", message=f".*{re.escape(message)}")
     # Imported here so that flag errors come back before megatron-core is loaded.
-    from megatron_elaswave.patches import UnsupportedMegatronVersion
+    from megatron_elaswave.patches import UnsupportedMegatronVersion, UnsupportedTorch
 
     from megatron_elaswave.dvfs import DvfsError
 
@@ -92,7 +92,8 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
 
     try:
         train_job(args, backend, info.rank, info.local_rank, info.world_size)
-    except (UnsupportedMegatronVersion, CheckpointError, DataError, DvfsError) as error:
+    except (UnsupportedMegatronVersion, UnsupportedTorch, CheckpointError, DataError,
+            DvfsError) as error:
         report_error(str(error), info.rank)
         return exit_status.BAD_INPUT
     except JobStopped:  # the replacement said so; the survivors give the reason
