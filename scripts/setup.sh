@@ -2,9 +2,9 @@
 # Create (or reuse) the virtual environment and install megatron-elaswave with its test tools.
 # torch 2.13.0 is installed first and on its own, so that pip never swaps in another build.
 #
-# MEGATRON_CORE=0.19.2 sets up that megatron-core release instead of the newest the Python allows
-# (megatron-core 0.17 and later need Python 3.12 or newer: PYTHON names the interpreter, or the
-# newest python3.12 / python3.13 found is used, pyenv's included), in .venv-mcore<release>.
+# MEGATRON_CORE=0.19.2 sets up that megatron-core release instead of the newest the Python allows,
+# in .venv-mcore<release>. megatron-core 0.17 and later need Python 3.12 or newer: PYTHON names
+# the interpreter, else python3 if new enough, else python3.12 or python3.13 (pyenv's included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 megatron_core="${MEGATRON_CORE:-}"
