@@ -540,14 +540,20 @@ def machine() -> str:
             f"torch {torch.__version__}, megatron-core {version('megatron-core')}; no GPU used")
 
 
-GPU_HEADING = "## One GPU: the accelerator path"
-"""The report's last section, ``docs/results/gpu_check.md`` as it stands."""
+KEPT_SECTIONS = {
+    "## megatron-core 0.16.1 and 0.19.2": "megatron_core_lines.md",
+    "## One GPU: the accelerator path": "gpu_check.md",
+}
+"""The report's last sections, heading -> file under ``docs/results/`` kept as it stands: written
+by ``scripts/bench/lines.py`` (two Python environments) and by a GPU run of
+``scripts/gpu_check.sh``."""
 
 
 def read_report(output: Path) -> tuple[dict[str, list[str]], dict, str]:
     """The report in ``output``: its sections by experiment, its figures, and its line that says
     how and when it was written."""
-    text = (output / "results.md").read_text().split(f"\n{GPU_HEADING}\n")[0]
+    text = re.split("|".join(f"\n{re.escape(heading)}\n" for heading in KEPT_SECTIONS),
+                    (output / "results.md").read_text())[0]
     figures = json.loads((output / "results" / "results.json").read_text())
     sections = {block[4]: block.rstrip("\n").split("\n") + [""]
                 for block in re.split(r"(?m)^(?=## \([a-z]\))", text)[1:]}
@@ -618,9 +624,9 @@ def main() -> int:
                 *table(["figure", "how", "ours", "paper (or target)", "ours / paper"],
                        headline_rows(figures)),
                 ""]
-    gpu = plots / "gpu_check.md"  # written from a GPU run of scripts/gpu_check.sh, kept as is
-    if gpu.exists():
-        sections += [GPU_HEADING, "", gpu.read_text().rstrip("\n"), ""]
+    for heading, name in KEPT_SECTIONS.items():
+        if (plots / name).exists():
+            sections += [heading, "", (plots / name).read_text().rstrip("\n"), ""]
     (output / "results.md").write_text("\n".join(header + headline + sections))
     print(f"reproduce: report written to {output / 'results.md'}"
           + (f"; experiments that failed: {', '.join(failed)}" if failed else ""))

@@ -38,11 +38,17 @@ def test_keep_others_runs_some_experiments_again_and_keeps_the_rest(tmp_path):
     # An earlier report with a measured section (a), as a full run writes it.
     communicator = ["## (a) Communicator recovery: in place against partial and full rebuild", "",
                     "Measured: a table of the earlier run.", ""]
+    # The sections written by other scripts follow the experiments, from their own files.
+    kept = {"## megatron-core 0.16.1 and 0.19.2": "megatron_core_lines.md",
+            "## One GPU: the accelerator path": "gpu_check.md"}
     (tmp_path / "results").mkdir()
+    for heading, name in kept.items():
+        (tmp_path / "results" / name).write_text(f"Table of {name}, as it stands.\n")
     (tmp_path / "results.md").write_text("\n".join([
         "# Results: the paper's evaluation, reproduced", "",
         "Written by `python scripts/reproduce.py` on 2026-01-02 in 1290 s.", "",
-        "## Headline figures", "", *communicator]))
+        "## Headline figures", "", *communicator,
+        *(line for heading in kept for line in (heading, "", "An older copy.", ""))]))
     (tmp_path / "results" / "results.json").write_text(json.dumps(
         {"a": {"tp2pp2dp2": {"full_over_inplace": 2.2, "partial_over_inplace": 1.1,
                              "inplace_s": 0.15}}}))
@@ -52,9 +58,12 @@ def test_keep_others_runs_some_experiments_again_and_keeps_the_rest(tmp_path):
     report = (tmp_path / "results.md").read_text()
     assert ("Written by `python scripts/reproduce.py` on 2026-01-02 in 1290 s. Sections (b) "
             "written again by `python scripts/reproduce.py --only b --keep-others` on") in report
-    kept, migration = report.split("## (a)")[1].split("## (b)")
-    assert "## (a)" + kept.rstrip("\n") == "\n".join(communicator).rstrip("\n")
+    section_a, rest = report.split("## (a)")[1].split("## (b)")
+    assert "## (a)" + section_a.rstrip("\n") == "\n".join(communicator).rstrip("\n")
+    migration, *others = rest.split("\n## ")
     assert "Largest reduction" in migration
+    assert others == [f"{heading[3:]}\n\nTable of {name}, as it stands.\n"
+                      for heading, name in kept.items()]
     headline = report.split("## (a)")[0]
     assert "| (tp2pp2dp2) full rebuild / in place | measured | 2.2 |" in headline
     assert "migration time saved by interleaved ZeRO" in headline
