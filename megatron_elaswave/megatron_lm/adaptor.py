@@ -61,6 +61,10 @@ def megatron_lm_version() -> Version:
 def adapt() -> patches.PatchRegistry:
     """Check Megatron-LM and apply what this machine needs and the ``--elastic`` hooks; the
     applied patches."""
+    try:  # first: a torch without an API the project uses may not even import Megatron-LM
+        patches.check_torch()
+    except patches.UnsupportedTorch as error:
+        raise AdaptorError(str(error)) from None
     version = megatron_lm_version()
     if version not in patches.SUPPORTED_MEGATRON_CORE:
         raise AdaptorError(
@@ -73,6 +77,7 @@ def adapt() -> patches.PatchRegistry:
     registry = patches.compatibility_registry(backend, megatron_core_version=version)
     hooks = ElasticHooks(backend)
     megatron_lm_elastic.register(registry, backend, hooks)
+    megatron_lm.register_prebuilt_dataset_helpers(registry)
     if backend.name != "cuda":
         megatron_lm.register(registry, backend, distributed=hooks.distributed)
     registry.apply()
