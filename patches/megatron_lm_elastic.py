@@ -94,6 +94,34 @@ def model_provider_of(arguments: dict[str, Any]) -> Callable | None:
     return build_chunk
 
 
+def forward_step_on_current_layout(forward_step_func: Callable) -> Callable:
+    """The script's ``forward_step``, called where this rank's replica has a single stage with
+    ``args.pipeline_model_parallel_size`` 1.
+
+    ``get_batch_on_this_tp_rank`` (``megatron.training.utils`` in core_v0.16.1; megatron-core's,
+    given the flag by ``pretrain_gpt.py``, in core_v0.19) keeps every field of a micro-batch only
+    where that size is 1, and otherwise those of ``parallel_state``'s first or last stage
+    (core_v0.19 drops the labels on the first stage even on the rank that read them). After a
+    recovery a replica may have fewer stages than the flag says: one stage is both.
+    """
+
+    @functools.wraps(forward_step_func)
+    def forward_step(*args, **kwargs):
+        from megatron.core import parallel_state
+        from megatron.training import get_args
+
+        margs = get_args()
+        launched = margs.pipeline_model_parallel_size
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            margs.pipeline_model_parallel_size = 1
+        try:
+            return forward_step_func(*args, **kwargs)
+        finally:
+            margs.pipeline_model_parallel_size = launched
+
+    return forward_step
+
+
 def logs_over_pg_collection(training_log: Callable) -> bool:
     """Whether ``training_log`` reduces over the ``pg_collection`` ``train()`` read from its first
     model chunk before the loop (core_v0.19) rather than over ``parallel_state``'s groups."""
@@ -294,7 +322,7 @@ class _ElasticLoop:
                 transformer_config=lambda: core_transformer_config_from_args(margs),
                 model_provider=model_provider,
                 scheduler=sys.modules[TRAINING].get_optimizer_param_scheduler,
-                forward_step_func=self.forward_step_func)
+                forward_step_func=forward_step_on_current_layout(self.forward_step_func))
             margs.iteration = margs.num_floating_point_operations_so_far = 0  # no --load
             return objects
 

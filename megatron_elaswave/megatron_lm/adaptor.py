@@ -30,8 +30,9 @@ from megatron_elaswave.patches import megatron_lm, megatron_lm_elastic
 
 from .hooks import ElasticHooks
 
-CHECKED_CHECKOUT = "core_v0.16.1"
-"""The Megatron-LM tag the adaptor was read and tested against."""
+CHECKED_CHECKOUT = "core_v0.16.1 or core_r0.19.0"
+"""The Megatron-LM tag and release branch (megatron-core 0.16.1, 0.19.1) the adaptor was read and
+tested against."""
 
 
 class AdaptorError(SystemExit):
