@@ -1,19 +1,25 @@
 """``--elastic`` in Megatron-LM's training loop: the hooks in ``megatron.training.training``.
 
-Checked against Megatron-LM ``core_v0.16.1`` (``megatron/training/training.py``: ``pretrain``,
-``setup_model_and_optimizer``, ``build_train_valid_test_data_iterators``, ``train_step``,
-``train`` and ``evaluate``; ``megatron/core/timers.py``). Each hook is looked up by ``pretrain``
-or ``train()`` as a module global at call time. Without ``--elastic`` every hook calls through.
-With it, the hooks call into the elastic run only through the :class:`ElasticRuntime` handed
-to :func:`register` (built by the runtime's Megatron-LM wing, ``megatron_elaswave.megatron_lm``).
+Checked against Megatron-LM core_v0.16.1 and core_v0.19.x (``megatron/training/arguments.py``:
+``parse_args``; ``megatron/training/training.py``: ``pretrain``, ``setup_model_and_optimizer``,
+``build_train_valid_test_data_iterators``, ``train_step``, ``training_log``, ``train`` and
+``evaluate``; ``megatron/core/timers.py``). Each hook is looked up by ``pretrain`` or ``train()``
+as a module global at call time. Without ``--elastic`` every hook calls through. With it, the
+hooks call into the elastic run only through the :class:`ElasticRuntime` handed to
+:func:`register` (built by the runtime's Megatron-LM wing, ``megatron_elaswave.megatron_lm``).
+Where the two releases differ, a function named for the difference reads what the installed
+Megatron-LM has.
 
-1. ``pretrain``: the ``--elastic*`` flags join Megatron-LM's parser (through its
-   ``extra_args_provider``); the script's ``forward_step`` is kept for the elastic job.
+1. ``parse_args``: the ``--elastic*`` flags join Megatron-LM's parser (beside the script's own
+   ``extra_args_provider``). core_v0.16.1 parses inside ``pretrain`` (``initialize_megatron``),
+   core_v0.19's ``pretrain_gpt.py`` before it (``parse_and_validate_args``); both call
+   ``parse_args``. ``pretrain`` keeps the script's ``forward_step`` for the elastic job.
 2. ``setup_model_and_optimizer``: with ``--elastic`` the flags are checked, the elastic job starts
-   (its chunks built by the script's own model provider) and ``train()`` gets its list of
-   chunks, ``ChainedOptimizer`` and LR schedule. Megatron-LM's rerun state machine is disabled:
-   the job re-runs broken iterations itself, and the machine's re-runs replay Megatron-LM's data
-   iterators and agree over the first world.
+   (its chunks built by the script's own model provider, or, where core_v0.19's script passes
+   none, by the builder of its config container's model: :func:`model_provider_of`) and
+   ``train()`` gets its list of chunks, ``ChainedOptimizer`` and LR schedule. Megatron-LM's rerun
+   state machine is disabled: the job re-runs broken iterations itself, and the machine's re-runs
+   replay Megatron-LM's data iterators and agree over the first world.
 3. ``build_train_valid_test_data_iterators``: the job deals each global batch itself, so
    ``train()`` gets placeholders and ``do_train``/``do_valid``/``do_test`` from the job's splits.
 4. ``train_step``: one more iteration of the job, through failures. Then ``train()``'s locals
@@ -21,17 +27,24 @@ to :func:`register` (built by the runtime's Megatron-LM wing, ``megatron_elaswav
    increment ``train()`` adds next (data-parallel size x micro-batch size x micro-batches, which
    is not the global batch once replicas differ) lands on the exact count. The micro-batch
    calculator is never changed: ``train()`` asserts its count never goes down. A rank left
-   without a stage returns ``should_exit`` once the job is done.
+   without a stage returns ``should_exit`` once the job is done. core_v0.19's keyword arguments
+   (``pg_collection``, ``p2p_communicator``) pass through without ``--elastic``.
 5. ``evaluate``: the job's evaluation of the split the placeholder names.
 6. Megatron-LM's own collectives on the default group (timer barriers and gathers, the last
    rank's log line, ``print_datetime``) would wait for failed ranks: the ``torch.distributed``
-   that ``megatron.training.training``, ``megatron.training.utils`` and ``megatron.core.timers``
-   see sends them, and rank queries, to the job's group of active ranks instead.
+   that ``megatron.training.training``, ``megatron.training.utils`` (core_v0.19: its
+   ``common_utils`` and ``log_utils``) and ``megatron.core.timers`` see sends them, and rank
+   queries, to the job's group of active ranks instead.
+7. ``training_log``: core_v0.19's ``train()`` reads the model-parallel groups of its first chunk
+   once, before the loop, and ``training_log`` reduces the learning rate over them each
+   iteration; after a recovery those groups are destroyed. With ``--elastic`` it gets none and
+   falls back to ``parallel_state``'s, which the job keeps current (:func:`logs_over_pg_collection`).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import inspect
 import sys
@@ -42,11 +55,78 @@ import torch
 import torch.distributed as dist
 
 from .interfaces import DeviceBackend
+from .megatron_lm import training_utils_modules
 from .registry import PatchRegistry
 
 TRAINING = "megatron.training.training"
-LOOP_MODULES = (TRAINING, "megatron.training.utils")
-"""The Megatron-LM modules whose default-group collectives go to the job's active ranks."""
+ARGUMENTS = "megatron.training.arguments"
+
+
+def loop_modules() -> tuple[str, ...]:
+    """The Megatron-LM modules whose default-group collectives go to the job's active ranks
+    (``megatron.training.utils`` is a package in core_v0.19: :func:`.training_utils_modules`)."""
+    return (TRAINING, *training_utils_modules())
+
+
+def model_provider_of(arguments: dict[str, Any]) -> Callable | None:
+    """The model provider of ``setup_model_and_optimizer``'s bound ``arguments``, as the elastic
+    job calls it (``pre_process``, ``post_process``, ``config``, ``pg_collection``).
+
+    core_v0.16.1's ``pretrain`` passes the script's ``model_provider_func``. core_v0.19's
+    ``pretrain_gpt.py`` passes none but a config container (``cfg_container``) whose model config
+    names its builder (``megatron.training.models``): each chunk is then that builder's model on a
+    copy of the model config holding the chunk's transformer config. None: neither is there.
+    """
+    provider = arguments.get("model_provider_func")
+    if provider is not None:
+        return provider
+    model_config = getattr(arguments.get("cfg_container"), "model", None)
+    if model_config is None:
+        return None
+    builder_cls = model_config.get_builder_cls()
+
+    def build_chunk(*, pre_process: bool, post_process: bool, config: Any, pg_collection: Any):
+        chunk_config = copy.copy(model_config)
+        chunk_config.transformer = config
+        return builder_cls(chunk_config).build_model(
+            pg_collection, pre_process=pre_process, post_process=post_process)
+
+    return build_chunk
+
+
+def forward_step_on_current_layout(forward_step_func: Callable) -> Callable:
+    """The script's ``forward_step``, called where this rank's replica has a single stage with
+    ``args.pipeline_model_parallel_size`` 1.
+
+    ``get_batch_on_this_tp_rank`` (``megatron.training.utils`` in core_v0.16.1; megatron-core's,
+    given the flag by ``pretrain_gpt.py``, in core_v0.19) keeps every field of a micro-batch only
+    where that size is 1, and otherwise those of ``parallel_state``'s first or last stage
+    (core_v0.19 drops the labels on the first stage even on the rank that read them). After a
+    recovery a replica may have fewer stages than the flag says: one stage is both.
+    """
+
+    @functools.wraps(forward_step_func)
+    def forward_step(*args, **kwargs):
+        from megatron.core import parallel_state
+        from megatron.training import get_args
+
+        margs = get_args()
+        launched = margs.pipeline_model_parallel_size
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            margs.pipeline_model_parallel_size = 1
+        try:
+            return forward_step_func(*args, **kwargs)
+        finally:
+            margs.pipeline_model_parallel_size = launched
+
+    return forward_step
+
+
+def logs_over_pg_collection(training_log: Callable) -> bool:
+    """Whether ``training_log`` reduces over the ``pg_collection`` ``train()`` read from its first
+    model chunk before the loop (core_v0.19) rather than over ``parallel_state``'s groups."""
+    return "pg_collection" in inspect.signature(training_log).parameters
+
 
 _UNSUPPORTED = (
     ("load", "--load (resume an elastic run with megatron-elaswave's scripts/pretrain_gpt.py)"),
@@ -62,6 +142,8 @@ _UNSUPPORTED = (
     ("use_legacy_models", "--use-legacy-models"),
     ("sft", "--sft"),
     ("fim_data", "--fim-data"),
+    ("mtp_num_layers", "--mtp-num-layers (multi-token prediction layers would share the "
+                       "layout-invariant dropout seeds of layer 0)"),
 )
 """Megatron-LM flags an elastic run does not support: (attribute, what to tell the user)."""
 
@@ -182,7 +264,25 @@ class _ElasticLoop:
         self.runtime = runtime
         self.forward_step_func: Callable | None = None
 
-    # -- 1. pretrain ---------------------------------------------------------------------------
+    # -- 1. flags and pretrain -----------------------------------------------------------------
+
+    def parse_args(self, parse_args: Callable) -> Callable:
+        signature = inspect.signature(parse_args)
+
+        @functools.wraps(parse_args)
+        def with_elastic_args(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            extra = bound.arguments.get("extra_args_provider")
+
+            def extra_args_provider(parser):
+                parser = extra(parser) if extra is not None else parser
+                self.runtime.add_arguments(parser)
+                return parser
+
+            bound.arguments["extra_args_provider"] = extra_args_provider
+            return parse_args(*bound.args, **bound.kwargs)
+
+        return with_elastic_args
 
     def pretrain(self, pretrain: Callable) -> Callable:
         signature = inspect.signature(pretrain)
@@ -190,42 +290,39 @@ class _ElasticLoop:
         @functools.wraps(pretrain)
         def elastic_pretrain(*args, **kwargs):
             self.runtime.check_launch()
-            bound = signature.bind(*args, **kwargs)
-            self.forward_step_func = bound.arguments["forward_step_func"]
-            extra = bound.arguments.get("extra_args_provider")
-
-            def with_elastic_args(parser):
-                parser = extra(parser) if extra is not None else parser
-                self.runtime.add_arguments(parser)
-                return parser
-
-            bound.arguments["extra_args_provider"] = with_elastic_args
-            return pretrain(*bound.args, **bound.kwargs)
+            self.forward_step_func = signature.bind(*args, **kwargs).arguments["forward_step_func"]
+            return pretrain(*args, **kwargs)
 
         return elastic_pretrain
 
     # -- 2. model and optimizer ----------------------------------------------------------------
 
     def setup_model_and_optimizer(self, setup: Callable) -> Callable:
+        signature = inspect.signature(setup)
+
         @functools.wraps(setup)
-        def elastic_setup(model_provider_func, model_type, *args, **kwargs):
+        def elastic_setup(*args, **kwargs):
             from megatron.core.rerun_state_machine import RerunMode, get_rerun_state_machine
             from megatron.training import get_args, get_tokenizer
             from megatron.training.arguments import core_transformer_config_from_args
 
             margs = get_args()
             if not margs.elastic:
-                return setup(model_provider_func, model_type, *args, **kwargs)
+                return setup(*args, **kwargs)
             self._check(margs)
+            model_provider = model_provider_of(signature.bind(*args, **kwargs).arguments)
+            if model_provider is None:
+                self.runtime.refuse("--elastic in Megatron-LM's loop needs a model provider or a "
+                                    "model config to build the chunks with")
             # The job re-runs broken iterations itself; the state machine's re-runs would replay
             # Megatron-LM's data iterators and agree over the first world.
             get_rerun_state_machine().set_mode(RerunMode.DISABLED)
             objects = self.runtime.start(
                 margs, tokenizer=get_tokenizer(),
                 transformer_config=lambda: core_transformer_config_from_args(margs),
-                model_provider=model_provider_func,
+                model_provider=model_provider,
                 scheduler=sys.modules[TRAINING].get_optimizer_param_scheduler,
-                forward_step_func=self.forward_step_func)
+                forward_step_func=forward_step_on_current_layout(self.forward_step_func))
             margs.iteration = margs.num_floating_point_operations_so_far = 0  # no --load
             return objects
 
@@ -267,7 +364,8 @@ class _ElasticLoop:
     def train_step(self, train_step: Callable) -> Callable:
         @functools.wraps(train_step)
         def elastic_train_step(forward_step_func, data_iterator, model, optimizer,
-                               opt_param_scheduler, config, forward_backward_func, iteration=None):
+                               opt_param_scheduler, config, forward_backward_func, iteration=None,
+                               **kwargs):
             from megatron.core import parallel_state
             from megatron.core.num_microbatches_calculator import get_num_microbatches
             from megatron.training import get_args
@@ -276,7 +374,7 @@ class _ElasticLoop:
             if not args.elastic:
                 return train_step(forward_step_func, data_iterator, model, optimizer,
                                   opt_param_scheduler, config, forward_backward_func,
-                                  iteration=iteration)
+                                  iteration=iteration, **kwargs)
             result = self.runtime.train_step(iteration)
             self.runtime.swap_into(model, optimizer, opt_param_scheduler)
             # args.data_parallel_size stays the micro-batch calculator's: Megatron-LM reports the
@@ -291,6 +389,23 @@ class _ElasticLoop:
             return loss, int(result.skipped), False, False, 0, result.grad_norm, None, 0
 
         return elastic_train_step
+
+    def training_log(self, training_log: Callable) -> Callable:
+        if not logs_over_pg_collection(training_log):
+            return training_log
+        signature = inspect.signature(training_log)
+
+        @functools.wraps(training_log)
+        def elastic_training_log(*args, **kwargs):
+            from megatron.training import get_args
+
+            if not get_args().elastic:
+                return training_log(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            bound.arguments["pg_collection"] = None  # parallel_state's groups: the current ones
+            return training_log(*bound.args, **bound.kwargs)
+
+        return elastic_training_log
 
     # -- 5. evaluation -------------------------------------------------------------------------
 
@@ -312,6 +427,7 @@ def register(registry: PatchRegistry, backend: DeviceBackend, runtime: ElasticRu
     the loop modules (off CUDA :mod:`.megatron_lm` puts the redirect into its device-mapped
     ``torch``)."""
     loop = _ElasticLoop(backend, runtime)
+    registry.register_wrapper(f"{ARGUMENTS}.parse_args", loop.parse_args)
     for target in (f"{TRAINING}.pretrain", "megatron.training.pretrain"):
         registry.register_wrapper(target, loop.pretrain)
     registry.register_wrapper(f"{TRAINING}.setup_model_and_optimizer",
@@ -319,10 +435,11 @@ def register(registry: PatchRegistry, backend: DeviceBackend, runtime: ElasticRu
     registry.register_wrapper(f"{TRAINING}.build_train_valid_test_data_iterators",
                               loop.build_data_iterators)
     registry.register_wrapper(f"{TRAINING}.train_step", loop.train_step)
+    registry.register_wrapper(f"{TRAINING}.training_log", loop.training_log)
     registry.register_wrapper(f"{TRAINING}.evaluate", loop.evaluate)
     distributed = runtime.distributed
     if backend.name == "cuda":
-        for module in LOOP_MODULES:
+        for module in loop_modules():
             registry.register(f"{module}.torch", torch_with_distributed(torch, distributed))
     registry.register("megatron.core.timers.torch", torch_with_distributed(torch, distributed))
     registry.register("megatron.core.timers.dist_all_gather_func",

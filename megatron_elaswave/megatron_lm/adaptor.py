@@ -30,8 +30,9 @@ from megatron_elaswave.patches import megatron_lm, megatron_lm_elastic
 
 from .hooks import ElasticHooks
 
-CHECKED_CHECKOUT = "core_v0.16.1"
-"""The Megatron-LM tag the adaptor was read and tested against."""
+CHECKED_CHECKOUT = "core_v0.16.1 or core_r0.19.0"
+"""The Megatron-LM tag and release branch (megatron-core 0.16.1, 0.19.1) the adaptor was read and
+tested against."""
 
 
 class AdaptorError(SystemExit):
@@ -61,6 +62,10 @@ def megatron_lm_version() -> Version:
 def adapt() -> patches.PatchRegistry:
     """Check Megatron-LM and apply what this machine needs and the ``--elastic`` hooks; the
     applied patches."""
+    try:  # first: a torch without an API the project uses may not even import Megatron-LM
+        patches.check_torch()
+    except patches.UnsupportedTorch as error:
+        raise AdaptorError(str(error)) from None
     version = megatron_lm_version()
     if version not in patches.SUPPORTED_MEGATRON_CORE:
         raise AdaptorError(
@@ -73,6 +78,7 @@ def adapt() -> patches.PatchRegistry:
     registry = patches.compatibility_registry(backend, megatron_core_version=version)
     hooks = ElasticHooks(backend)
     megatron_lm_elastic.register(registry, backend, hooks)
+    megatron_lm.register_prebuilt_dataset_helpers(registry)
     if backend.name != "cuda":
         megatron_lm.register(registry, backend, distributed=hooks.distributed)
     registry.apply()
