@@ -191,7 +191,8 @@ def test_megatron_lm_with_elastic_survives_a_sigkilled_rank_on_the_trajectory(tm
 @needs_megatron_lm
 @pytest.mark.parametrize("extra, message", [
     (["--overlap-grad-reduce"], "does not support --overlap-grad-reduce"),
-    (["--mtp-num-layers", "1"], "does not support --mtp-num-layers"),
+    (["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--no-rope-fusion"],
+     "does not support --mtp-num-layers"),
 ])
 def test_megatron_lm_with_elastic_refuses_what_it_cannot_do_in_one_line(tmp_path, extra, message):
     flags = megatron_lm_flags(1, 2, 4) + ["--elastic", *extra]
