@@ -1,6 +1,7 @@
 """Run megatron-core's GPT, DDP, DistributedOptimizer and pipeline schedules off CUDA.
 
-Checked against megatron-core 0.16.1 (the call sites below are its line numbers' modules).
+Checked against megatron-core 0.16.1 and 0.19.2 (the call sites below are 0.16.1's line numbers;
+0.19.2's new CUDA sites are off the GPT, DDP, distributed-optimizer and pipeline path).
 
 Megatron-Core hard-codes CUDA in four ways; each gets the narrowest redirection that works:
 

@@ -1,6 +1,6 @@
 """Layout-invariant dropout in the GPT embedding: reseed Megatron's streams before it runs.
 
-Checked against megatron-core 0.16.1
+Checked against megatron-core 0.16.1 and 0.19.2
 (``megatron/core/models/common/embeddings/language_model_embedding.py``).
 
 Installed only when asked, with :mod:`.transformer_layer` (see there). Right before

@@ -1,7 +1,7 @@
 """Pipeline point-to-point waits bounded by their group's op timeout, not its creation timeout.
 
-Checked against megatron-core 0.16.1 (``megatron/core/pipeline_parallel/p2p_communication.py``)
-and torch 2.13.
+Checked against megatron-core 0.16.1 and 0.19.2
+(``megatron/core/pipeline_parallel/p2p_communication.py``) and torch 2.13.
 
 A gloo send or receive that is waited for without a timeout waits as long as its group's
 connections were given when the group was created: torch's ``ProcessGroup.set_timeout`` changes

@@ -1,9 +1,9 @@
 """RNG state helpers of ``megatron.core.tensor_parallel.random`` bound to the device backend.
 
-Checked against megatron-core 0.16.1. ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` reach for
-``torch.cuda.default_generators``; off CUDA they read and write the backend's generator instead,
-so ``CudaRNGStatesTracker.add`` seeds each named state for real (a no-op seed would give every
-tensor-parallel rank the same dropout masks).
+Checked against megatron-core 0.16.1 and 0.19.2. ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``
+reach for ``torch.cuda.default_generators``; off CUDA they read and write the backend's generator
+instead, so ``CudaRNGStatesTracker.add`` seeds each named state for real (a no-op seed would give
+every tensor-parallel rank the same dropout masks).
 
 :func:`keyed_streams` (used by the layout-invariant RNG patches, on every device) reseeds the
 default generator and the tracker's ``'model-parallel-rng'`` state for the span of one layer's

@@ -1,6 +1,6 @@
 """Layer counts and offsets of an uneven pipeline layout, from the rank the caller passes.
 
-Checked against megatron-core 0.16.1.
+Checked against megatron-core 0.16.1 and 0.19.2 (line numbers of 0.16.1).
 
 ``get_num_layers_to_build`` (transformer_block.py:75) and ``get_transformer_layer_offset``
 (transformer_layer.py:39) receive ``pp_rank`` from the model's explicit ``pg_collection`` but do

@@ -1,6 +1,7 @@
 """Layout-invariant dropout in ``TransformerLayer.forward``: reseed Megatron's streams per layer.
 
-Checked against megatron-core 0.16.1 (``megatron/core/transformer/transformer_layer.py``).
+Checked against megatron-core 0.16.1 and 0.19.2 (``megatron/core/transformer/transformer_layer.py``;
+line numbers of 0.16.1).
 
 Installed only when asked (``patches.install(backend, dropout_seeds=...)``; the training script
 does so for ``--elastic-rng invariant``, with ``megatron_elaswave.dropout_rng``). Right before a
