@@ -71,8 +71,8 @@ def main() -> None:
         f"Measured: `python scripts/bench/lines.py --repetitions {args.repetitions} --rounds "
         f"{args.rounds}`, both lines in one run on this machine. MTTR: rank 5 of TP2 x PP2 x DP2 "
         f"SIGKILLed in iteration 8 ({args.repetitions} runs per line); ratios: median iteration "
-        f"times of {cost['layout']} over megatron-core's own loop on the same line, "
-        f"{cost['iterations_per_arm']} iterations per arm.", "", *rows, ""])
+        f"times of {overhead[0]['layout']} over megatron-core's own loop on the same line, "
+        f"{overhead[0]['iterations_per_arm']} iterations per arm.", "", *rows, ""])
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(text)
     print(text)
