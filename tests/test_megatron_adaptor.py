@@ -1,15 +1,18 @@
 """Megatron-LM's own ``pretrain_gpt.py`` through the adaptor.
 
 Without Megatron-LM the adaptor stops in one line. With a Megatron-LM checkout named by
-``MEGATRON_LM_PATH`` (its requirements installed; skipped when unset), its unmodified
-``pretrain_gpt.py`` trains TP2 x PP2 with the distributed optimizer on four CPU ranks under
-``elaswave-run``, and with ``--elastic`` a rank SIGKILLed from outside leaves the run on the
-failure-free trajectory, in Megatron-LM's log as in the metrics file. Megatron-LM's code is read
-from that checkout, never copied here.
+``MEGATRON_LM_PATH`` (its requirements installed), its unmodified ``pretrain_gpt.py`` trains
+TP2 x PP2 with the distributed optimizer on four CPU ranks under ``elaswave-run``, and with
+``--elastic`` a rank SIGKILLed from outside leaves the run on the failure-free trajectory, in
+Megatron-LM's log as in the metrics file. Megatron-LM's code is read from that checkout, never
+copied here. Without a checkout, where the installed megatron-core ships Megatron-LM's training
+package (0.19 on), the same tests run Megatron-LM's loop from it through
+``megatron_lm_pretrain_gpt.py``; they are skipped where neither is at hand.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
@@ -18,12 +21,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from harness import free_port, launch
 from megatron_elaswave.metrics import read_metrics
+from megatron_elaswave.patches.version import installed_megatron_core_version
 from test_pretrain_gpt import LOSS_TOLERANCE
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
+"""A Megatron-LM checkout, whose ``pretrain_gpt.py`` the tests run."""
 
 
 def python(*args: str) -> subprocess.CompletedProcess:
@@ -32,12 +38,41 @@ def python(*args: str) -> subprocess.CompletedProcess:
                           timeout=120, cwd=Path(__file__).parent)
 
 
+def training_script() -> Path | None:
+    """Megatron-LM's ``pretrain_gpt.py`` in the checkout; without one, the script that runs
+    Megatron-LM's loop from the training package of the installed megatron-core, if it ships one
+    that imports here and has the API of 0.19 that the script calls."""
+    if MEGATRON_LM is not None:
+        return Path(MEGATRON_LM, "pretrain_gpt.py")
+    version = installed_megatron_core_version()
+    if version is None or version < Version("0.19"):
+        return None
+    try:
+        shipped = importlib.util.find_spec("megatron.training") is not None
+    except ImportError:
+        shipped = False
+    if not shipped or python("-c", "import megatron.training.training").returncode != 0:
+        return None
+    return Path(__file__).with_name("megatron_lm_pretrain_gpt.py")
+
+
+TRAINING_SCRIPT = training_script()
+
+TORCH_LOG_LINE = re.compile(r"[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ ")
+"""A line of torch's own logging, as a CUDA build prints on import on a machine without CUDA."""
+
+
+def error_lines(stderr: str) -> list[str]:
+    """What a process wrote to stderr, less torch's own log lines."""
+    return [line for line in stderr.strip().splitlines() if not TORCH_LOG_LINE.match(line)]
+
+
 def test_without_megatron_lm_the_adaptor_stops_in_one_line():
     if python("-c", "import megatron.training").returncode == 0:
         pytest.skip("Megatron-LM is installed in this environment")
     result = python("-c", "import megatron_elaswave.megatron_adaptor")
     assert result.returncode == 1, result.stderr
-    [line] = result.stderr.strip().splitlines()
+    [line] = error_lines(result.stderr)
     assert line.startswith("megatron_elaswave.megatron_adaptor: Megatron-LM's training package "
                            "is not importable")
     assert "PYTHONPATH" in line
@@ -53,7 +88,7 @@ def test_a_megatron_lm_of_another_version_is_refused_in_one_line(tmp_path):
     result = subprocess.run([sys.executable, "-c", "import megatron_elaswave.megatron_adaptor"],
                             capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 1, result.stderr
-    [line] = result.stderr.strip().splitlines()
+    [line] = error_lines(result.stderr)
     assert line == ("megatron_elaswave.megatron_adaptor: this Megatron-LM has megatron-core 0.15.0; "
                     "megatron-elaswave supports <0.20,>=0.16.1: use a checkout of core_v0.16.1 or "
                     "core_r0.19.0")
@@ -65,7 +100,7 @@ def test_a_torch_without_an_api_used_is_refused_in_one_line():
                     "del distributed_c10d.GroupName; print(torch.__version__, flush=True); "
                     "import megatron_elaswave.megatron_adaptor")
     assert result.returncode == 1, result.stderr
-    [line] = result.stderr.strip().splitlines()
+    [line] = error_lines(result.stderr)
     version = result.stdout.strip()
     assert line == (f"megatron_elaswave.megatron_adaptor: megatron-elaswave needs torch>=2.12: "
                     f"torch {version} has no torch.distributed.distributed_c10d.GroupName "
@@ -79,12 +114,13 @@ def test_a_torch_without_an_api_used_is_refused_in_one_line():
 def test_the_runner_refuses_what_it_cannot_run_in_one_line(args, message):
     result = python("-m", "megatron_elaswave.run_megatron_lm", *args)
     assert result.returncode == 1
-    [line] = result.stderr.strip().splitlines()
+    [line] = error_lines(result.stderr)
     assert message in line
 
 
-needs_megatron_lm = pytest.mark.skipif(MEGATRON_LM is None,
-                                       reason="MEGATRON_LM_PATH names no Megatron-LM checkout")
+needs_megatron_lm = pytest.mark.skipif(
+    TRAINING_SCRIPT is None, reason="MEGATRON_LM_PATH names no Megatron-LM checkout and the "
+    "installed megatron-core ships no Megatron-LM training package of 0.19 or later")
 
 LOG_LINE = re.compile(r"iteration +(\d+)/ +\d+ \| consumed samples: +(\d+) \|.*?"
                       r"lm loss: ([0-9.E+-]+)")
@@ -109,16 +145,17 @@ def megatron_lm_flags(tp: int, pp: int, iterations: int) -> list[str]:
 def run_megatron_lm(tmp_path: Path, name: str, flags: list[str], *, kill_after: int | None = None,
                     kill_rank: int = 3, through_runner: bool = True) -> tuple[int, str]:
     """Megatron-LM's ``pretrain_gpt.py`` on four ranks under ``elaswave-run``, named to it through
-    the adaptor's runner or (``through_runner=False``) as it is; with ``kill_after``, SIGKILL
-    ``kill_rank`` once Megatron-LM's log has that iteration's line.
+    the adaptor's runner or (``through_runner=False``, for a script in a checkout, which the
+    launcher recognises) as it is; with ``kill_after``, SIGKILL ``kill_rank`` once Megatron-LM's
+    log has that iteration's line.
 
     The line is printed after the iteration's train_step, so the kill lands in a later one, where
     the job detects failures (a rank that dies in Megatron-LM's own collectives between steps, or
     in an evaluation, is not survived). The metrics file would say so later: an iteration's record
     waits for the next iteration's snapshots."""
-    script = str(Path(MEGATRON_LM, "pretrain_gpt.py"))
-    runner = ["-m", "megatron_elaswave.run_megatron_lm"] if through_runner else []
-    with launch([*runner, script, *flags], 4,
+    named = through_runner or MEGATRON_LM is None
+    runner = ["-m", "megatron_elaswave.run_megatron_lm"] if named else []
+    with launch([*runner, str(TRAINING_SCRIPT), *flags], 4,
                 master_port=free_port(), log_path=tmp_path / f"{name}.log") as job:
         if kill_after is not None:
             job.wait_for(lambda: any(int(i) >= kill_after for i, _, _ in
