@@ -8,8 +8,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 SUPPORTED_MEGATRON_CORE = SpecifierSet(">=0.16.1,<0.20")
-"""Every module in this package was read and tested against megatron-core 0.16.1 and 0.19.2
-(0.17 and later need Python 3.12 or newer)."""
+"""Every module in this package was read and tested against megatron-core 0.16.1 and 0.19.2;
+0.17.1 and 0.18.2 passed the recovery and oracle tests of the README's versions subset. 0.17
+and later need Python 3.12 or newer."""
 
 
 class UnsupportedMegatronVersion(RuntimeError):
