@@ -1,6 +1,6 @@
 """Run Megatron-LM's training loop (``megatron.training``) off CUDA.
 
-Checked against Megatron-LM core_v0.16.1 and core_v0.19.x (``megatron/training/initialize.py``,
+Checked against Megatron-LM core_v0.16.1 to core_v0.19.0 (``megatron/training/initialize.py``,
 ``utils``, ``training.py``, ``checkpointing.py``; ``megatron/legacy/fused_kernels`` in
 core_v0.16.1). On top of :mod:`.device_compat`, which covers megatron-core, Megatron-LM needs:
 
@@ -12,8 +12,7 @@ core_v0.16.1). On top of :mod:`.device_compat`, which covers megatron-core, Mega
    is one module in core_v0.16.1 and a package in core_v0.19 (:func:`training_utils_modules`).
 3. ``Module.cuda(...)`` on the model chunks (``get_model``) keeps them where they are.
 4. The fused kernels (``megatron.legacy.fused_kernels.load``, core_v0.16.1) are CUDA code: nothing
-   to build. core_v0.19 has no ``megatron.legacy`` and loads no fused kernels
-   (:func:`has_legacy_fused_kernels`).
+   to build. core_v0.17 and later load no fused kernels (:func:`has_legacy_fused_kernels`).
 5. ``get_device_arch_version`` reads the CUDA device's compute capability to decide whether
    ``CUDA_DEVICE_MAX_CONNECTIONS`` must be 1; there is no such stream ordering off CUDA, which is
    what an architecture of 10 (Blackwell and later) means to Megatron-LM.
@@ -51,9 +50,11 @@ def training_utils_modules() -> tuple[str, ...]:
 
 
 def has_legacy_fused_kernels() -> bool:
-    """Whether Megatron-LM still has ``megatron.legacy`` (core_v0.16.1), whose fused kernels
-    ``initialize_megatron`` builds; core_v0.19 removed the package and the call."""
-    return importlib.util.find_spec("megatron.legacy") is not None
+    """Whether Megatron-LM still has ``megatron.legacy.fused_kernels`` (core_v0.16.1), which
+    ``initialize_megatron`` builds; core_v0.17 removed them and the call (its ``megatron.legacy``
+    keeps other modules), core_v0.19 the whole package."""
+    return (importlib.util.find_spec("megatron.legacy") is not None
+            and importlib.util.find_spec("megatron.legacy.fused_kernels") is not None)
 
 
 def literal_cuda_modules() -> tuple[str, ...]:

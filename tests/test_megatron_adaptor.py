@@ -78,20 +78,36 @@ def test_without_megatron_lm_the_adaptor_stops_in_one_line():
     assert "PYTHONPATH" in line
 
 
-def test_a_megatron_lm_of_another_version_is_refused_in_one_line(tmp_path):
-    """A stand-in checkout whose megatron-core says 0.15.0."""
+def adapt_stand_in_checkout(tmp_path: Path, version: str) -> subprocess.CompletedProcess:
+    """Import the adaptor with a stand-in checkout first on the path: empty packages, whose
+    megatron-core says ``version``."""
     for package in ("megatron/training", "megatron/core"):
         (tmp_path / package).mkdir(parents=True)
         (tmp_path / package / "__init__.py").touch()
-    (tmp_path / "megatron/core/package_info.py").write_text("__version__ = '0.15.0'\n")
+    (tmp_path / "megatron/core/package_info.py").write_text(f"__version__ = {version!r}\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
-    result = subprocess.run([sys.executable, "-c", "import megatron_elaswave.megatron_adaptor"],
-                            capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run([sys.executable, "-c", "import megatron_elaswave.megatron_adaptor"],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_a_megatron_lm_of_another_version_is_refused_in_one_line(tmp_path):
+    result = adapt_stand_in_checkout(tmp_path, "0.15.0")
     assert result.returncode == 1, result.stderr
     [line] = error_lines(result.stderr)
     assert line == ("megatron_elaswave.megatron_adaptor: this Megatron-LM has megatron-core 0.15.0; "
-                    "megatron-elaswave supports <0.20,>=0.16.1: use a checkout of core_v0.16.1 or "
-                    "core_r0.19.0")
+                    "megatron-elaswave supports <0.20,>=0.16.1: use a checkout of core_v0.16.1 to "
+                    "core_v0.19.0")
+
+
+def test_a_megatron_lm_without_what_the_adaptor_patches_is_refused_in_one_line(tmp_path):
+    """A supported version whose modules lack what the adaptor patches (a branch that moved
+    them): the process ends with one line naming the first missing target."""
+    result = adapt_stand_in_checkout(tmp_path, "0.16.1")
+    assert result.returncode == 1, result.stderr
+    [line] = error_lines(result.stderr)
+    assert line.startswith("megatron_elaswave.megatron_adaptor: cannot patch megatron.")
+    assert line.endswith("this Megatron-LM differs from core_v0.16.1 to core_v0.19.0, which the "
+                         "adaptor was checked against")
 
 
 def test_a_torch_without_an_api_used_is_refused_in_one_line():

@@ -30,9 +30,9 @@ from megatron_elaswave.patches import megatron_lm, megatron_lm_elastic
 
 from .hooks import ElasticHooks
 
-CHECKED_CHECKOUT = "core_v0.16.1 or core_r0.19.0"
-"""The Megatron-LM tag and release branch (megatron-core 0.16.1, 0.19.1) the adaptor was read and
-tested against."""
+CHECKED_CHECKOUT = "core_v0.16.1 to core_v0.19.0"
+"""The Megatron-LM releases the adaptor was read and tested against: the tags core_v0.16.1,
+core_v0.17.1, core_v0.18.2 and core_v0.19.0, and the release branch core_r0.19.0."""
 
 
 class AdaptorError(SystemExit):
@@ -81,7 +81,11 @@ def adapt() -> patches.PatchRegistry:
     megatron_lm.register_prebuilt_dataset_helpers(registry)
     if backend.name != "cuda":
         megatron_lm.register(registry, backend, distributed=hooks.distributed)
-    registry.apply()
+    try:
+        registry.apply()
+    except patches.PatchTargetError as error:
+        raise AdaptorError(f"{error}: this Megatron-LM differs from {CHECKED_CHECKOUT}, "
+                           f"which the adaptor was checked against") from None
     return registry
 
 
