@@ -144,6 +144,11 @@ _UNSUPPORTED = (
     ("fim_data", "--fim-data"),
     ("mtp_num_layers", "--mtp-num-layers (multi-token prediction layers would share the "
                        "layout-invariant dropout seeds of layer 0)"),
+    # A hybrid model (HybridModel, MambaModel): the layer groups know GPTModel's layers.
+    ("hybrid_override_pattern", "--hybrid-override-pattern (it trains GPTModel)"),
+    ("hybrid_layer_pattern", "--hybrid-layer-pattern (it trains GPTModel)"),
+    ("hybrid_attention_ratio", "--hybrid-attention-ratio (it trains GPTModel)"),
+    ("hybrid_mlp_ratio", "--hybrid-mlp-ratio (it trains GPTModel)"),
 )
 """Megatron-LM flags an elastic run does not support: (attribute, what to tell the user)."""
 

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from packaging.version import Version
 
 from harness import free_port, launch
@@ -121,6 +122,18 @@ def test_a_torch_without_an_api_used_is_refused_in_one_line():
     assert line == (f"megatron_elaswave.megatron_adaptor: megatron-elaswave needs torch>=2.12: "
                     f"torch {version} has no torch.distributed.distributed_c10d.GroupName "
                     f"(new in torch 2.10)")
+
+
+def test_elastic_refuses_a_model_other_than_gpt():
+    """A script whose model provider builds another model (``pretrain_hybrid.py``'s
+    ``HybridModel``) is refused when its first chunk is built; the hooks end the process with
+    this message in one line."""
+    from megatron_elaswave.megatron_lm.job import UnsupportedModel, gpt_chunks
+
+    build_chunk = gpt_chunks(lambda **kwargs: torch.nn.Linear(1, 1))
+    with pytest.raises(UnsupportedModel, match=r"^--elastic trains GPTModel \(Megatron-LM's "
+                       r"pretrain_gpt.py\); this script builds Linear$"):
+        build_chunk(None, True, True, None)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -246,6 +259,7 @@ def test_megatron_lm_with_elastic_survives_a_sigkilled_rank_on_the_trajectory(tm
     (["--overlap-grad-reduce"], "does not support --overlap-grad-reduce"),
     (["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--no-rope-fusion"],
      "does not support --mtp-num-layers"),
+    (["--hybrid-override-pattern", "*-*-"], "does not support --hybrid-override-pattern"),
 ])
 def test_megatron_lm_with_elastic_refuses_what_it_cannot_do_in_one_line(tmp_path, extra, message):
     flags = megatron_lm_flags(1, 2, 4) + ["--elastic", *extra]

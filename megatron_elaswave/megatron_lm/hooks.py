@@ -72,18 +72,21 @@ class ElasticHooks:
         """Start this rank's job (:meth:`.MegatronLMJob.start`, whose arguments Megatron-LM's
         side provides), with the layout-invariant dropout RNG if asked for; the objects of
         ``train()``."""
-        from .job import MegatronLMJob
+        from .job import MegatronLMJob, UnsupportedModel
 
         if args.elastic_rng == "invariant":
             registry = PatchRegistry()
             register_layout_invariant_rng(registry, self.backend, dropout_rng)
             registry.apply()
             dropout_rng.set_seed(args.seed)
-        self.job = MegatronLMJob.start(
-            args, self.backend, rank=dist.get_rank(), world_size=dist.get_world_size(),
-            tokenizer=tokenizer, transformer_config=transformer_config,
-            model_provider=model_provider, scheduler=scheduler,
-            forward_step_func=forward_step_func)
+        try:
+            self.job = MegatronLMJob.start(
+                args, self.backend, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                tokenizer=tokenizer, transformer_config=transformer_config,
+                model_provider=model_provider, scheduler=scheduler,
+                forward_step_func=forward_step_func)
+        except UnsupportedModel as error:  # every rank builds its first chunk, and refuses it
+            self.refuse(str(error))
         return self.job.objects()
 
     def evaluation_splits(self) -> tuple[EvaluationSplit | None, EvaluationSplit | None]:

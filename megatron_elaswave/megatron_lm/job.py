@@ -24,6 +24,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Callable
 
+from megatron.core.models.gpt import GPTModel
 from megatron.core.optimizer.optimizer import ChainedOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
@@ -37,6 +38,27 @@ from megatron_elaswave.training.elastic import ElasticTrainer, run_elastic
 from megatron_elaswave.training.elastic_setup import build_elastic_trainer
 from megatron_elaswave.training.layer_groups import ModelFactory
 from megatron_elaswave.training.loop import StepResult
+
+
+class UnsupportedModel(TypeError):
+    """The script's model provider built something other than a ``GPTModel``."""
+
+
+def gpt_chunks(model_provider: Callable) -> Callable:
+    """:attr:`ModelFactory.build_chunk` over the script's ``model_provider``; raises
+    :class:`UnsupportedModel` for a chunk that is not a ``GPTModel`` (``HybridModel``,
+    ``MambaModel``): the layer groups, snapshots and migrations know ``GPTModel``'s layers and
+    parameter names."""
+
+    def build_chunk(config, pre_process, post_process, groups):
+        chunk = model_provider(pre_process=pre_process, post_process=post_process, config=config,
+                               pg_collection=groups)
+        if not isinstance(chunk, GPTModel):
+            raise UnsupportedModel(f"--elastic trains GPTModel (Megatron-LM's pretrain_gpt.py); "
+                                   f"this script builds {type(chunk).__name__}")
+        return chunk
+
+    return build_chunk
 
 
 @dataclass(frozen=True)
@@ -98,12 +120,8 @@ class MegatronLMJob:
         def source(dataset):
             return MicrobatchSource(dataset, args.micro_batch_size) if dataset is not None else None
 
-        factory = ModelFactory(
-            config=transformer_config,
-            build_chunk=lambda config, pre_process, post_process, groups: model_provider(
-                pre_process=pre_process, post_process=post_process, config=config,
-                pg_collection=groups),
-            scheduler=scheduler)
+        factory = ModelFactory(config=transformer_config, build_chunk=gpt_chunks(model_provider),
+                               scheduler=scheduler)
         trainer = build_elastic_trainer(
             args, backend, rank, world_size, args.padded_vocab_size, source(train), source(valid),
             model_factory=factory, forward_step_func=feeding(forward_step_func),
