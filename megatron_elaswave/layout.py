@@ -5,7 +5,8 @@ A job starts as a TP x PP x DP grid in Megatron's rank order ``tp-cp-ep-dp-pp`` 
 rank fastest, then data-parallel, then pipeline; context and expert parallelism are 1). A *stage
 instance* is the tensor-parallel group that holds one pipeline stage of one replica: it is the
 failure domain. After failures, replicas may have different numbers of stages; every replica
-still holds every layer exactly once, as contiguous ranges.
+still holds every layer exactly once, as contiguous ranges, or as Megatron's virtual pipeline
+stages where the replica runs the interleaved schedule (:attr:`Replica.virtual_stages`).
 
 Layers are numbered from 0 and ranges are inclusive, as in the metrics file and the plan CLI.
 This module is pure Python: it is shared by the planner, the runtime and the training script.
@@ -59,17 +60,42 @@ class Replica:
     stages: tuple[StageInstance, ...]
     microbatch_ids: tuple[int, ...]
     """Global micro-batch ids this replica runs each step, in order."""
+    virtual_stages: int = 1
+    """Model chunks per stage (Megatron's virtual pipeline stages, run by the interleaved
+    schedule). With more than one, the layers are split evenly into ``len(stages) *
+    virtual_stages`` chunks and stage ``s`` holds chunks ``s``, ``s + len(stages)``, ...
+    (:meth:`held_ranges`); its ``first_layer`` and ``last_layer`` are then the range a stage of
+    the plain split would hold, as many layers, which is what the planner costs. A replica whose
+    stages change is built with one."""
 
     @property
     def num_microbatches(self) -> int:
         return len(self.microbatch_ids)
 
+    def held_ranges(self, stage_index: int) -> list[tuple[int, int]]:
+        """The layer ranges stage ``stage_index`` holds, in layer order: its own range, or its
+        virtual stages' ranges."""
+        if self.virtual_stages == 1:
+            stage = self.stages[stage_index]
+            return [(stage.first_layer, stage.last_layer)]
+        depth = len(self.stages)
+        chunks = even_layer_split(self.stages[-1].last_layer + 1, depth * self.virtual_stages)
+        return chunks[stage_index::depth]
+
     def stage_index_of_layer(self, layer: int) -> int:
         """Index of the stage that holds ``layer``."""
-        for s, stage in enumerate(self.stages):
-            if stage.first_layer <= layer <= stage.last_layer:
+        for s in range(len(self.stages)):
+            if any(first <= layer <= last for first, last in self.held_ranges(s)):
                 return s
         raise ValueError(f"replica {self.index} holds no layer {layer}")
+
+    def keeping_chunks(self, stages: tuple[StageInstance, ...],
+                       microbatch_ids: tuple[int, ...]) -> "Replica":
+        """This replica with ``stages`` and ``microbatch_ids``: its virtual stages kept where the
+        stages are the same and the interleaved schedule can run the micro-batches (at least one
+        per stage), one chunk per stage otherwise."""
+        keep = stages == self.stages and len(microbatch_ids) >= len(stages)
+        return Replica(self.index, stages, microbatch_ids, self.virtual_stages if keep else 1)
 
     def to_json(self, with_microbatch_ids: bool = False) -> dict:
         record = {
@@ -77,6 +103,10 @@ class Replica:
             "stages": [stage.to_json() for stage in self.stages],
             "num_microbatches": self.num_microbatches,
         }
+        if self.virtual_stages > 1:
+            record["virtual_stages"] = self.virtual_stages
+            for s, stage_record in enumerate(record["stages"]):
+                stage_record["chunks"] = [list(chunk) for chunk in self.held_ranges(s)]
         if with_microbatch_ids:
             record["microbatch_ids"] = list(self.microbatch_ids)
         return record
@@ -92,11 +122,13 @@ class Layout:
 
     @classmethod
     def megatron(
-        cls, *, tp: int, pp: int, dp: int, num_layers: int, num_microbatches: int
+        cls, *, tp: int, pp: int, dp: int, num_layers: int, num_microbatches: int,
+        virtual_stages: int = 1,
     ) -> "Layout":
-        """The failure-free layout Megatron builds: even layer split, and the micro-batches
-        dealt round-robin over replicas as Megatron-LM's pretraining sampler does (micro-batch
-        ``j`` of the global batch goes to replica ``j % dp``)."""
+        """The failure-free layout Megatron builds: even layer split (into ``virtual_stages``
+        chunks per stage), and the micro-batches dealt round-robin over replicas as
+        Megatron-LM's pretraining sampler does (micro-batch ``j`` of the global batch goes to
+        replica ``j % dp``)."""
         if num_microbatches % dp:
             raise ValueError(f"{num_microbatches} micro-batches cannot be dealt evenly to {dp} replicas")
         splits = even_layer_split(num_layers, pp)
@@ -110,8 +142,11 @@ class Layout:
                 )
                 for s, (first, last) in enumerate(splits)
             )
-            replicas.append(Replica(d, stages, tuple(range(d, num_microbatches, dp))))
-        return cls(num_layers=num_layers, replicas=tuple(replicas))
+            replicas.append(Replica(d, stages, tuple(range(d, num_microbatches, dp)),
+                                    virtual_stages))
+        layout = cls(num_layers=num_layers, replicas=tuple(replicas))
+        layout.validate()
+        return layout
 
     @property
     def global_num_microbatches(self) -> int:
@@ -145,7 +180,8 @@ class Layout:
     def layer_groups(self) -> list[tuple[int, int]]:
         """The coarsest common refinement of all replicas' stage boundaries: the layer ranges
         whose holders form one data-parallel group."""
-        starts = sorted({stage.first_layer for r in self.replicas for stage in r.stages} | {0})
+        starts = sorted({first for r in self.replicas for s in range(len(r.stages))
+                         for first, _ in r.held_ranges(s)} | {0})
         return [(first, end - 1) for first, end in zip(starts, starts[1:] + [self.num_layers])]
 
     def validate(self) -> None:
@@ -164,6 +200,13 @@ class Layout:
                 seen.update(stage.ranks)
             if expected_first != self.num_layers:
                 raise ValueError(f"replica {replica.index}: stages do not cover all {self.num_layers} layers")
+            if replica.virtual_stages > 1:
+                chunks = len(replica.stages) * replica.virtual_stages
+                if self.num_layers % chunks or replica.num_microbatches < len(replica.stages):
+                    raise ValueError(
+                        f"replica {replica.index}: {replica.virtual_stages} virtual stages need "
+                        f"the layers to split evenly into {chunks} chunks and at least "
+                        f"{len(replica.stages)} micro-batches")
         if seen & set(self.spares) or len(set(self.spares)) != len(self.spares):
             raise ValueError("a spare also holds a stage, or appears twice")
         ids = sorted(i for r in self.replicas for i in r.microbatch_ids)
@@ -180,7 +223,8 @@ class Layout:
             stages = tuple(
                 StageInstance(tuple(s["ranks"]), s["layers"][0], s["layers"][1]) for s in record["stages"]
             )
-            built.append(Replica(record["replica"], stages, tuple(record["microbatch_ids"])))
+            built.append(Replica(record["replica"], stages, tuple(record["microbatch_ids"]),
+                                 record.get("virtual_stages", 1)))
         num_layers = built[0].stages[-1].last_layer + 1 if built else 0
         layout = cls(num_layers=num_layers, replicas=tuple(built), spares=tuple(spares))
         layout.validate()

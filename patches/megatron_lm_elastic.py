@@ -128,6 +128,8 @@ def logs_over_pg_collection(training_log: Callable) -> bool:
     return "pg_collection" in inspect.signature(training_log).parameters
 
 
+_VIRTUAL_STAGES = ("virtual pipeline stages (the interleaved schedule runs in megatron-elaswave's "
+                   "scripts/pretrain_gpt.py)")
 _UNSUPPORTED = (
     ("load", "--load (resume an elastic run with megatron-elaswave's scripts/pretrain_gpt.py)"),
     ("save", "--save (the survivors keep in-memory snapshots; a final checkpoint is not "
@@ -138,6 +140,8 @@ _UNSUPPORTED = (
     ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
     ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
     ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
+    ("num_layers_per_virtual_pipeline_stage", _VIRTUAL_STAGES),
+    ("virtual_pipeline_model_parallel_size", _VIRTUAL_STAGES),
     ("num_experts", "--num-experts"),
     ("use_legacy_models", "--use-legacy-models"),
     ("sft", "--sft"),

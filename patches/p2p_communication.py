@@ -1,4 +1,4 @@
-"""Pipeline point-to-point waits bounded by their group's op timeout, not its creation timeout.
+"""Pipeline point-to-point operations on the pipeline's own group, waited for with its op timeout.
 
 Checked against megatron-core 0.16.1 and 0.19.2
 (``megatron/core/pipeline_parallel/p2p_communication.py``) and torch 2.13.
@@ -12,6 +12,14 @@ middle cannot hold the others long, and then sets their op timeout; megatron-cor
 functions ``_batched_p2p_ops`` and ``_p2p_ops`` return requests that the schedules wait for
 with ``req.wait()``. Wrapped here, their requests wait with the group's op timeout instead.
 Other backends are left as they are.
+
+Unbatched operations (``batch_p2p_comm=False``, which the interleaved schedule needs on gloo
+with two stages) between the two ranks of a two-stage pipeline go half over the default group
+in megatron-core, to overlap the two directions on NCCL. An elastic job's default group is the
+first generation's, with the ranks that failed since (a survivor was seen waiting on it for a
+dead peer until the op timeout), not a group the recovery builds. Here both directions use the
+pipeline group, posted in megatron-core's order (the even rank sends first), which pairs each
+send with its receive on every backend.
 """
 
 from __future__ import annotations
@@ -62,6 +70,36 @@ class _BoundedRequest:
         return getattr(self._request, name)
 
 
+def _on_pipeline_group(p2p_ops):
+    @functools.wraps(p2p_ops)
+    def p2p_ops_on_pipeline_group(*, tensor_send_prev, tensor_recv_prev, tensor_send_next,
+                                  tensor_recv_next, group: dist.ProcessGroup,
+                                  prev_pipeline_rank: int, next_pipeline_rank: int):
+        if group.size() != 2:  # megatron-core uses the pipeline group alone
+            return p2p_ops(tensor_send_prev=tensor_send_prev, tensor_recv_prev=tensor_recv_prev,
+                           tensor_send_next=tensor_send_next, tensor_recv_next=tensor_recv_next,
+                           group=group, prev_pipeline_rank=prev_pipeline_rank,
+                           next_pipeline_rank=next_pipeline_rank)
+        sends = {"send_next": (tensor_send_next, next_pipeline_rank),
+                 "send_prev": (tensor_send_prev, prev_pipeline_rank)}
+        receives = {"recv_prev": (tensor_recv_prev, prev_pipeline_rank),
+                    "recv_next": (tensor_recv_next, next_pipeline_rank)}
+        if group.rank() % 2 == 0:
+            order = ("send_next", "recv_prev", "send_prev", "recv_next")
+        else:
+            order = ("recv_prev", "send_next", "recv_next", "send_prev")
+        requests = {}
+        for name in order:
+            if name in sends and sends[name][0] is not None:
+                requests[name] = dist.isend(tensor=sends[name][0], dst=sends[name][1], group=group)
+            elif name in receives and receives[name][0] is not None:
+                requests[name] = dist.irecv(tensor=receives[name][0], src=receives[name][1],
+                                            group=group)
+        return requests
+
+    return p2p_ops_on_pipeline_group
+
+
 def _bounded(p2p_ops):
     @functools.wraps(p2p_ops)
     def p2p_ops_bounded_by_op_timeout(*args, group: dist.ProcessGroup, **kwargs):
@@ -78,4 +116,5 @@ def _bounded(p2p_ops):
 
 def register(registry: PatchRegistry) -> None:
     registry.register_wrapper(BATCHED, _bounded)
+    registry.register_wrapper(UNBATCHED, _on_pipeline_group)
     registry.register_wrapper(UNBATCHED, _bounded)

@@ -254,6 +254,7 @@ def test_megatron_lm_with_elastic_survives_a_sigkilled_rank_on_the_trajectory(tm
     (["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--no-rope-fusion"],
      "does not support --mtp-num-layers"),
     (["--hybrid-override-pattern", "*-*-"], "does not support --hybrid-override-pattern"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "does not support virtual pipeline stages"),
 ])
 def test_megatron_lm_with_elastic_refuses_what_it_cannot_do_in_one_line(tmp_path, extra, message):
     flags = megatron_lm_flags(1, 2, 4) + ["--elastic", *extra]

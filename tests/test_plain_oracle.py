@@ -40,12 +40,13 @@ ELASTIC = ["--elastic", "--elastic-rebalance-window", "0"]
 
 
 def train(tmp_path: Path, name: str, nproc: int, flags: list[str],
-          kill: tuple[int, int] | None = None, rejoin: bool = False) -> list[dict]:
+          kill: tuple[int, int] | None = None, rejoin: bool = False,
+          resumed_at: int = 0) -> list[dict]:
     """The iteration records of one run; ``kill`` is ``(rank, after_iteration)``: SIGKILL that
     worker from outside once the metrics file holds that iteration. With ``rejoin`` the worker
     is started again and the job held until it asks to join (the run's flags must then tolerate
     a held rank: :data:`test_growth.HELD`); the records then include the ``recovery`` and
-    ``grow`` events."""
+    ``grow`` events. ``resumed_at`` is the iteration a ``--load`` starts from."""
     metrics = tmp_path / f"{name}.jsonl"
 
     def reached(event: str, iteration: int) -> bool:
@@ -65,7 +66,8 @@ def train(tmp_path: Path, name: str, nproc: int, flags: list[str],
         returncode, output = job.wait(240)
     assert returncode == 0, output[-4000:]
     records = read_metrics(str(metrics), "iteration")
-    assert [r["iteration"] for r in records] == list(range(1, TRAIN_ITERS + 1)), output[-4000:]
+    assert [r["iteration"] for r in records] == list(range(resumed_at + 1, TRAIN_ITERS + 1)), \
+        output[-4000:]
     if rejoin:
         return [r for r in read_metrics(str(metrics)) if r["event"] in ("iteration", "recovery",
                                                                         "grow")]
@@ -147,6 +149,77 @@ def test_tied_embeddings_through_a_one_stage_replica_and_back_stay_on_the_plain_
     [grow] = [r for r in records if r["event"] == "grow"]
     assert stage_ranks(recovery["layout"]) == [[[0], [2]], [[1]]], recovery["layout"]
     assert stage_ranks(grow["layout"]) == [[[0], [2]], [[1], [3]]], grow["layout"]
+    elastic = [r for r in records if r["event"] == "iteration"]
+    assert any(r["world_size"] == 3 for r in elastic) and elastic[-1]["world_size"] == 4
+    assert_matches_plain(plain, elastic, AFTER_FAILURE)
+
+
+@pytest.mark.timeout(400)
+def test_tied_embeddings_saved_by_survivors_that_cannot_continue_resume_on_the_plain_path(
+        text_data, tmp_path):  # noqa: F811
+    """TP1 x PP2 x DP2, tied embeddings, ``--elastic-policy reroute``: a failure in each replica
+    leaves none whole, so the survivors save the state of the last complete iteration (the
+    embedding's copy on each end of their pipeline) and stop; ``--load`` on two ranks finishes
+    the run. Every iteration, before and after, is the plain path's."""
+    flags = oracle_flags(text_data, tied=True, pipeline_model_parallel_size=2)
+    plain = train(tmp_path, "plain", 4, flags)
+    checkpoint, metrics = tmp_path / "checkpoint", tmp_path / "stopped.jsonl"
+    with launch([PRETRAIN, *flags, *ELASTIC, "--elastic-policy", "reroute",
+                 "--save", str(checkpoint), "--elastic-metrics-file", str(metrics),
+                 "--elastic-inject-failure", "rank=1,iteration=3",
+                 "--elastic-inject-failure", "rank=0,iteration=6"], 4,
+                master_port=free_port(), log_path=tmp_path / "stopped.log") as job:
+        returncode, output = job.wait(200)
+    assert returncode != 0 and f"resume with --load {checkpoint}" in output, output[-4000:]
+    assert "Traceback" not in output
+    stopped = read_metrics(str(metrics), "iteration")
+    assert [r["iteration"] for r in stopped] == [1, 2, 3, 4, 5]
+    resumed = train(tmp_path, "resumed", 2, flags + ELASTIC + ["--load", str(checkpoint)],
+                    resumed_at=5)
+    assert_matches_plain(plain, stopped + resumed, AFTER_FAILURE)
+
+
+def virtual_stages(layout: list[dict]) -> list[int]:
+    """Each replica's virtual stages per stage in a metrics record's layout."""
+    return [replica.get("virtual_stages", 1) for replica in layout]
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("tp, pp, nproc, num_layers", [(1, 2, 4, 4), (2, 2, 8, 4), (1, 4, 4, 8)],
+                         ids=["pp2-dp2", "tp2-pp2-dp2", "pp4"])
+def test_interleaved_schedule_under_elastic_is_the_plain_megatron_core_path(text_data,  # noqa: F811
+                                                                            tmp_path, tp, pp,
+                                                                            nproc, num_layers):
+    """Two virtual stages of one layer per stage: both paths run Megatron's interleaved
+    schedule, the elastic one over one chunk per layer group."""
+    flags = oracle_flags(text_data, tensor_model_parallel_size=tp,
+                         pipeline_model_parallel_size=pp, num_layers=num_layers,
+                         num_layers_per_virtual_pipeline_stage=1)
+    plain = train(tmp_path, "plain", nproc, flags)
+    elastic = train(tmp_path, "elastic", nproc, flags + ELASTIC)
+    dp = nproc // (tp * pp)
+    assert virtual_stages(elastic[-1]["layout"]) == [2] * dp, elastic[-1]["layout"]
+    assert_matches_plain(plain, elastic, EXACT)
+
+
+@pytest.mark.timeout(400)
+def test_interleaved_replicas_keep_their_schedule_through_a_failure_and_back(text_data,  # noqa: F811
+                                                                           tmp_path):
+    """TP1 x PP2 x DP2 interleaved: rank 3 (stage 1 of replica 1) is SIGKILLed after iteration
+    3; replica 1 re-partitions onto rank 1 and runs 1F1B while replica 0 keeps the interleaved
+    schedule with more of the 8 micro-batches; the replacement rejoins and both replicas are
+    interleaved again. Every iteration stays on the plain interleaved run's."""
+    flags = oracle_flags(text_data, pipeline_model_parallel_size=2, global_batch_size=16,
+                         num_layers_per_virtual_pipeline_stage=1)
+    plain = train(tmp_path, "plain", 4, flags)
+    records = train(tmp_path, "elastic", 4, flags + ELASTIC + HELD, kill=(3, 3), rejoin=True)
+    assert "; replicas [1] run 1F1B, their stages changed" in (tmp_path / "elastic.log").read_text()
+    [recovery] = [r for r in records if r["event"] == "recovery"]
+    [grow] = [r for r in records if r["event"] == "grow"]
+    assert stage_ranks(recovery["layout"]) == [[[0], [2]], [[1]]], recovery["layout"]
+    assert virtual_stages(recovery["layout"]) == [2, 1], recovery["layout"]
+    assert recovery["layout"][0]["num_microbatches"] > 4, recovery["layout"]
+    assert virtual_stages(grow["layout"]) == [2, 2], grow["layout"]
     elastic = [r for r in records if r["event"] == "iteration"]
     assert any(r["world_size"] == 3 for r in elastic) and elastic[-1]["world_size"] == 4
     assert_matches_plain(plain, elastic, AFTER_FAILURE)

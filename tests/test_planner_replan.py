@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from megatron_elaswave.layout import Layout, Replica
 from megatron_elaswave.planner.cost import CostModel, MemoryModel
 from megatron_elaswave.planner.job import JobSpec
 from megatron_elaswave.planner.profile import (
@@ -133,3 +134,24 @@ def test_unknown_ranks_are_rejected():
     cost = small_cost()
     with pytest.raises(ValueError, match="not part of the job"):
         plan_recovery(cost.job.initial_layout(), {10_000}, cost)
+
+
+def test_a_replica_keeps_its_virtual_stages_until_its_stages_change():
+    """TP2 x PP4 x DP3 with two virtual stages per stage: the layer groups are the virtual
+    stages; after a failure the damaged replica runs one chunk per stage, the others keep
+    theirs, and the layout survives the metrics file's JSON."""
+    cost = small_cost()
+    initial = cost.job.initial_layout()
+    old = Layout(initial.num_layers, tuple(
+        Replica(r.index, r.stages, r.microbatch_ids, virtual_stages=2) for r in initial.replicas))
+    old.validate()
+    assert old.replicas[0].held_ranges(1) == [(1, 1), (5, 5)]
+    assert old.layer_groups() == [(layer, layer) for layer in range(8)]
+    assert old.replicas[0].stage_index_of_layer(6) == 2
+    plan = plan_recovery(old, {old.replicas[1].stages[3].ranks[0]}, cost)
+    check_plan(cost, {old.replicas[1].stages[3].ranks[0]}, plan)
+    assert [r.virtual_stages for r in plan.layout.replicas] == [2, 1, 2]
+    assert Layout.from_json(plan.layout.to_json(with_microbatch_ids=True),
+                            plan.layout.spares) == plan.layout
+    with pytest.raises(ValueError, match="at least 4 micro-batches"):
+        Layout(8, (Replica(0, old.replicas[0].stages, (0, 1, 2), virtual_stages=2),)).validate()

@@ -64,6 +64,16 @@ def test_a_very_slow_replica_keeps_one_microbatch():
     assert counts == [7, 1]
 
 
+def test_a_very_slow_interleaved_replica_keeps_a_microbatch_per_stage():
+    """The interleaved schedule it is built for runs at least one micro-batch per stage."""
+    layout = Layout.megatron(tp=1, pp=2, dp=2, num_layers=4, num_microbatches=8, virtual_stages=2)
+    detector = StragglerDetector(RebalanceConfig(window=1, min_gain=1.1))
+    observe(detector, layout, {0: 1.0, 1: 100.0}, iterations=1)
+    new = detector.proposal(layout).layout
+    assert [r.num_microbatches for r in new.replicas] == [6, 2]
+    assert [r.virtual_stages for r in new.replicas] == [2, 2]
+
+
 def test_a_recovered_straggler_gets_its_share_back():
     layout, detector = grid(), StragglerDetector(RebalanceConfig(window=1, min_gain=1.1))
     observe(detector, layout, {0: 1.0, 1: 2.0}, iterations=1)

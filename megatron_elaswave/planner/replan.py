@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
-from megatron_elaswave.layout import Layout, Replica, StageInstance
+from megatron_elaswave.layout import Layout, StageInstance
 from megatron_elaswave.planner.cost import CostModel
 from megatron_elaswave.planner.dataflow import assign_microbatch_ids, balance_microbatches, pipeline_speed
 from megatron_elaswave.planner.frequency import ClockPlan, PowerModel, ReplicaLoad, plan_clocks, stage_load
@@ -227,7 +227,8 @@ def plan_recovery(
     ids = assign_microbatch_ids(counts, {r.index: r.microbatch_ids for r in old.replicas}, total)
     layout = Layout(
         num_layers=old.num_layers,
-        replicas=tuple(Replica(index, placed[index], ids[index]) for index in sorted(placed)),
+        replicas=tuple(old.replica_by_index()[index].keeping_chunks(placed[index], ids[index])
+                       for index in sorted(placed)),
         spares=tuple(sorted(spares)),
     )
     migration = interleaved_migration(old, layout, failed, cost)
@@ -282,6 +283,6 @@ def plan_replica_drop(old: Layout, failed_ranks: Iterable[int], *, keep_global_b
     }
     return Layout(
         num_layers=old.num_layers,
-        replicas=tuple(Replica(r.index, r.stages, tuple(ids[r.index])) for r in kept),
+        replicas=tuple(r.keeping_chunks(r.stages, tuple(ids[r.index])) for r in kept),
         spares=tuple(sorted(spares - failed)),
     )

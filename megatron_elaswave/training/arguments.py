@@ -261,8 +261,6 @@ def validate_elastic(args: argparse.Namespace, world_size: int) -> None:
         return
     _fail_unless(args.use_distributed_optimizer,
                  "--elastic reshards the distributed optimizer's state: add --use-distributed-optimizer")
-    _fail_unless(args.virtual_pipeline_model_parallel_size is None,
-                 "--elastic runs each replica's stages with 1F1B: drop the virtual pipeline flags")
     _fail_unless(not args.fp16, "--elastic does not support --fp16 (loss scaling); use --bf16")
     _fail_unless(args.save_interval is None,
                  "--elastic keeps a snapshot of every iteration in memory instead of periodic "

@@ -264,7 +264,8 @@ class ElasticTrainer(Trainer):
             write_recovery(self.metrics, times, iteration=self.iteration,
                            first_step_s=result.step_time_s, layout=self.layout,
                            clocks=self.governor.plan, dvfs=self.governor.backend.name,
-                           announce=self.is_logger)
+                           announce=self.is_logger,
+                           virtual_stages=self.args.virtual_pipeline_model_parallel_size or 1)
         said = self.recovery.retries.completed(self.iteration, result.lm_loss)
         if said is not None and self.is_logger:
             log(f" {said}")

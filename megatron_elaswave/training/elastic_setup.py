@@ -42,7 +42,9 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
     timeout = timedelta(seconds=config.collective_timeout_s)
     layout = failure_free_layout(args)
     registry = GroupRegistry(layout, rank, store=store, backend=backend.dist_backend, timeout=timeout)
-    seed_random_generators(args.seed, registry.process_group_collection())
+    # Its stage may span several layer groups (virtual stages); the seeds need no DP group.
+    seed_random_generators(args.seed,
+                           registry.process_group_collection(registry.layer_groups()[0]))
     model_factory = model_factory or ModelFactory.from_flags(args, vocab_size)
     objects = build_stage_objects(args, layout, registry, model_factory, backend.device())
     monitor = FailureMonitor(store, rank, Decision.initial(world_size), config, job_size=world_size)

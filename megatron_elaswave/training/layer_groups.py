@@ -7,7 +7,10 @@ group of its stage, each in its own ``DistributedDataParallel`` over that layer 
 data-parallel group (its holders at this TP rank, one per replica) with its own
 ``DistributedOptimizer``; the optimizers are chained. A stage's chunks are consecutive layer
 groups and run back to back as one pipeline stage (:class:`ChunkSequence`), so the stock 1F1B and
-no-pipelining schedules drive every replica, whatever its depth.
+no-pipelining schedules drive every replica, whatever its depth. A replica with virtual pipeline
+stages (:attr:`~megatron_elaswave.layout.Replica.virtual_stages`) runs the stock interleaved
+schedule instead, one :class:`ChunkSequence` per virtual stage; its virtual boundaries are among
+the layer groups' like any stage boundary.
 
 With interleaved ZeRO (``--elastic-zero interleaved``) a rank builds one chunk per *layer* instead,
 each over the data-parallel group of the layer group it belongs to: every layer's optimizer state
@@ -29,6 +32,7 @@ the layer groups are the stages and every object is the one Megatron builds.
 from __future__ import annotations
 
 import argparse
+import copy
 from dataclasses import dataclass
 from typing import Callable
 
@@ -89,14 +93,17 @@ class ChunkSequence(torch.nn.Module):
     input. Autograd spans the chunks, so one backward covers them all.
     """
 
-    def __init__(self, chunks: list[DistributedDataParallel], config) -> None:
+    def __init__(self, chunks: list[DistributedDataParallel], config,
+                 vp_stage: int | None = None) -> None:
         super().__init__()
         self.chunks = torch.nn.ModuleList(chunks)
         self.config = config
+        """What the schedule reads (:func:`interleaved_schedule_config` for virtual stages)."""
         self.model_type = ModelType.encoder_or_decoder
         self.pre_process = chunks[0].module.pre_process
         self.post_process = chunks[-1].module.post_process
-        self.vp_stage = None  # one stage of a plain pipeline, as forward steps may ask
+        self.vp_stage = vp_stage
+        """This stage's index among the rank's virtual stages; ``None`` in a plain pipeline."""
 
     def set_input_tensor(self, tensor) -> None:
         get_attr_wrapped_model(self.chunks[0], "set_input_tensor")(tensor)
@@ -108,6 +115,20 @@ class ChunkSequence(torch.nn.Module):
                 get_attr_wrapped_model(chunk, "set_input_tensor")(hidden)
             hidden = chunk(*args, **kwargs)
         return hidden
+
+
+def interleaved_schedule_config(config: TransformerConfig,
+                                virtual_stages: int) -> TransformerConfig:
+    """What the interleaved schedule and its P2P communicator read for ``virtual_stages``
+    model chunks per stage: a copy of the chunks' config, which describes each chunk as a stage
+    of its own and must stay so for the model code.
+
+    Its messages are not batched: with two stages the schedule batches an activation and a
+    gradient to the same peer, which gloo pairs by posting order (swapped on the two sides)."""
+    schedule_config = copy.copy(config)
+    schedule_config.virtual_pipeline_model_parallel_size = virtual_stages
+    schedule_config.batch_p2p_comm = False
+    return schedule_config
 
 
 def pipeline_layout_string(groups: list[tuple[int, int]]) -> str:
@@ -131,14 +152,15 @@ class StageObjects(TrainingObjects):
     of ``model``.
     """
 
-    stage: torch.nn.Module = None
-    """The module the schedule runs: the only chunk, or a :class:`ChunkSequence`."""
+    virtual_stages: list[torch.nn.Module] = None
+    """The modules the schedule runs, one per virtual stage: the only chunk, or a
+    :class:`ChunkSequence` each."""
     schedule_groups: ProcessGroupCollection = None
     """The groups the schedule and its P2P communication use (the replica's pipeline)."""
 
     @property
     def stages(self) -> list[torch.nn.Module]:
-        return [self.stage]
+        return self.virtual_stages
 
 
 @dataclass(frozen=True)
@@ -262,9 +284,10 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
     rank = registry.rank
     replica_index, stage_index, tp_rank = layout.position(rank)
     replica = layout.replica_by_index()[replica_index]
-    stage = replica.stages[stage_index]
-    held = [c for c, chunk_range in enumerate(ranges)
-            if stage.first_layer <= chunk_range.first_layer <= stage.last_layer]
+    held_ranges = replica.held_ranges(stage_index)
+    virtual = [[c for c, chunk_range in enumerate(ranges) if first <= chunk_range.first_layer <= last]
+               for first, last in held_ranges]
+    held = [c for chunks_of_range in virtual for c in chunks_of_range]
     tp, pp, world = registry.group(Role.TP), registry.group(Role.PP), registry.group(Role.WORLD)
     cp = registry.group(Role.CP)
     install_process_groups(registry.process_group_collection(ranges[held[0]].layer_group))
@@ -315,7 +338,14 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
             ddp.scale_gradients(1.0 / max(tokens.item(), 1))
 
     config.finalize_model_grads_func = finalize
-    stage_module = chunks[0] if len(chunks) == 1 else ChunkSequence(chunks, config)
+    if len(virtual) == 1:
+        stage_modules = [chunks[0] if len(chunks) == 1 else ChunkSequence(chunks, config)]
+    else:
+        config = interleaved_schedule_config(config, len(virtual))
+        position = {c: index for index, c in enumerate(held)}
+        stage_modules = [ChunkSequence([chunks[position[c]] for c in chunks_of_range], config,
+                                       vp_stage=v)
+                         for v, chunks_of_range in enumerate(virtual)]
     schedule_groups = process_group_collection(tp=tp, cp=cp, pp=pp, embd=None, pos_embd=None,
                                              dp_cp=chunk_groups[0].dp)
     return StageObjects(
@@ -323,6 +353,6 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
         model=chunks,
         optimizer=optimizer,
         scheduler=factory.scheduler(optimizer),
-        stage=stage_module,
+        virtual_stages=stage_modules,
         schedule_groups=schedule_groups,
     )

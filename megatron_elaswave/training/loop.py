@@ -43,6 +43,14 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss_sum, num_tokens, {"lm loss": report}
 
 
+def microbatch_group_size(num_microbatches: int, num_stages: int) -> int:
+    """Megatron's ``microbatch_group_size_per_vp_stage`` for a pipeline of ``num_stages``
+    running ``num_microbatches``: the pipeline size, as Megatron sets it, when it divides the
+    micro-batches; else all of them in one group (the interleaved schedule refuses a last group
+    smaller than the pipeline, which a replica's re-dealt count can leave)."""
+    return num_stages if num_microbatches % num_stages == 0 else num_microbatches
+
+
 def stage_of(model) -> torch.nn.Module:
     """The module that knows whether it is a first or last stage: a chunk inside its DDP, or a
     stage of several chunks itself."""
@@ -115,7 +123,8 @@ class Trainer:
         self.is_data_reporter = position[2] == 0  # one rank of each TP group reports
         self.stages = self.objects.stages
         self.forward_backward = forward_backward_on(
-            self.pg_collection, self.objects.config, self.args.virtual_pipeline_model_parallel_size)
+            self.pg_collection, self.objects.config,
+            len(self.stages) if len(self.stages) > 1 else None)
 
     @property
     def is_logger(self) -> bool:
@@ -133,6 +142,9 @@ class Trainer:
         ]
 
     def _run_schedule(self, data: list[StepData | MicrobatchIds], forward_only: bool):
+        if len(self.stages) > 1:  # interleaved: the replica's count may have been re-dealt
+            self.objects.config.microbatch_group_size_per_vp_stage = microbatch_group_size(
+                self.replica.num_microbatches, self.pg_collection.pp.size())
         iterators = [iter(d) if d is not None else None for d in data]
         return self.forward_backward(
             forward_step_func=self.forward_step_func,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_elaswave.device import DeviceBackend
-from megatron_elaswave.layout import Layout, Replica
+from megatron_elaswave.layout import Layout
 from megatron_elaswave.planner.cost import CostModel, MemoryModel
 from megatron_elaswave.planner.frequency import ClockPlan, PowerModel
 from megatron_elaswave.planner.job import JobSpec
@@ -36,7 +36,8 @@ def failure_free_layout(args: argparse.Namespace) -> Layout:
     return Layout.megatron(tp=args.tensor_model_parallel_size,
                            pp=args.pipeline_model_parallel_size, dp=args.data_parallel_size,
                            num_layers=args.num_layers,
-                           num_microbatches=args.global_batch_size // args.micro_batch_size)
+                           num_microbatches=args.global_batch_size // args.micro_batch_size,
+                           virtual_stages=args.virtual_pipeline_model_parallel_size or 1)
 
 
 def cost_model(args: argparse.Namespace, vocab_size: int, backend: DeviceBackend) -> CostModel:
@@ -74,7 +75,7 @@ def plan_without(base: Layout, failed: set[int], cost: CostModel,
     total = base.global_num_microbatches
     count = len(base.replicas)
     old = Layout(base.num_layers, tuple(
-        Replica(r.index, r.stages, tuple(range(k, total, count)))
+        r.keeping_chunks(r.stages, tuple(range(k, total, count)))
         for k, r in enumerate(base.replicas)), base.spares)
     if policy == "elaswave":
         plan = plan_recovery(old, failed, cost, PlanOptions(dvfs=True))

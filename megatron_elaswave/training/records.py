@@ -59,11 +59,21 @@ class RecoveryTimes:
                 f"{self.migrated_at - self.rebuilt_at:.2f}")
 
 
+def schedule_note(layout: Layout, virtual_stages: int) -> str:
+    """What a log line says of the replicas of a job with ``virtual_stages`` per stage that run
+    1F1B in ``layout`` (those whose stages changed), or nothing."""
+    one_chunk = [r.index for r in layout.replicas if r.virtual_stages == 1]
+    if virtual_stages == 1 or not one_chunk:
+        return ""
+    return f"; replicas {one_chunk} run 1F1B, their stages changed"
+
+
 def write_recovery(metrics: MetricsWriter, times: RecoveryTimes, *, iteration: int,
                    first_step_s: float, layout: Layout, clocks: ClockPlan, dvfs: str,
-                   announce: bool) -> None:
+                   announce: bool, virtual_stages: int = 1) -> None:
     """The ``recovery`` record of a recovery whose re-run iteration ``iteration`` took
-    ``first_step_s``; with ``announce``, its log line."""
+    ``first_step_s``; with ``announce``, its log line (which names the replicas that lost
+    their ``virtual_stages``)."""
     total = times.migrated_at + first_step_s - times.failure_at
     metrics.write(
         "recovery",
@@ -94,7 +104,8 @@ def write_recovery(metrics: MetricsWriter, times: RecoveryTimes, *, iteration: i
         f"iteration {iteration} on {len(layout.active_ranks())} ranks in {total:.2f} s (detect "
         f"{times.noticed_at - times.failure_at:.2f}, agree {times.agreed_at - times.noticed_at:.2f}, "
         f"plan {times.planned_at - times.agreed_at:.2f}, {times.phases}, first step "
-        f"{first_step_s:.2f}; {times.bytes_moved / 1e6:.1f} MB moved)")
+        f"{first_step_s:.2f}; {times.bytes_moved / 1e6:.1f} MB moved)"
+        f"{schedule_note(layout, virtual_stages)}")
 
 
 def write_change(metrics: MetricsWriter, times: RecoveryTimes, *, iteration: int, layout: Layout,

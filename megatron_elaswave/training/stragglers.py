@@ -157,7 +157,8 @@ class StragglerDetector:
             now = slots * max(r + n * p for r, n, p in zip(rest, counts, per_layer))
             then = slots * max(r + n * p for r, n, p in zip(rest, target, per_layer))
             step_now, step_then = max(step_now, now), max(step_then, then)
-            replicas.append(replace(replica, stages=_restage(replica.stages, target)))
+            replicas.append(replica.keeping_chunks(_restage(replica.stages, target),
+                                                   replica.microbatch_ids))
             if reason:
                 reasons.append(reason)
         if not reasons or step_now < self.config.min_gain * step_then:
@@ -195,7 +196,10 @@ class StragglerDetector:
             now_s = max(now_s, replica_s)
             per_ns = max(1, round(per_microbatch_s * 1e9))
             speeds.append(ReplicaSpeed(replica.index, fill * per_ns, per_ns))
-        counts = _at_least_one_each(balance_microbatches(speeds, layout.global_num_microbatches))
+        # A replica with virtual stages keeps as many micro-batches as it has stages: the
+        # interleaved schedule it is built for runs no fewer.
+        minimum = {r.index: len(r.stages) if r.virtual_stages > 1 else 1 for r in layout.replicas}
+        counts = _at_least(balance_microbatches(speeds, layout.global_num_microbatches), minimum)
         then_s = max(s.step_ns(counts[s.replica]) for s in speeds) / 1e9
         gain = now_s / then_s
         if gain < self.config.min_gain:
@@ -206,7 +210,7 @@ class StragglerDetector:
         fastest = min(speeds, key=lambda s: s.per_microbatch_ns)
         reason = (f"replica {slowest.replica} takes {slowest.per_microbatch_ns / fastest.per_microbatch_ns:.2f}x "
                   f"as long per micro-batch as replica {fastest.replica}")
-        new = replace(layout, replicas=tuple(replace(r, microbatch_ids=ids[r.index])
+        new = replace(layout, replicas=tuple(r.keeping_chunks(r.stages, tuple(ids[r.index]))
                                              for r in layout.replicas))
         return Rebalance(new, gain, reason)
 
@@ -239,13 +243,15 @@ def _restage(stages: tuple[StageInstance, ...], counts: tuple[int, ...]) -> tupl
     return tuple(restaged)
 
 
-def _at_least_one_each(counts: dict[int, int]) -> dict[int, int]:
-    """Keep every replica busy with one micro-batch at least: a replica with none would still
-    take part in every collective of the step while contributing nothing."""
+def _at_least(counts: dict[int, int], minimum: dict[int, int]) -> dict[int, int]:
+    """Give every replica its ``minimum`` of micro-batches (one at least: a replica with none
+    would still take part in every collective of the step while contributing nothing), taken
+    from those with the most to spare. The layout re-dealt meets the minimums, so the total
+    covers them."""
     counts = dict(counts)
     for replica in counts:
-        if counts[replica] == 0:
-            donor = max(counts, key=lambda r: (counts[r], -r))
+        while counts[replica] < minimum[replica]:
+            donor = max(counts, key=lambda r: (counts[r] - minimum[r], -r))
             counts[donor] -= 1
-            counts[replica] = 1
+            counts[replica] += 1
     return counts
