@@ -3,8 +3,11 @@
 The loop megatron-core's own examples use (GPTModel, DDP, the distributed optimizer,
 ``get_forward_backward_func``) on random tokens, with none of the plugin: no layout-invariant
 init, no metrics reduction, no patches beyond what the device needs to run at all (off CUDA, the
-device compatibility layer; megatron-core cannot run on CPU without it). Prints one JSON line per
-iteration: ``{"iteration": i, "step_time_s": t}``. Launch with ``elaswave-run``.
+device compatibility layer; megatron-core cannot run on CPU without it). Each timed step is what
+Megatron-LM's ``train_step`` does: zero the gradients, the schedule, the optimizer step, the LR
+schedule's step and, on last-stage ranks, the loss summed over the data-parallel group. Prints
+one JSON line per iteration: ``{"iteration": i, "step_time_s": t}``. Launch with
+``elaswave-run``.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def main() -> None:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -89,7 +93,13 @@ def main() -> None:
     model = DistributedDataParallel(config, DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True), gpt)
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True), [model])
+        OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=0.0, use_distributed_optimizer=True),
+        [model])
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=1e-3, min_lr=0.0, lr_warmup_steps=0,
+        lr_decay_steps=args.train_iters * args.global_batch_size, lr_decay_style="linear",
+        start_wd=0.0, end_wd=0.0, wd_incr_steps=args.train_iters * args.global_batch_size,
+        wd_incr_style="constant")
     forward_backward = get_forward_backward_func()
     dp_rank = parallel_state.get_data_parallel_rank()
     dp = parallel_state.get_data_parallel_world_size()
@@ -122,10 +132,16 @@ def main() -> None:
         start = time.perf_counter()
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        forward_backward(forward_step_func=forward_step, data_iterator=data, model=[model],
-                         num_microbatches=num_microbatches, seq_length=args.seq_length,
-                         micro_batch_size=args.micro_batch_size, forward_only=False)
+        losses = forward_backward(forward_step_func=forward_step, data_iterator=data,
+                                  model=[model], num_microbatches=num_microbatches,
+                                  seq_length=args.seq_length,
+                                  micro_batch_size=args.micro_batch_size, forward_only=False)
         optimizer.step()
+        scheduler.step(increment=args.global_batch_size)
+        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+            loss = torch.vstack([entry["lm loss"].view(-1) for entry in losses]).sum(dim=0)
+            dist.all_reduce(loss, group=parallel_state.get_data_parallel_group(
+                with_context_parallel=True))
         backend.synchronize()
         step_time = time.perf_counter() - start
         if dist.get_rank() == 0:
