@@ -13,7 +13,8 @@ Guarantees:
   copied and checksummed: :meth:`SnapshotStore.capture` returns a complete one, and
   :meth:`SnapshotStore.start_capture` one that :meth:`SnapshotStore.complete` finishes later (on
   CUDA the copies run meanwhile). When :meth:`SnapshotStore.replicate` returns, every buddy's copy
-  has arrived and every send has completed.
+  has arrived and every send has completed; :meth:`SnapshotStore.replicate_when_captured` runs it
+  on a thread of the store, and every copy that arrives there is held as it arrives.
 * **Checksums.** Every tensor is checksummed (CRC-32) per chunk of ``chunk_bytes`` when captured,
   and replicas carry their sender's checksums. Each read (:meth:`SnapshotStore.restore`), of an
   own snapshot or of a replica, verifies them: a snapshot that does not match, whether it was
@@ -35,6 +36,7 @@ from __future__ import annotations
 import math
 import os
 import pickle
+import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -249,22 +251,27 @@ class SnapshotStore:
         self.rank = rank
         self.config = config
         self._held: dict[tuple[int, int], Snapshot] = {}
+        self._held_lock = threading.Lock()
+        """Replicas arrive on the exchange thread (:meth:`replicate_when_captured`)."""
         self._copy_stream = None
         """The side stream of device-to-host copies, made at the first capture from CUDA."""
         self._sealer: ThreadPoolExecutor | None = None
         """Waits for each capture's copies and checksums them, one capture after the other."""
         self._checksum_pool: ThreadPoolExecutor | None = None
+        self._exchanger: ThreadPoolExecutor | None = None
+        """Runs :meth:`replicate_when_captured`."""
 
     def _payload_buffer(self, rank: int, iteration: int, nbytes: int,
                         pinned: bool = False) -> torch.Tensor:
         """The payload of ``rank``'s snapshot two iterations back (about to be dropped) when it
         fits, else a new buffer: steady-state steps allocate nothing. A snapshot whose buffer is
         taken is no longer held."""
-        previous = self._held.get((rank, iteration - 2))
-        if (previous is not None and previous.payload.numel() == nbytes
-                and previous.payload.is_pinned() == pinned):
-            del self._held[(rank, iteration - 2)]
-            return previous.payload
+        with self._held_lock:
+            previous = self._held.get((rank, iteration - 2))
+            if (previous is not None and previous.payload.numel() == nbytes
+                    and previous.payload.is_pinned() == pinned):
+                del self._held[(rank, iteration - 2)]
+                return previous.payload
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
     # -- capture and restore -------------------------------------------------------------------
@@ -321,29 +328,48 @@ class SnapshotStore:
 
     def restore(self, rank: int, iteration: int) -> tuple[dict[str, torch.Tensor], dict]:
         """The verified tensors and state of ``rank`` at ``iteration``."""
-        snapshot = self._held.get((rank, iteration))
+        with self._held_lock:
+            snapshot = self._held.get((rank, iteration))
         if snapshot is None:
             raise SnapshotMissing(f"no snapshot of rank {rank} at iteration {iteration} here "
-                                  f"(held: {sorted(self._held)})")
+                                  f"(held: {self.held()})")
         snapshot.verify()
         return snapshot.tensors, pickle.loads(snapshot.state)
 
     def held(self) -> list[tuple[int, int]]:
         """``(rank, iteration)`` of every snapshot held, own and replicated."""
-        return sorted(self._held)
+        with self._held_lock:
+            return sorted(self._held)
 
     @property
     def bytes_held(self) -> int:
-        return sum(s.nbytes for s in self._held.values())
+        with self._held_lock:
+            return sum(s.nbytes for s in self._held.values())
 
     def _keep(self, snapshot: Snapshot) -> None:
-        self._held[(snapshot.rank, snapshot.iteration)] = snapshot
-        # Double buffering: per rank, only the two most recent iterations stay.
-        iterations = sorted(i for r, i in self._held if r == snapshot.rank)
-        for stale in iterations[:-2]:
-            del self._held[(snapshot.rank, stale)]
+        with self._held_lock:
+            self._held[(snapshot.rank, snapshot.iteration)] = snapshot
+            # Double buffering: per rank, only the two most recent iterations stay.
+            iterations = sorted(i for r, i in self._held if r == snapshot.rank)
+            for stale in iterations[:-2]:
+                del self._held[(snapshot.rank, stale)]
 
     # -- replication ---------------------------------------------------------------------------
+
+    def replicate_when_captured(self, pending: PendingSnapshot, send_to: list[int],
+                                receive_from: list[int],
+                                group: dist.ProcessGroup | None = None) -> Future:
+        """:meth:`replicate` the snapshot of ``pending`` once its copies are checksummed, on a
+        thread of the store; the future ends with the exchange. Nothing else may send or receive
+        point-to-point on ``group`` until then (its collectives may run)."""
+        if self._exchanger is None:
+            self._exchanger = ThreadPoolExecutor(1, thread_name_prefix="elaswave-snapshot-exchange")
+
+        def exchange() -> None:
+            pending.wait()
+            self.replicate(pending.snapshot, send_to, receive_from, group=group)
+
+        return self._exchanger.submit(exchange)
 
     def replicate(self, snapshot: Snapshot, send_to: list[int], receive_from: list[int],
                   group: dist.ProcessGroup | None = None) -> None:

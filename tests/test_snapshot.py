@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -90,9 +91,10 @@ def test_step_snapshots_settle_in_the_next_step_with_overlap():
     snapshots.settle()
     assert not snapshots.pending and snapshots.store.held() == [(0, 1)]
     snapshots.after_step(2, None, scheduler, 16, tensors=shard(0, 2))
-    snapshots.discard()  # a failure came first: iteration 1 is what a rollback finds
-    assert not snapshots.pending and snapshots.store.held() == [(0, 1)]
-    assert snapshots.store.restore(0, 1)[1]["consumed_samples"] == 8
+    # A failure came first: the capture of iteration 2 is complete, so it is held all the same.
+    snapshots.discard()
+    assert not snapshots.pending and snapshots.store.held() == [(0, 1), (0, 2)]
+    assert snapshots.store.restore(0, 2)[1]["consumed_samples"] == 16
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -161,6 +163,31 @@ def test_a_copy_that_arrived_is_kept_when_a_send_to_its_dead_sender_fails(monkey
     with pytest.raises(RuntimeError, match="reset by peer"):
         buddy.replicate(buddy.capture(5, shard(0, 5), {}), send_to=[1], receive_from=[1])
     assert buddy.held() == [(0, 5), (1, 5)]
+
+
+def test_an_exchange_runs_on_a_thread_and_a_failure_that_ends_it_loses_no_arrived_copy(
+        monkeypatch):
+    loopback = Loopback()
+    monkeypatch.setattr(snapshot_module, "dist", loopback)
+    sender, buddy = SnapshotStore(rank=1), SnapshotStore(rank=0)
+    exchanges = []
+    replicate = snapshot_module.SnapshotStore.replicate
+
+    def replicate_on_record(store, *args, **kwargs):
+        exchanges.append(threading.current_thread().name)
+        return replicate(store, *args, **kwargs)
+
+    monkeypatch.setattr(snapshot_module.SnapshotStore, "replicate", replicate_on_record)
+    sent = sender.replicate_when_captured(sender.start_capture(5, shard(1, 5), {}), [0], [])
+    sent.result()
+    loopback.peer_died = True  # rank 1 dies once its copy is out
+    received = buddy.replicate_when_captured(buddy.start_capture(5, shard(0, 5), {}), [1], [1])
+    with pytest.raises(RuntimeError, match="reset by peer"):
+        received.result()
+    assert exchanges and all(name.startswith("elaswave-snapshot-exchange") for name in exchanges)
+    assert buddy.held() == [(1, 5)]  # its own is held once settled (or discarded)
+    assert all(torch.equal(buddy.restore(1, 5)[0][name], tensor)
+               for name, tensor in shard(1, 5).items())
 
 
 def test_rng_states_survive_a_pickle(monkeypatch):

@@ -110,9 +110,10 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> None:
                        help="buddy ranks that hold a copy of each rank's snapshot (default 1)")
     group.add_argument("--elastic-snapshot-overlap", choices=("auto", "on", "off"), default="auto",
                        help="finish each step's snapshot in the next step, before its optimizer "
-                            "step, so that its device-to-host copies overlap the forward and "
-                            "backward (a failure before then rolls back one iteration further); "
-                            "auto: on CUDA")
+                            "step, so that its device-to-host copies and its exchange with the "
+                            "buddies overlap the forward and backward (a failure before then "
+                            "rolls back one iteration further if the snapshot of a rank it took "
+                            "had not reached its buddy); auto: on CUDA")
     group.add_argument("--elastic-policy", choices=("elaswave", "drop-replica", "reroute"),
                        default="elaswave",
                        help="after a failure: elaswave (reshard layers, micro-batches and state), "

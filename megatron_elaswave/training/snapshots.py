@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+from concurrent.futures import Future
 
 import numpy
 import torch
@@ -77,7 +78,8 @@ class StepSnapshots:
 
     With ``config.overlap`` a step's snapshot is finished (:meth:`settle`) in the next step, just
     before its optimizer step, which is the first to write the snapshotted tensors again; until
-    then it is :attr:`pending` and not held.
+    then it is :attr:`pending`, and its exchange with the buddies runs on a thread of the store
+    beside the next step's forward and backward.
     """
 
     def __init__(self, layout: Layout, rank: int, config: SnapshotConfig,
@@ -95,6 +97,8 @@ class StepSnapshots:
         self.receive_from = [r for r in members
                              if copies and rank in buddy_ranks(layout, r, copies, per_node)]
         self._pending: PendingSnapshot | None = None
+        self._exchanged: Future | None = None
+        """The pending snapshot's exchange with the buddies, when it runs on a thread."""
         holders = sorted(layout.active_ranks())
         self._in_group = (lambda r: r) if group is None else holders.index
 
@@ -102,8 +106,8 @@ class StepSnapshots:
                    consumed_samples: int, tensors: dict[str, torch.Tensor] | None = None,
                    **extra_state) -> None:
         """Snapshot ``tensors`` (by default the optimizer shard by optimizer-local names) and the
-        small state, and exchange replicas with the buddies, now or (with ``config.overlap``)
-        at :meth:`settle`."""
+        small state, and exchange replicas with the buddies: now, or (with ``config.overlap``)
+        on a thread, settled at :meth:`settle`."""
         state = {"iteration": iteration, "consumed_samples": consumed_samples,
                  "scheduler": scheduler.state_dict(), "rng": rng_states(), **extra_state}
         tensors = main_params_and_states(optimizer) if tensors is None else tensors
@@ -111,6 +115,13 @@ class StepSnapshots:
         self._pending = self.store.start_capture(iteration, tensors, state)
         if not self.store.config.overlap:
             self.settle()
+        elif self.send_to or self.receive_from:
+            self._exchanged = self.store.replicate_when_captured(
+                self._pending, *self._peers_in_group(), group=self.group)
+
+    def _peers_in_group(self) -> tuple[list[int], list[int]]:
+        return ([self._in_group(r) for r in self.send_to],
+                [self._in_group(r) for r in self.receive_from])
 
     @property
     def pending(self) -> bool:
@@ -118,21 +129,30 @@ class StepSnapshots:
         return self._pending is not None
 
     def settle(self) -> None:
-        """Finish the pending snapshot and exchange replicas with the buddies (collective among
-        them, like :meth:`after_step`); nothing if none is pending."""
+        """Finish the pending snapshot and its exchange of replicas with the buddies (collective
+        among them, like :meth:`after_step`); nothing if none is pending. Raises what the
+        exchange raised (a failure that ended it)."""
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
+        exchanged, self._exchanged = self._exchanged, None
         snapshot = self.store.complete(pending)
-        if self.send_to or self.receive_from:
-            self.store.replicate(snapshot, [self._in_group(r) for r in self.send_to],
-                                 [self._in_group(r) for r in self.receive_from], group=self.group)
+        if exchanged is not None:
+            exchanged.result()
+        elif self.send_to or self.receive_from:
+            self.store.replicate(snapshot, *self._peers_in_group(), group=self.group)
 
     def discard(self) -> None:
-        """Drop the pending snapshot (a failure came first), once its copies are done."""
+        """A failure came before :meth:`settle`: hold the pending snapshot anyway, once its
+        copies are checksummed (it is the state after its step, whatever failed since), and end
+        its exchange with the buddies: the replicas that arrived are held, the failure ends the
+        rest."""
+        if self._exchanged is not None:
+            self._exchanged.exception()  # completed, or ended by the failure: either is fine
+            self._exchanged = None
         if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
+            pending, self._pending = self._pending, None
+            self.store.complete(pending)
 
     @property
     def bytes_held(self) -> int:

@@ -3,8 +3,8 @@
 Four arms of ``pretrain_gpt.py`` on the same job, alternating: no snapshots; snapshots kept
 locally (``--elastic-snapshot-replicas 0``); snapshots replicated to one buddy (K=1, the
 default); the same, each settled in the next step before its optimizer step
-(``--elastic-snapshot-overlap on``, the default on CUDA, where the device-to-host copies then
-overlap the forward and backward). Prints the median iteration time of each arm, their ratios to
+(``--elastic-snapshot-overlap on``, the default on CUDA): its exchange with the buddy runs on a
+thread beside the next step's forward and backward, and on CUDA its device-to-host copies too. Prints the median iteration time of each arm, their ratios to
 the arm without snapshots (target: at most 1.05) and the snapshot bytes held per rank.
 """
 
