@@ -82,6 +82,12 @@ _BLOCK_BYTES = 256 << 10
 """Bytes :func:`copy_checksummed` copies then checksums at a time: small enough to stay in the
 core's cache in between (larger blocks measured slower on tensors of tens of MB)."""
 
+SNAPSHOT_TAG = 3
+"""Point-to-point tag of the exchange of replicas: on the thread of
+:meth:`SnapshotStore.replicate_when_captured` it may share its group with a pipeline's sends and
+receives (tag 0, when the group's ranks are one pipeline) and never meets them; migrations use
+tags 1 and 2."""
+
 _STATE = "__state__"
 """Key of the small state's checksums, beside the tensors' names."""
 
@@ -236,8 +242,9 @@ class PendingSnapshot:
 
     def wait(self) -> None:
         """Return once the copies are done and checksummed; raises what checksumming raised."""
-        if self.sealed is not None:
-            self.sealed.result()
+        sealed = self.sealed  # read once: completing the snapshot clears it on another thread
+        if sealed is not None:
+            sealed.result()
 
 
 _CHECKSUM_THREADS = min(8, os.cpu_count() or 1)
@@ -336,6 +343,14 @@ class SnapshotStore:
         snapshot.verify()
         return snapshot.tensors, pickle.loads(snapshot.state)
 
+    def forget_after(self, iteration: int) -> None:
+        """Drop every snapshot, own or replicated, of an iteration after ``iteration``: after a
+        rollback to ``iteration`` they belong to steps that are run again, and possibly to a
+        layout gone since, and a later rollback must not take them for state that survives."""
+        with self._held_lock:
+            for key in [key for key in self._held if key[1] > iteration]:
+                del self._held[key]
+
     def held(self) -> list[tuple[int, int]]:
         """``(rank, iteration)`` of every snapshot held, own and replicated."""
         with self._held_lock:
@@ -390,16 +405,17 @@ class SnapshotStore:
         # streams in without this rank waking up after the header: on a busy host every
         # wake-up waits for a core.
         peer_sizes = {peer: torch.empty(2, dtype=torch.int64) for peer in receive_from}
-        size_requests = [dist.irecv(size, group=group, group_src=peer)
+        size_requests = [dist.irecv(size, group=group, tag=SNAPSHOT_TAG, group_src=peer)
                          for peer, size in peer_sizes.items()]
-        sends = [dist.isend(message, group=group, group_dst=peer)
+        sends = [dist.isend(message, group=group, tag=SNAPSHOT_TAG, group_dst=peer)
                  for peer in send_to for message in (sizes, header_tensor, snapshot.payload)]
         for request in size_requests:
             p2p_wait(request, group)
         incoming = {peer: (torch.empty(int(size[0]), dtype=torch.uint8),
                            self._payload_buffer(peer, snapshot.iteration, int(size[1])))
                     for peer, size in peer_sizes.items()}
-        receives = {peer: [dist.irecv(message, group=group, group_src=peer) for message in messages]
+        receives = {peer: [dist.irecv(message, group=group, tag=SNAPSHOT_TAG, group_src=peer)
+                           for message in messages]
                     for peer, messages in incoming.items()}
         for peer, (peer_header, peer_payload) in incoming.items():
             for request in receives[peer]:

@@ -120,8 +120,10 @@ class Loopback:
     def __init__(self) -> None:
         self.queue: deque[torch.Tensor] = deque()
         self.peer_died = False
+        self.tags: set[int] = set()
 
-    def isend(self, tensor, group=None, group_dst=None):
+    def isend(self, tensor, group=None, tag=0, group_dst=None):
+        self.tags.add(tag)
         self.queue.append(tensor.clone())
         return SimpleNamespace(wait=self._send_done)
 
@@ -129,7 +131,8 @@ class Loopback:
         if self.peer_died:
             raise RuntimeError("Connection reset by peer")
 
-    def irecv(self, tensor, group=None, group_src=None):
+    def irecv(self, tensor, group=None, tag=0, group_src=None):
+        self.tags.add(tag)
         return SimpleNamespace(wait=lambda: tensor.copy_(self.queue.popleft()))
 
 
@@ -185,9 +188,21 @@ def test_an_exchange_runs_on_a_thread_and_a_failure_that_ends_it_loses_no_arrive
     with pytest.raises(RuntimeError, match="reset by peer"):
         received.result()
     assert exchanges and all(name.startswith("elaswave-snapshot-exchange") for name in exchanges)
+    # Never matched with a pipeline's messages (tag 0) on a group that is also a pipeline's.
+    assert loopback.tags == {snapshot_module.SNAPSHOT_TAG} != {0}
     assert buddy.held() == [(1, 5)]  # its own is held once settled (or discarded)
     assert all(torch.equal(buddy.restore(1, 5)[0][name], tensor)
                for name, tensor in shard(1, 5).items())
+
+
+def test_a_rollback_forgets_the_snapshots_of_the_steps_it_runs_again():
+    store = SnapshotStore(rank=0)
+    for iteration in (4, 5):
+        store.capture(iteration, shard(0, iteration), {})
+    store._keep(SnapshotStore(rank=1).capture(5, shard(1, 5), {}))  # rank 1's replica
+    assert store.held() == [(0, 4), (0, 5), (1, 5)]
+    store.forget_after(4)
+    assert store.held() == [(0, 4)]
 
 
 def test_rng_states_survive_a_pickle(monkeypatch):

@@ -428,6 +428,7 @@ class ElasticTrainer(Trainer):
         self.snapshots.discard()
         iteration = restore.rollback_iteration(self.snapshots.store.held(),
                                                self.state_layout.active_ranks())
+        self.snapshots.store.forget_after(iteration)
         # This rank serves every snapshot of that iteration it holds: its own and its replicas
         # of others, whatever layout took them. Pieces are named globally and the state of an
         # iteration is the same in every layout, so an older layout's replica covers what a

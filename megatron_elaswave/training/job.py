@@ -175,6 +175,7 @@ def watch_startup(args: argparse.Namespace, rank: int,
 def train_without_elastic(args: argparse.Namespace, backend: DeviceBackend, rank: int,
                           tokenizer) -> None:
     """Megatron's own path: no failure is survived."""
+    trainer = None
     try:
         trainer = build_trainer(args, backend, rank, tokenizer)
         objects = trainer.objects
@@ -203,4 +204,6 @@ def train_without_elastic(args: argparse.Namespace, backend: DeviceBackend, rank
             save()
         trainer.metrics.close()
     finally:
+        if trainer is not None and trainer.snapshots is not None:
+            trainer.snapshots.discard()  # no exchange of replicas in flight as the groups go
         shutdown()
