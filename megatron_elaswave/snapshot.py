@@ -375,8 +375,8 @@ class SnapshotStore:
                                 receive_from: list[int],
                                 group: dist.ProcessGroup | None = None) -> Future:
         """:meth:`replicate` the snapshot of ``pending`` once its copies are checksummed, on a
-        thread of the store; the future ends with the exchange. Nothing else may send or receive
-        point-to-point on ``group`` until then (its collectives may run)."""
+        thread of the store; the future ends with the exchange. Meanwhile the group may carry
+        anything but other messages tagged :data:`SNAPSHOT_TAG`."""
         if self._exchanger is None:
             self._exchanger = ThreadPoolExecutor(1, thread_name_prefix="elaswave-snapshot-exchange")
 
