@@ -111,6 +111,11 @@ def node_lost_key(node_rank: int) -> str:
 
 # -- failure detection and agreement -----------------------------------------------------------
 
+ALERT_COUNT_KEY = "rt/alerts"
+"""A counter bumped after each write the monitors must notice (a death record, a failure
+announcement): a monitor polls this one key and reads the rest only when it moved."""
+
+
 def heartbeat_key(rank: int) -> str:
     return f"rt/heartbeat/{rank}"
 

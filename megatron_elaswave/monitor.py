@@ -26,8 +26,10 @@ timeout although every pair is closed), so the monitor ends the process itself, 
 message and status, once the committed decision has excluded it for ``exclusion_grace_s``.
 
 Its keys are ``rt/heartbeat/<rank>`` (a counter), ``rt/gen<g>/round`` (the first
-:class:`FailureNotice` of generation ``g``; its presence starts the agreement) and
-``rt/join/<rank>`` (a replacement asks to join), named in :mod:`megatron_elaswave.keys`.
+:class:`FailureNotice` of generation ``g``; its presence starts the agreement),
+``rt/join/<rank>`` (a replacement asks to join) and ``rt/alerts`` (bumped after every death
+record and announcement, so that a poll with nothing new is one store round trip), named in
+:mod:`megatron_elaswave.keys`.
 
 Ranks are launch ranks (``RANK`` as set by the launcher) throughout: they identify a process for
 the whole job, whatever its rank in the process group of the current generation.
@@ -46,7 +48,13 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 from megatron_elaswave.decisions import Decision, Excluded
-from megatron_elaswave.keys import decision_key, heartbeat_key, join_key, round_key
+from megatron_elaswave.keys import (
+    ALERT_COUNT_KEY,
+    decision_key,
+    heartbeat_key,
+    join_key,
+    round_key,
+)
 from megatron_elaswave.store import WorkerDeath, read_deaths
 from megatron_elaswave.world import abort_collectives
 
@@ -215,6 +223,9 @@ class FailureMonitor:
         """The recorded death of each rank's current process, as read so far, and when it was
         read."""
         self._death_cursor = len(read_deaths(self._store)) if skip_recorded_deaths else 0
+        self._alerts_seen: int | None = None
+        """The alert count when deaths and announcements were last read; ``None``: read them
+        at the next poll (the generation changed)."""
         self._job_size = max(decision.survivors) + 1 if job_size is None else job_size
         self._waiting: frozenset[int] = frozenset()
         self._beats = self._fresh_beats()
@@ -305,6 +316,7 @@ class FailureMonitor:
             self._waiting = frozenset()
             for rank in decision.joined:
                 self._dead.pop(rank, None)
+            self._alerts_seen = None  # the new generation's round may be announced already
         self.failure_detected.clear()
 
     def start(self) -> None:
@@ -333,13 +345,20 @@ class FailureMonitor:
         try:
             while not self._stopping.is_set():
                 now = time.monotonic()
-                if now >= next_beat and not self.excluded():
+                beating = now >= next_beat
+                if beating and not self.excluded():
                     self._beat()
                     self._check_heartbeats()
                     self._check_join_requests()
                     next_beat = now + self.config.heartbeat_interval_s
-                self._read_deaths()
-                self._check_announcement()
+                # One store round trip per quiet poll; every beat reads everything anyway, in
+                # case a writer died between its write and its bump of the alert count.
+                alerts = self._store.add(ALERT_COUNT_KEY, 0)
+                if beating or alerts != self._alerts_seen:
+                    self._alerts_seen = alerts
+                    self._read_deaths()
+                    self._check_announcement()
+                self._suspect_dead_members()
                 self._check_exclusion()
                 self._stopping.wait(self.config.poll_interval_s)
         except RuntimeError as error:  # torch's store errors
@@ -386,6 +405,11 @@ class FailureMonitor:
             self._death_cursor += len(deaths)
             for death in deaths:
                 self._dead.setdefault(death.rank, (death, read_at))
+
+    def _suspect_dead_members(self) -> None:
+        """Suspect every member whose death was read, this generation's or an earlier one's (a
+        death read during an agreement that kept its rank)."""
+        with self._lock:
             dead = [self._dead[rank] for rank in self._members if rank in self._dead]
         for death, read_at in dead:
             self._suspect(Suspicion(death.rank, DEATH, read_at, death.describe()))
@@ -453,6 +477,7 @@ class FailureMonitor:
         self._on_failure()
         if announce and not self.excluded():
             self._store.compare_set(round_key(notice.generation), "", notice.to_json())
+            self._store.add(ALERT_COUNT_KEY, 1)
 
 
 def leave_job(excluded: Excluded) -> None:

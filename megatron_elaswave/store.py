@@ -27,7 +27,13 @@ from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from megatron_elaswave.keys import DEATH_COUNT_KEY, death_key, exit_key, worker_key
+from megatron_elaswave.keys import (
+    ALERT_COUNT_KEY,
+    DEATH_COUNT_KEY,
+    death_key,
+    exit_key,
+    worker_key,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import Store, TCPStore
@@ -171,6 +177,7 @@ def record_death(store: Store, death: WorkerDeath) -> int:
     """Append ``death`` to the job's death list; returns its index."""
     index = store.add(DEATH_COUNT_KEY, 1) - 1
     store.set(death_key(index), to_json(death))
+    store.add(ALERT_COUNT_KEY, 1)
     return index
 
 

@@ -22,9 +22,21 @@ from hypothesis import strategies as st
 
 from megatron_elaswave.agreement import AGREEMENT_DELAY_ENV
 from megatron_elaswave.decisions import Decision
-from megatron_elaswave.keys import decision_key, heartbeat_key, joined_key
-from megatron_elaswave.monitor import HEARTBEAT, FailureMonitor, MonitorConfig
-from megatron_elaswave.store import WorkerDeath
+from megatron_elaswave.keys import (
+    ALERT_COUNT_KEY,
+    decision_key,
+    heartbeat_key,
+    joined_key,
+    round_key,
+)
+from megatron_elaswave.monitor import (
+    ANNOUNCED,
+    HEARTBEAT,
+    FailureMonitor,
+    FailureNotice,
+    MonitorConfig,
+)
+from megatron_elaswave.store import WorkerDeath, record_death
 
 multiprocess = pytest.mark.multiprocess
 
@@ -118,6 +130,54 @@ def test_an_excluded_process_stuck_in_its_loop_exits_with_the_exclusion_message(
         process.kill()
     assert process.returncode == 1, stderr
     assert "rank 2 was excluded from the job" in stderr and "Traceback" not in stderr, stderr
+
+
+class RecordingStore:
+    """A store whose clones log every call (the monitor watches through a clone)."""
+
+    def __init__(self, store, calls: list | None = None) -> None:
+        self._store, self.calls = store, [] if calls is None else calls
+
+    def clone(self) -> RecordingStore:
+        return RecordingStore(self._store.clone(), self.calls)
+
+    def __getattr__(self, name: str):
+        method = getattr(self._store, name)
+
+        def call(*args):
+            self.calls.append((time.monotonic(), name, args))
+            return method(*args)
+        return call
+
+
+def test_a_quiet_poll_is_one_store_round_trip_and_a_recorded_death_is_read_at_once(store):
+    beat_s = 2.0
+    config = MonitorConfig(heartbeat_interval_s=beat_s, heartbeat_timeout_s=10.0,
+                           poll_interval_s=0.01)
+    recording = RecordingStore(store)
+    with FailureMonitor(recording, 0, Decision.initial(3), config,
+                        on_failure=lambda: None) as monitor:
+        started = time.monotonic()
+        time.sleep(beat_s / 2)  # polls, and the one beat at the start
+        quiet = [(name, args) for at, name, args in recording.calls if at > started + 0.2]
+        assert len(quiet) >= 10
+        assert set(quiet) == {("add", (ALERT_COUNT_KEY, 0))}
+        died_at = time.monotonic()
+        record_death(store, WorkerDeath(rank=2, local_rank=2, node_rank=0, pid=12, exit_code=None,
+                                        signal="SIGKILL", cause="signal", time=time.time()))
+        wait_until(lambda: monitor.failure is not None, 5, "the death to be noticed")
+        assert time.monotonic() - died_at < beat_s / 2  # at a poll, not at the next beat
+        assert list(monitor.suspects()) == [2]
+
+
+def test_an_announcement_whose_writer_died_before_bumping_the_alerts_is_read_at_a_beat(store):
+    config = MonitorConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=10.0)
+    with FailureMonitor(store, 0, Decision.initial(3), config, on_failure=lambda: None) as monitor:
+        time.sleep(0.3)
+        notice = FailureNotice(0, 1, HEARTBEAT, "rank 2: no heartbeat for 9.0 s", time.time())
+        store.set(round_key(0), notice.to_json())  # and no bump of the alert count
+        wait_until(lambda: monitor.failure is not None, 5, "the announcement to be read")
+        assert monitor.failure.cause == ANNOUNCED and "rank 2: no heartbeat" in monitor.failure.detail
 
 
 # --- helpers for the multi-process tests ----------------------------------------------------
