@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import socket
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -68,16 +70,43 @@ def pretrain_records(flags: Sequence[str], nproc: int) -> list[dict]:
     return [r for r in pretrain_metrics(flags, nproc) if r["event"] == "iteration"]
 
 
+@dataclass
+class Alternated:
+    """The per-iteration times (after warm-up) of every run of every arm, by round."""
+
+    runs: dict[str, list[list[float]]]
+
+    def pooled(self, arm: str) -> list[float]:
+        """Every iteration time of ``arm``, all rounds together."""
+        return [time for run in self.runs[arm] for time in run]
+
+    def median(self, arm: str) -> float:
+        return statistics.median(self.pooled(arm))
+
+    def round_ratios(self, arm: str, base: str) -> list[float]:
+        """Per round, the median iteration time of ``arm``'s run over that of ``base``'s."""
+        return [statistics.median(run) / statistics.median(base_run)
+                for run, base_run in zip(self.runs[arm], self.runs[base], strict=True)]
+
+    def paired_ratio(self, arm: str, base: str) -> float:
+        """The median of :meth:`round_ratios`: runs of one round are minutes apart, so a
+        machine slowed for a while moves one round's ratio, not this figure."""
+        return statistics.median(self.round_ratios(arm, base))
+
+
 def alternate(arms: dict[str, Callable[[], list[float]]], rounds: int, warmup: int,
-              report: Callable[[str], None] = print) -> dict[str, list[float]]:
-    """Run every arm ``rounds`` times in rotating order; per-iteration times after warm-up."""
+              report: Callable[[str], None] = print) -> Alternated:
+    """Run every arm ``rounds`` times in rotating order, dropping ``warmup`` iterations of each
+    run. A first run of the first arm is not counted: a benchmark's first run has been seen
+    half again as slow as the rest on a machine that did other work just before."""
     names = list(arms)
-    times: dict[str, list[float]] = {name: [] for name in names}
+    runs: dict[str, list[list[float]]] = {name: [] for name in names}
+    arms[names[0]]()
     for round_index in range(rounds):
         order = names[round_index % len(names):] + names[:round_index % len(names)]
         for name in order:
             run = arms[name]()[warmup:]
-            times[name].extend(run)
-            report(f"  {name:12s} run: median {sorted(run)[len(run) // 2] * 1e3:.1f} ms "
+            runs[name].append(run)
+            report(f"  {name:12s} run: median {statistics.median(run) * 1e3:.1f} ms "
                    f"over {len(run)} iterations")
-    return times
+    return Alternated(runs)

@@ -2,17 +2,19 @@
 
 Four arms of ``pretrain_gpt.py`` on the same job, alternating: no snapshots; snapshots kept
 locally (``--elastic-snapshot-replicas 0``); snapshots replicated to one buddy (K=1, the
-default); the same, each settled in the next step before its optimizer step
-(``--elastic-snapshot-overlap on``, the default on CUDA): its exchange with the buddy runs on a
-thread beside the next step's forward and backward, and on CUDA its device-to-host copies too. Prints the median iteration time of each arm, their ratios to
-the arm without snapshots (target: at most 1.05) and the snapshot bytes held per rank.
+default), each settled in its own step (``--elastic-snapshot-overlap off``); the same, each
+settled in the next step before its optimizer step (``--elastic-snapshot-overlap on``, the
+default): its exchange with the buddy runs on a thread beside the next step's forward and
+backward, and on CUDA its device-to-host copies too.
+Prints the median iteration time of each arm, their ratios to the arm without snapshots (the
+median over rounds of the runs' ratio within a round; target: at most 1.05) and the snapshot
+bytes held per rank.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 from common import alternate, mock_gpt_flags, pretrain_records
 
@@ -56,14 +58,14 @@ def main() -> None:
 
     times = alternate({name: arm(name) for name in arms_flags}, args.rounds, args.warmup_iters,
                       report=(lambda line: None) if args.json else print)
-    medians = {name: statistics.median(values) for name, values in times.items()}
+    medians = {name: times.median(name) for name in arms_flags}
     summary = {
         "median_s": medians,
-        "ratio_local": medians["local"] / medians["none"],
-        "ratio_replicated": medians["replicated"] / medians["none"],
-        "ratio_overlapped": medians["overlapped"] / medians["none"],
+        "ratio_local": times.paired_ratio("local", "none"),
+        "ratio_replicated": times.paired_ratio("replicated", "none"),
+        "ratio_overlapped": times.paired_ratio("overlapped", "none"),
         "snapshot_bytes_rank0": {k: v for k, v in snapshot_bytes.items() if k != "none"},
-        "iterations_per_arm": len(times["none"]),
+        "iterations_per_arm": len(times.pooled("none")),
     }
     if args.json:
         print(json.dumps(summary))

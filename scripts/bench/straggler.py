@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 from common import alternate, mock_gpt_flags, pretrain_records
 
@@ -54,10 +53,10 @@ def main() -> None:
                        "static": arm("static", ["--elastic-rebalance-window", "0"])},
                       args.rounds, args.warmup_iters,
                       report=(lambda line: None) if args.json else print)
-    medians = {name: statistics.median(values) for name, values in times.items()}
+    medians = {name: times.median(name) for name in times.runs}
     summary = {"median_s": medians, "speedup": medians["static"] / medians["follow"],
                "layouts": layouts, "factor": args.factor, "data_parallel": args.data_parallel,
-               "iterations_per_arm": len(times["static"])}
+               "iterations_per_arm": len(times.pooled("static"))}
     if args.json:
         print(json.dumps(summary))
         return

@@ -52,7 +52,7 @@ def main() -> None:
                       report=(lambda line: None) if args.json else print)
     summary = {zero: {"bytes_moved": statistics.median(r["bytes_moved"] for r in recoveries[zero]),
                       "migrate_s": statistics.median(r["migrate_s"] for r in recoveries[zero]),
-                      "step_s": statistics.median(times[zero])}
+                      "step_s": times.median(zero)}
                for zero in recoveries}
     summary["bytes_ratio"] = summary["contiguous"]["bytes_moved"] / summary["interleaved"]["bytes_moved"]
     summary["step_ratio"] = summary["interleaved"]["step_s"] / summary["contiguous"]["step_s"]
