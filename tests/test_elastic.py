@@ -103,14 +103,16 @@ def reference(text_data, tmp_path_factory):  # noqa: F811
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("victims, overlap", [
-    ([(7, 4)], "off"), ([(0, 3)], "off"), ([(5, 3), (2, 8)], "on"), ([(1, 3), (5, 3)], "off")],
-    ids=["last-stage-rank-7", "rank-0", "two-failures-exchanges-overlapped", "a-whole-replica"])
+    ([(7, 4)], "on"), ([(0, 3)], "off"), ([(5, 3), (2, 8)], "on"), ([(1, 3), (5, 3)], "on")],
+    ids=["last-stage-rank-7", "rank-0-snapshots-settled-in-their-step", "two-failures",
+         "a-whole-replica"])
 def test_sigkilled_workers_leave_the_trajectory_unchanged(text_data, reference, tmp_path,  # noqa: F811
                                                           victims, overlap):
     """``a-whole-replica``: both stages of replica 0 lose a TP rank together; their snapshots
     are kept by the other replica, which then carries the whole global batch. With ``overlap``
-    on, each snapshot's exchange with its buddy runs on a thread while the next step trains,
-    and a kill lands whenever it lands relative to it."""
+    on (the default), each snapshot's exchange with its buddy runs on a thread while the next
+    step trains, and a kill lands whenever it lands relative to it; off, it is settled in its
+    own step."""
     flags = [*elastic_flags(text_data, tensor_model_parallel_size=2,
                             pipeline_model_parallel_size=2),
              "--elastic-snapshot-overlap", overlap]
@@ -272,40 +274,41 @@ def small_reference(text_data, tmp_path_factory):  # noqa: F811
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("phase", ["forward", "backward", "allreduce", "optimizer", "snapshot"])
+@pytest.mark.parametrize("phase, rolled_back_to", [
+    ("forward", (3, 4)), ("backward", (3, 4)), ("allreduce", (3, 4)), ("optimizer", (4,)),
+    ("snapshot", (4, 5))])
 def test_an_injected_kill_in_any_phase_is_survived(text_data, small_reference, tmp_path,  # noqa: F811
-                                                   phase):
-    reference = small_reference
+                                                   phase, rolled_back_to):
+    """Iteration 4's snapshot is finished in iteration 5, just before its optimizer step, its
+    exchange with the buddies running on a thread meanwhile (``--elastic-snapshot-overlap on``,
+    the default). A kill before that point rolls back to iteration 3, or to 4 if the killed
+    rank's copy had already reached its buddy; a kill after it to 4; a kill during iteration 5's
+    own snapshot may find 5 complete on every survivor. Either way each iteration is recorded
+    once and on the trajectory."""
     iterations, recoveries, output = run(
         tmp_path, "injected",
         [*small_flags(text_data), "--elastic-inject-failure", f"rank=1,iteration=5,phase={phase}"],
         nproc=4)
     assert f"rank 1 kill in the {phase} of iteration 5" in output
-    assert_on_trajectory(reference, iterations)
-    assert [r["failed_ranks"] for r in recoveries] == [[1]]
-    # A failure before the step's snapshot rolls back to iteration 4; one during the snapshot
-    # may find iteration 5 complete on every survivor and its replica.
-    assert recoveries[0]["rolled_back_to"] in ((4, 5) if phase == "snapshot" else (4,))
-
-
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("phase, rolled_back_to", [("forward", (3, 4)), ("optimizer", (4,))])
-def test_a_snapshot_settled_in_the_next_step_is_rolled_back_past_until_settled(
-        text_data, small_reference, tmp_path, phase, rolled_back_to):  # noqa: F811
-    """``--elastic-snapshot-overlap on`` (the default on CUDA): iteration 4's snapshot is finished
-    in iteration 5, just before its optimizer step, its exchange with the buddies running on a
-    thread meanwhile. A kill at the start of iteration 5 rolls back to iteration 3, or to 4 if
-    the killed rank's copy had already reached its buddy; a kill after the settling to 4. Either
-    way each iteration is recorded once and on the trajectory."""
-    iterations, recoveries, output = run(
-        tmp_path, "overlapped",
-        [*small_flags(text_data), "--elastic-snapshot-overlap", "on",
-         "--elastic-inject-failure", f"rank=1,iteration=5,phase={phase}"],
-        nproc=4)
-    assert f"rank 1 kill in the {phase} of iteration 5" in output
     assert_on_trajectory(small_reference, iterations)
     assert [r["failed_ranks"] for r in recoveries] == [[1]]
     assert recoveries[0]["rolled_back_to"] in rolled_back_to
+
+
+@pytest.mark.timeout(300)
+def test_a_snapshot_settled_in_its_own_step_is_never_rolled_back_past(
+        text_data, small_reference, tmp_path):  # noqa: F811
+    """``--elastic-snapshot-overlap off``: iteration 4's snapshot is held by rank 1's buddy
+    before iteration 5 starts, so a kill at its start rolls back to 4."""
+    iterations, recoveries, output = run(
+        tmp_path, "settled",
+        [*small_flags(text_data), "--elastic-snapshot-overlap", "off",
+         "--elastic-inject-failure", "rank=1,iteration=5,phase=forward"],
+        nproc=4)
+    assert "rank 1 kill in the forward of iteration 5" in output
+    assert_on_trajectory(small_reference, iterations)
+    assert [r["failed_ranks"] for r in recoveries] == [[1]]
+    assert recoveries[0]["rolled_back_to"] == 4
 
 
 @pytest.mark.timeout(120)
@@ -356,13 +359,18 @@ def test_reroute_keeps_the_batch_and_drop_replica_shrinks_it(text_data, small_re
         {"replica": 0, "stages": [{"ranks": [0], "layers": [0, 3]}, {"ranks": [2], "layers": [4, 7]}],
          "num_microbatches": 4}]
 
-    # Rank 0 this time: the replica left is replica 1, the only one.
-    dropped, _, _ = run(tmp_path, "drop",
-                        [*small_flags(text_data), "--elastic-inject-failure", "rank=0,iteration=5",
-                         "--elastic-policy", "drop-replica"], nproc=4)
-    assert [r["global_batch_size"] for r in dropped] == [8] * 4 + [4] * (TRAIN_ITERS - 4)
-    assert dropped[3] == {**dropped[3], "samples_digest": small_reference[3]["samples_digest"]}
-    assert dropped[4]["samples_digest"] != small_reference[4]["samples_digest"]
+    # Rank 0 this time: the replica left is replica 1, the only one. The iterations from the
+    # rollback on (to 3 or 4: iteration 4's snapshot is settled in 5) run on half the batch.
+    dropped, recoveries, _ = run(tmp_path, "drop",
+                                 [*small_flags(text_data), "--elastic-inject-failure",
+                                  "rank=0,iteration=5", "--elastic-policy", "drop-replica"],
+                                 nproc=4)
+    kept = recoveries[0]["rolled_back_to"]
+    assert kept in (3, 4)
+    assert [r["global_batch_size"] for r in dropped] == [8] * kept + [4] * (TRAIN_ITERS - kept)
+    assert [r["samples_digest"] for r in dropped[:kept]] == \
+        [r["samples_digest"] for r in small_reference[:kept]]
+    assert dropped[kept]["samples_digest"] != small_reference[kept]["samples_digest"]
 
 
 def layer_counts(layout: list[dict]) -> list[list[int]]:
@@ -523,14 +531,20 @@ def test_survivors_that_cannot_continue_save_a_checkpoint_that_resumes_the_traje
     for survivor in (2, 3):  # the job's status is that of its first failure, 137 (SIGKILL)
         assert re.search(rf"worker rank {survivor} \(pid \d+\) exited with code 3", output), \
             output[-4000:]
-    assert "cannot continue: failing ranks [0] leaves no intact replica. The state of iteration 5 " \
-           f"is saved in {checkpoint}/iter_0000005: resume with --load {checkpoint}" in output
+    # Iteration 5's snapshot is settled in 6: the kill rolls back to 5, or to 4 if rank 0's
+    # copy of 5 had not reached its buddy yet.
+    at = re.escape(str(checkpoint))
+    saved = re.search(r"cannot continue: failing ranks \[0\] leaves no intact replica\. The state "
+                      rf"of iteration ([45]) is saved in {at}/iter_000000\1: resume with "
+                      rf"--load {at}", output)
+    assert saved, output[-4000:]
+    saved = int(saved.group(1))
     assert "Traceback" not in output
     stopped = read_metrics(str(metrics), "iteration")
-    assert [r["iteration"] for r in stopped] == [1, 2, 3, 4, 5]
+    assert [r["iteration"] for r in stopped] == list(range(1, saved + 1))
     resumed, recoveries, output = run(tmp_path, "resumed",
                                       [*small_flags(text_data), "--load", str(checkpoint)],
-                                      nproc=4, resumed_at=5)
+                                      nproc=4, resumed_at=saved)
     assert "loaded checkpoint from" in output and not recoveries
     assert_on_trajectory(small_reference, stopped + resumed)
 

@@ -108,12 +108,13 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> None:
                        help="keep per-step in-memory snapshots (on by default with --elastic)")
     group.add_argument("--elastic-snapshot-replicas", type=int, default=1,
                        help="buddy ranks that hold a copy of each rank's snapshot (default 1)")
-    group.add_argument("--elastic-snapshot-overlap", choices=("auto", "on", "off"), default="auto",
+    group.add_argument("--elastic-snapshot-overlap", choices=("on", "off"), default="on",
                        help="finish each step's snapshot in the next step, before its optimizer "
                             "step, so that its device-to-host copies and its exchange with the "
                             "buddies overlap the forward and backward (a failure before then "
                             "rolls back one iteration further if the snapshot of a rank it took "
-                            "had not reached its buddy); auto: on CUDA")
+                            "had not reached its buddy); off: finish it in its own step "
+                            "(default: on)")
     group.add_argument("--elastic-policy", choices=("elaswave", "drop-replica", "reroute"),
                        default="elaswave",
                        help="after a failure: elaswave (reshard layers, micro-batches and state), "

@@ -49,7 +49,7 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
     objects = build_stage_objects(args, layout, registry, model_factory, backend.device())
     monitor = FailureMonitor(store, rank, Decision.initial(world_size), config, job_size=world_size)
     _abandon_waits_on_failure(monitor)
-    snapshots = StepSnapshots(layout, rank, snapshot_config(args, backend),
+    snapshots = StepSnapshots(layout, rank, snapshot_config(args),
                               group=registry.host_group(Role.WORLD))
     parts = _runtime_parts(args, backend, rank, vocab_size, config, model_factory)
     parts["governor"].apply(nominal_clock_plan(parts["cost"], layout, 0, PowerModel()), layout)
@@ -114,7 +114,7 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
         args=args, objects=None, pg_collection=None, backend=backend, layout=plan.state_layout,
         train_source=train_source, valid_source=valid_source, metrics=MetricsWriter(None),
         rank=rank, iteration=plan.iteration,
-        snapshots=StepSnapshots(plan.state_layout, rank, snapshot_config(args, backend)),
+        snapshots=StepSnapshots(plan.state_layout, rank, snapshot_config(args)),
         registry=registry, monitor=monitor, store=store,
         **_runtime_parts(args, backend, rank, vocab_size, config,
                          ModelFactory.from_flags(args, vocab_size)))

@@ -59,7 +59,7 @@ def build_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int, t
     if args.elastic_snapshots:
         # Snapshots are host memory: on NCCL or HCCL their replicas go over a gloo group.
         host_group = None if backend.dist_backend == "gloo" else dist.new_group(backend="gloo")
-        snapshots = StepSnapshots(layout, rank, snapshot_config(args, backend), group=host_group)
+        snapshots = StepSnapshots(layout, rank, snapshot_config(args), group=host_group)
     return Trainer(
         args=args,
         objects=objects,

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from megatron.core import tensor_parallel
 from megatron.core.optimizer import MegatronOptimizer
 
-from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.patches.optimizer import main_params_and_states
 from megatron_elaswave.planner.zero import buddy_ranks
@@ -66,11 +65,10 @@ def ranks_per_node() -> int | None:
     return int(local_world_size) if local_world_size else None
 
 
-def snapshot_config(args: argparse.Namespace, backend: DeviceBackend) -> SnapshotConfig:
-    """The snapshots the flags ask for on ``backend``."""
-    overlap = args.elastic_snapshot_overlap
+def snapshot_config(args: argparse.Namespace) -> SnapshotConfig:
+    """The snapshots the flags ask for."""
     return SnapshotConfig(replicas=args.elastic_snapshot_replicas, ranks_per_node=ranks_per_node(),
-                          overlap=overlap == "on" or (overlap == "auto" and backend.name == "cuda"))
+                          overlap=args.elastic_snapshot_overlap == "on")
 
 
 class StepSnapshots:
@@ -156,5 +154,7 @@ class StepSnapshots:
 
     @property
     def bytes_held(self) -> int:
-        return self.store.bytes_held
+        """Host bytes of the snapshots held and of the one pending, whose buffers are taken."""
+        pending = self._pending
+        return self.store.bytes_held + (pending.snapshot.nbytes if pending is not None else 0)
 
