@@ -5,6 +5,10 @@
 # MEGATRON_CORE=0.19.2 sets up that megatron-core release instead of the newest the Python allows,
 # in .venv-mcore<release>. megatron-core 0.17 and later need Python 3.12 or newer: PYTHON names
 # the interpreter, else python3 if new enough, else python3.12 or python3.13 (pyenv's included).
+#
+# --torch-only creates the environment and installs torch alone (the long part: a download of
+# several GB where the index has only the CUDA build); it may run beside another setup from the
+# same tree, whereas two editable installs from one tree must not.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 megatron_core="${MEGATRON_CORE:-}"
@@ -43,6 +47,9 @@ fi
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
 python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+if [ "${1:-}" = "--torch-only" ]; then
+  exit 0
+fi
 python -m pip install --quiet --disable-pip-version-check -e ".[test]" \
   ${megatron_core:+"megatron-core==$megatron_core"}
 python -c "import megatron_elaswave.patches as p; p.check_torch(); p.check_megatron_core_version()"
