@@ -35,23 +35,30 @@ ended by the backend's abort instead (``megatron_elaswave.world``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
+from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 from .registry import PatchRegistry
 
 TARGET = "torch.distributed.Work.wait"
 
-_POLL_S = 0.02
-"""How often a wait looks at the abandon event (a done future wakes it at once)."""
+_WATCH_S = 1.0
+"""How often the watcher of an abandon event looks whether it is still the one given."""
+_CLEARED_POLL_S = 0.02
+"""How often the watcher looks whether a set abandon event was cleared (a recovery)."""
 
 _abandon: threading.Event | None = None
 _pending: list[Callable[[], bool]] = []
 """For every wait given up and not yet known to be over: whether its operation has ended."""
 _pending_lock = threading.Lock()
+_wakers: set[threading.Event] = set()
+"""One event per wait in progress, set when the abandon event is."""
+_wakers_lock = threading.Lock()
 
 
 class CollectiveAbandoned(RuntimeError):
@@ -60,9 +67,17 @@ class CollectiveAbandoned(RuntimeError):
 
 def abandon_waits_when(event: threading.Event | None) -> None:
     """From now on, waits for collectives end with :class:`CollectiveAbandoned` while ``event``
-    is set (the failure monitor's ``failure_detected``); ``None``: they wait as torch does."""
+    is set (the failure monitor's ``failure_detected``); ``None``: they wait as torch does.
+
+    A wait sleeps until its work ends or ``event`` is set, without polling: a thread blocked on
+    ``event`` wakes the waits in progress. A wait that polled woke its process dozens of times a
+    second, each time taking the GIL from the training thread (an exchange of snapshots waits on
+    a thread of its own while the step computes)."""
     global _abandon
     _abandon = event
+    if event is not None:
+        threading.Thread(target=_wake_waits_when_set, args=(event,), daemon=True,
+                         name="elaswave-abandon-watch").start()
 
 
 def abandoned_work_pending() -> bool:
@@ -78,6 +93,46 @@ def _abandoned(ended: Callable[[], bool]) -> None:
         _pending.append(ended)
 
 
+def _wake_waits_when_set(event: threading.Event) -> None:
+    """Each time ``event`` is set, wake every wait in progress; ends once ``event`` is no longer
+    the abandon event. Waits that start while it is set see it themselves."""
+    while _abandon is event:
+        if not event.wait(_WATCH_S):
+            continue
+        with _wakers_lock:
+            for waker in _wakers:
+                waker.set()
+        while event.is_set() and _abandon is event:
+            time.sleep(_CLEARED_POLL_S)
+
+
+@contextlib.contextmanager
+def _woken_on_abandon(waker: threading.Event) -> Iterator[None]:
+    with _wakers_lock:
+        _wakers.add(waker)
+    try:
+        yield
+    finally:
+        with _wakers_lock:
+            _wakers.discard(waker)
+
+
+def _abandoned_first(finished: Callable[[], bool], waker: threading.Event,
+                     abandon: threading.Event, deadline: float | None) -> bool:
+    """Sleep until ``finished()``, ``abandon`` is set or the ``deadline`` (monotonic) passes,
+    whichever comes first; whoever ends the work sets ``waker``. True if ``abandon`` came first."""
+    with _woken_on_abandon(waker):
+        while not finished():
+            if abandon.is_set():
+                return True
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            waker.wait(remaining)
+            waker.clear()  # the conditions are read again before the next sleep
+    return False
+
+
 def _abandonable(wait):
     @functools.wraps(wait)
     def wait_unless_abandoned(work: Any, timeout: timedelta = timedelta(0)) -> bool:
@@ -88,15 +143,12 @@ def _abandonable(wait):
             future = work.get_future()
         except RuntimeError:  # no future: a point-to-point request
             return _wait_on_a_thread(wait, work, timeout, abandon)
-        done = threading.Event()
-        future.add_done_callback(lambda _: done.set())
+        waker = threading.Event()
+        future.add_done_callback(lambda _: waker.set())
         deadline = time.monotonic() + timeout.total_seconds() if timeout else None
-        while not done.wait(_POLL_S):
-            if abandon.is_set():
-                _abandoned(work.is_completed)
-                raise CollectiveAbandoned("collective abandoned: a failure was detected")
-            if deadline is not None and time.monotonic() >= deadline:
-                break
+        if _abandoned_first(future.done, waker, abandon, deadline):
+            _abandoned(work.is_completed)
+            raise CollectiveAbandoned("collective abandoned: a failure was detected")
         remaining = timedelta(seconds=max(deadline - time.monotonic(), 0.001)) if deadline else None
         return wait(work) if remaining is None else wait(work, remaining)
 
@@ -108,7 +160,7 @@ def _wait_on_a_thread(wait, work: Any, timeout: timedelta, abandon: threading.Ev
     thread is not a daemon: one still in gloo at interpreter shutdown would abort the process;
     it ends at the work's deadline at the latest."""
     outcome: dict[str, Any] = {}
-    done = threading.Event()
+    done, waker = threading.Event(), threading.Event()
 
     def run() -> None:
         try:
@@ -118,12 +170,12 @@ def _wait_on_a_thread(wait, work: Any, timeout: timedelta, abandon: threading.Ev
             # gloo context in a reference cycle after the wait was abandoned.
             outcome["error"] = error.with_traceback(None)
         done.set()
+        waker.set()
 
     threading.Thread(target=run, name="elaswave-p2p-wait", daemon=False).start()
-    while not done.wait(_POLL_S):
-        if abandon.is_set():
-            _abandoned(done.is_set)
-            raise CollectiveAbandoned("point-to-point request abandoned: a failure was detected")
+    if _abandoned_first(done.is_set, waker, abandon, None):
+        _abandoned(done.is_set)
+        raise CollectiveAbandoned("point-to-point request abandoned: a failure was detected")
     if "error" in outcome:
         raise outcome["error"]
     return outcome["completed"]

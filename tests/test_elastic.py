@@ -435,17 +435,15 @@ def test_a_worker_paused_from_outside_again_and_again_is_a_straggler(text_data, 
     pauses, far below the heartbeat timeout: the job sees a slow replica, not a failure, and
     re-deals the micro-batches (or moves layers off the paused stage). The run windows are
     shorter than its pipeline and not periodic, so its pauses cannot all fall into the gradient
-    reduction, where every replica waits alike. Snapshots are settled in their own step: settled
-    in the next, the paused rank's copy lands whenever a pause ends, in the middle of its
-    buddy's forward, and on two cores that once made a stage of replica 0 look 1.72x slower per
-    layer than its partner."""
+    reduction, where every replica waits alike. Its snapshot buddy, on replica 0, waits for the
+    paused rank's copy while it computes the next step: that wait must not slow its forward."""
     metrics = tmp_path / "paused.jsonl"
 
     def recorded(event: str) -> list[dict]:
         return read_metrics(str(metrics), event) if metrics.exists() else []
 
     with launch([PRETRAIN, *small_flags(text_data), *FOLLOW_STRAGGLERS,
-                 "--elastic-snapshot-overlap", "off", "--elastic-metrics-file", str(metrics)], 4,
+                 "--elastic-metrics-file", str(metrics)], 4,
                 master_port=free_port(), log_path=tmp_path / "paused.log") as job:
         job.wait_for(lambda: len(recorded("iteration")) >= 2, 120, "iteration 2")
         pid = job.worker_pids()[1]

@@ -5,7 +5,10 @@ import ast
 import json
 import re
 import sys
+import threading
+import time
 import types
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,7 @@ from megatron_elaswave.patches import (
     check_torch,
     compatibility_registry,
 )
+from megatron_elaswave.patches import distributed_work
 from megatron_elaswave.patches.torch_version import missing_torch_api
 
 
@@ -286,3 +290,79 @@ def test_a_collective_that_nothing_ends_is_abandoned_once_a_failure_is_detected(
         assert report["released_in_s"] < 1, report
     else:
         assert report["waited_s"] > 6, report
+
+
+class _Work:
+    """A stand-in for a gloo ``Work`` that ends when :attr:`ended` is set; with a future (a
+    collective) or without one (a point-to-point request)."""
+
+    def __init__(self, with_future: bool) -> None:
+        self.ended = threading.Event()
+        self.future = torch.futures.Future() if with_future else None
+
+    def end(self) -> None:
+        self.ended.set()
+        if self.future is not None and not self.future.done():
+            self.future.set_result(None)
+
+    def is_completed(self) -> bool:
+        return self.ended.is_set()
+
+    def get_future(self) -> torch.futures.Future:
+        if self.future is None:
+            raise RuntimeError("no future")
+        return self.future
+
+
+def _gloo_wait(work: _Work, timeout: timedelta = timedelta(0)) -> bool:
+    return work.ended.wait(timeout.total_seconds() or None)
+
+
+@pytest.fixture
+def polls_of_this_thread(monkeypatch):
+    """How many times this thread has slept on a ``threading.Event`` for less than a second."""
+    count, this_thread, event_wait = [0], threading.get_ident(), threading.Event.wait
+
+    def counted(event, timeout=None):
+        if threading.get_ident() == this_thread and timeout is not None and timeout < 1:
+            count[0] += 1
+        return event_wait(event, timeout)
+
+    monkeypatch.setattr(threading.Event, "wait", counted)
+    return count
+
+
+@pytest.mark.parametrize("with_future", [True, False], ids=["collective", "point-to-point"])
+def test_an_armed_wait_sleeps_until_its_work_ends(with_future, polls_of_this_thread):
+    """Armed, a wait does not poll: it sleeps until the work ends (a poll every few milliseconds
+    would take the GIL from a training thread computing meanwhile)."""
+    work, failure = _Work(with_future), threading.Event()
+    distributed_work.abandon_waits_when(failure)
+    try:
+        threading.Timer(0.5, work.end).start()
+        assert distributed_work._abandonable(_gloo_wait)(work, timedelta(seconds=10))
+        assert polls_of_this_thread[0] == 0
+    finally:
+        distributed_work.abandon_waits_when(None)
+        work.end()
+
+
+@pytest.mark.parametrize("with_future", [True, False], ids=["collective", "point-to-point"])
+def test_an_armed_wait_is_abandoned_as_soon_as_a_failure_is_detected(with_future,
+                                                                     polls_of_this_thread):
+    work, late, failure = _Work(with_future), _Work(with_future), threading.Event()
+    distributed_work.abandon_waits_when(failure)
+    try:
+        threading.Timer(0.3, failure.set).start()
+        started = time.monotonic()
+        with pytest.raises(distributed_work.CollectiveAbandoned):
+            distributed_work._abandonable(_gloo_wait)(work, timedelta(seconds=10))
+        assert time.monotonic() - started < 0.3 + 0.5
+        assert polls_of_this_thread[0] == 0
+        # A wait that starts while the failure is being handled is abandoned at once.
+        with pytest.raises(distributed_work.CollectiveAbandoned):
+            distributed_work._abandonable(_gloo_wait)(late, timedelta(seconds=10))
+    finally:
+        distributed_work.abandon_waits_when(None)
+        work.end()
+        late.end()
