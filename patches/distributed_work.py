@@ -48,16 +48,18 @@ from .registry import PatchRegistry
 TARGET = "torch.distributed.Work.wait"
 
 _WATCH_S = 1.0
-"""How often the watcher of an abandon event looks whether it is still the one given."""
-_CLEARED_POLL_S = 0.02
-"""How often the watcher looks whether a set abandon event was cleared (a recovery)."""
+"""How often the watcher of an event looks whether it is still needed."""
+_SET_WAKE_S = 0.02
+"""While the event is set, how often its watcher wakes the waits that started since."""
 
 _abandon: threading.Event | None = None
 _pending: list[Callable[[], bool]] = []
 """For every wait given up and not yet known to be over: whether its operation has ended."""
 _pending_lock = threading.Lock()
-_wakers: set[threading.Event] = set()
-"""One event per wait in progress, set when the abandon event is."""
+_wakers: dict[threading.Event, threading.Event] = {}
+"""For every wait in progress: the event that wakes it, and the abandon event it was armed with."""
+_watched: set[threading.Event] = set()
+"""Abandon events that have a watcher thread."""
 _wakers_lock = threading.Lock()
 
 
@@ -70,14 +72,13 @@ def abandon_waits_when(event: threading.Event | None) -> None:
     is set (the failure monitor's ``failure_detected``); ``None``: they wait as torch does.
 
     A wait sleeps until its work ends or ``event`` is set, without polling: a thread blocked on
-    ``event`` wakes the waits in progress. A wait that polled woke its process dozens of times a
-    second, each time taking the GIL from the training thread (an exchange of snapshots waits on
-    a thread of its own while the step computes)."""
+    ``event`` wakes the waits in progress (a wait keeps the event it started with). A wait that
+    polled woke its process dozens of times a second, each time taking the GIL from the training
+    thread (an exchange of snapshots waits on a thread of its own while the step computes)."""
     global _abandon
     _abandon = event
     if event is not None:
-        threading.Thread(target=_wake_waits_when_set, args=(event,), daemon=True,
-                         name="elaswave-abandon-watch").start()
+        _watch(event)
 
 
 def abandoned_work_pending() -> bool:
@@ -93,35 +94,58 @@ def _abandoned(ended: Callable[[], bool]) -> None:
         _pending.append(ended)
 
 
+def _watch(event: threading.Event) -> None:
+    """Start a watcher of ``event`` unless it has one."""
+    with _wakers_lock:
+        if event in _watched:
+            return
+        _watched.add(event)
+    threading.Thread(target=_wake_waits_when_set, args=(event,), daemon=True,
+                     name="elaswave-abandon-watch").start()
+
+
+def _still_watched(event: threading.Event) -> bool:
+    """Whether ``event`` is the abandon event or armed a wait still in progress; if not, it is
+    no longer watched."""
+    with _wakers_lock:
+        if _abandon is event or any(armed is event for armed in _wakers.values()):
+            return True
+        _watched.discard(event)
+        return False
+
+
 def _wake_waits_when_set(event: threading.Event) -> None:
-    """Each time ``event`` is set, wake every wait in progress; ends once ``event`` is no longer
-    the abandon event. Waits that start while it is set see it themselves."""
-    while _abandon is event:
+    """Wake the waits armed with ``event`` when it is set, and every ``_SET_WAKE_S`` while it
+    stays set (a wait may start between a clear and the next set); ends once ``event`` is
+    neither the abandon event nor that of a wait in progress."""
+    while _still_watched(event):
         if not event.wait(_WATCH_S):
             continue
-        with _wakers_lock:
-            for waker in _wakers:
-                waker.set()
-        while event.is_set() and _abandon is event:
-            time.sleep(_CLEARED_POLL_S)
+        while event.is_set() and _still_watched(event):
+            with _wakers_lock:
+                for waker, armed in _wakers.items():
+                    if armed is event:
+                        waker.set()
+            time.sleep(_SET_WAKE_S)
 
 
 @contextlib.contextmanager
-def _woken_on_abandon(waker: threading.Event) -> Iterator[None]:
+def _woken_on_abandon(waker: threading.Event, abandon: threading.Event) -> Iterator[None]:
     with _wakers_lock:
-        _wakers.add(waker)
+        _wakers[waker] = abandon
+    _watch(abandon)  # armed since with another event, or none: this wait keeps the old one's
     try:
         yield
     finally:
         with _wakers_lock:
-            _wakers.discard(waker)
+            del _wakers[waker]
 
 
 def _abandoned_first(finished: Callable[[], bool], waker: threading.Event,
                      abandon: threading.Event, deadline: float | None) -> bool:
     """Sleep until ``finished()``, ``abandon`` is set or the ``deadline`` (monotonic) passes,
     whichever comes first; whoever ends the work sets ``waker``. True if ``abandon`` came first."""
-    with _woken_on_abandon(waker):
+    with _woken_on_abandon(waker, abandon):
         while not finished():
             if abandon.is_set():
                 return True

@@ -366,3 +366,61 @@ def test_an_armed_wait_is_abandoned_as_soon_as_a_failure_is_detected(with_future
         distributed_work.abandon_waits_when(None)
         work.end()
         late.end()
+
+
+def _abandoned_in_s(work: _Work, failure: threading.Event, before_the_failure) -> float:
+    """Start an armed wait for ``work`` on a thread; once it sleeps, call ``before_the_failure``
+    and set ``failure``: how long the wait took to end, 10 if it did not."""
+    outcome = {}
+
+    def wait() -> None:
+        try:
+            distributed_work._abandonable(_gloo_wait)(work, timedelta(seconds=10))
+        except distributed_work.CollectiveAbandoned:
+            outcome["abandoned_at"] = time.monotonic()
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    asleep_by = time.monotonic() + 5
+    while not distributed_work._wakers and time.monotonic() < asleep_by:
+        time.sleep(0.001)
+    before_the_failure()
+    failed_at = time.monotonic()
+    failure.set()
+    waiter.join(5)
+    return outcome.get("abandoned_at", failed_at + 10) - failed_at
+
+
+@pytest.mark.parametrize("with_future", [True, False], ids=["collective", "point-to-point"])
+def test_a_wait_started_between_a_recovery_and_the_next_failure_is_abandoned(with_future):
+    """The failure event is cleared (a recovery ended), a wait starts, and the event is set
+    again at once (the next failure): the wait ends as soon as that is seen, not at its
+    deadline."""
+    work, failure = _Work(with_future), threading.Event()
+    distributed_work.abandon_waits_when(failure)
+    try:
+        failure.set()
+        time.sleep(0.1)  # the first failure is seen
+        failure.clear()
+        assert _abandoned_in_s(work, failure, lambda: None) < 1
+    finally:
+        distributed_work.abandon_waits_when(None)
+        work.end()
+
+
+@pytest.mark.parametrize("with_future", [True, False], ids=["collective", "point-to-point"])
+def test_a_wait_keeps_the_event_it_was_armed_with(with_future):
+    """Armed anew with another event (or none) while a wait sleeps, the wait still ends when its
+    own event is set."""
+    work, failure = _Work(with_future), threading.Event()
+    distributed_work.abandon_waits_when(failure)
+
+    def disarmed_for_a_while() -> None:
+        distributed_work.abandon_waits_when(None)
+        time.sleep(distributed_work._WATCH_S + 0.2)  # long enough for a watcher to look
+
+    try:
+        assert _abandoned_in_s(work, failure, disarmed_for_a_while) < 1
+    finally:
+        distributed_work.abandon_waits_when(None)
+        work.end()
