@@ -119,9 +119,7 @@ def _wake_waits_when_set(event: threading.Event) -> None:
     stays set (a wait may start between a clear and the next set); ends once ``event`` is
     neither the abandon event nor that of a wait in progress."""
     while _still_watched(event):
-        if not event.wait(_WATCH_S):
-            continue
-        while event.is_set() and _still_watched(event):
+        if event.wait(_WATCH_S):
             with _wakers_lock:
                 for waker, armed in _wakers.items():
                     if armed is event:
