@@ -15,7 +15,7 @@ from typing import Any, Iterable, TextIO
 
 ITERATION_FIELDS = (
     "iteration", "lm_loss", "global_batch_size", "consumed_samples", "samples_digest",
-    "world_size", "layout", "step_time_s", "grad_norm",
+    "world_size", "layout", "step_time_s", "cpu_time_s", "grad_norm",
 )
 
 

@@ -310,6 +310,10 @@ def overhead(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
         "", "Ratios to plain megatron-core by round: " + "; ".join(
             f"{arm} {' '.join(f'{ratio:.3f}' for ratio in ratios)}"
             for arm, ratios in plugin["round_ratios_to_plain"].items()) + ".",
+        "", "CPU time per iteration of rank 0's process (all its threads), median over rounds of "
+        "the ratio to plain megatron-core's within a round: " + ", ".join(
+            f"{arm} {ratio:.4f}" for arm, ratio in plugin["cpu_ratio_to_plain"].items())
+        + f" (plain: {plugin['cpu_median_s']['plain'] * 1e3:.1f} ms).",
         "", f"Snapshot memory held by rank 0 with K=1: "
         f"{snapshot['snapshot_bytes_rank0'].get('replicated', 0) / 1e6:.1f} MB.",
     ]

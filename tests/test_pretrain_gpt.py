@@ -106,14 +106,14 @@ def test_interleaved_schedule_matches_a_single_rank(text_data, single_rank_refer
 def test_checkpoint_resumes_on_another_layout(text_data, single_rank_reference, tmp_path):
     """Save on PP2 x DP2 with the distributed optimizer, resume on DP2: the resumed iterations
     follow the uninterrupted trajectory. The first run also keeps per-step snapshots, which
-    must not change the trajectory either."""
+    must not change the trajectory either, and accounts for their memory and the CPU time."""
     save = tmp_path / "checkpoints"
     base = ["--use-distributed-optimizer", "--lr-decay-iters", str(TRAIN_ITERS)]
     first = train(tmp_path, "save", 4, model_flags(text_data, pipeline_model_parallel_size=2,
                                                    train_iters=3)
                   + base + ["--save", str(save), "--elastic-snapshots"])
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "3"
-    assert all(r["snapshot_bytes"] > 0 for r in first)
+    assert all(r["snapshot_bytes"] > 0 and r["cpu_time_s"] > 0 for r in first)
     resumed = train(tmp_path, "load", 2, model_flags(text_data) + base + ["--load", str(save)])
     assert [r["iteration"] for r in resumed] == list(range(4, TRAIN_ITERS + 1))
     assert_same_trajectory(single_rank_reference, first + resumed)

@@ -108,6 +108,8 @@ class Trainer:
     iteration: int = 0
     consumed_samples: int = 0
     _interval_times: list[float] = field(default_factory=list)
+    _cpu_time_recorded: float = field(default_factory=time.process_time)
+    """This process's CPU time, all threads, when the last iteration record was made."""
     _unwritten: list[dict] = field(default_factory=list)
     """Iteration records held back by :meth:`_record`."""
 
@@ -229,6 +231,13 @@ class Trainer:
 
     # -- reporting -----------------------------------------------------------------------------
 
+    def _cpu_time_since_last_record(self) -> float:
+        """CPU seconds this process spent, on every thread, since the last iteration record: the
+        step's own work and what runs beside it (snapshot exchanges, the failure monitor)."""
+        now = time.process_time()
+        spent, self._cpu_time_recorded = now - self._cpu_time_recorded, now
+        return spent
+
     def _record(self, result: StepResult, gbs: int, **extra) -> None:
         """The iteration's metrics record (with ``extra`` fields) and, every ``--log-interval``
         iterations, Megatron-LM's log line. The record is held back while :meth:`holds_record`, so
@@ -242,6 +251,7 @@ class Trainer:
             world_size=len(self.layout.active_ranks()),
             layout=self.layout.to_json(),
             step_time_s=result.step_time_s,
+            cpu_time_s=self._cpu_time_since_last_record(),
             grad_norm=result.grad_norm,
             **({"snapshot_bytes": self.snapshots.bytes_held} if self.snapshots else {}),
             **extra,

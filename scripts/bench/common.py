@@ -70,43 +70,49 @@ def pretrain_records(flags: Sequence[str], nproc: int) -> list[dict]:
     return [r for r in pretrain_metrics(flags, nproc) if r["event"] == "iteration"]
 
 
+STEP_TIME = "step_time_s"
+
+
 @dataclass
 class Alternated:
-    """The per-iteration times (after warm-up) of every run of every arm, by round."""
+    """The per-iteration records (after warm-up) of every run of every arm, by round; each
+    record maps a measure (``"step_time_s"``, ...) to its value in that iteration."""
 
-    runs: dict[str, list[list[float]]]
+    runs: dict[str, list[list[dict[str, float]]]]
 
-    def pooled(self, arm: str) -> list[float]:
-        """Every iteration time of ``arm``, all rounds together."""
-        return [time for run in self.runs[arm] for time in run]
+    def pooled(self, arm: str, measure: str = STEP_TIME) -> list[float]:
+        """Every iteration's ``measure`` of ``arm``, all rounds together."""
+        return [record[measure] for run in self.runs[arm] for record in run]
 
-    def median(self, arm: str) -> float:
-        return statistics.median(self.pooled(arm))
+    def median(self, arm: str, measure: str = STEP_TIME) -> float:
+        return statistics.median(self.pooled(arm, measure))
 
-    def round_ratios(self, arm: str, base: str) -> list[float]:
-        """Per round, the median iteration time of ``arm``'s run over that of ``base``'s."""
-        return [statistics.median(run) / statistics.median(base_run)
+    def round_ratios(self, arm: str, base: str, measure: str = STEP_TIME) -> list[float]:
+        """Per round, the median ``measure`` of ``arm``'s run over that of ``base``'s."""
+        return [statistics.median(r[measure] for r in run)
+                / statistics.median(r[measure] for r in base_run)
                 for run, base_run in zip(self.runs[arm], self.runs[base], strict=True)]
 
-    def paired_ratio(self, arm: str, base: str) -> float:
+    def paired_ratio(self, arm: str, base: str, measure: str = STEP_TIME) -> float:
         """The median of :meth:`round_ratios`: runs of one round are minutes apart, so a
         machine slowed for a while moves one round's ratio, not this figure."""
-        return statistics.median(self.round_ratios(arm, base))
+        return statistics.median(self.round_ratios(arm, base, measure))
 
 
-def alternate(arms: dict[str, Callable[[], list[float]]], rounds: int, warmup: int,
+def alternate(arms: dict[str, Callable[[], list[dict[str, float]]]], rounds: int, warmup: int,
               report: Callable[[str], None] = print) -> Alternated:
-    """Run every arm ``rounds`` times in rotating order, dropping ``warmup`` iterations of each
-    run. A first run of the first arm is not counted: a benchmark's first run has been seen
-    half again as slow as the rest on a machine that did other work just before."""
+    """Run every arm ``rounds`` times in rotating order, dropping the records of the first
+    ``warmup`` iterations of each run. A first run of the first arm is not counted: a
+    benchmark's first run has been seen half again as slow as the rest on a machine that did
+    other work just before."""
     names = list(arms)
-    runs: dict[str, list[list[float]]] = {name: [] for name in names}
+    runs: dict[str, list[list[dict[str, float]]]] = {name: [] for name in names}
     arms[names[0]]()
     for round_index in range(rounds):
         order = names[round_index % len(names):] + names[:round_index % len(names)]
         for name in order:
             run = arms[name]()[warmup:]
             runs[name].append(run)
-            report(f"  {name:12s} run: median {statistics.median(run) * 1e3:.1f} ms "
-                   f"over {len(run)} iterations")
+            median_ms = statistics.median(r[STEP_TIME] for r in run) * 1e3
+            report(f"  {name:12s} run: median {median_ms:.1f} ms over {len(run)} iterations")
     return Alternated(runs)

@@ -5,9 +5,10 @@ The loop megatron-core's own examples use (GPTModel, DDP, the distributed optimi
 init, no metrics reduction, no patches beyond what the device needs to run at all (off CUDA, the
 device compatibility layer; megatron-core cannot run on CPU without it). Each timed step is what
 Megatron-LM's ``train_step`` does: zero the gradients, the schedule, the optimizer step, the LR
-schedule's step and, on last-stage ranks, the loss summed over the data-parallel group. Prints
-one JSON line per iteration: ``{"iteration": i, "step_time_s": t}``. Launch with
-``elaswave-run``.
+schedule's step and, on last-stage ranks, the loss summed over the data-parallel group. Rank 0
+prints one JSON line per iteration: ``{"iteration": i, "step_time_s": t, "cpu_time_s": c}``,
+``c`` being its process's CPU time (all threads) since the line before, as in the metrics file
+of ``pretrain_gpt.py``. Launch with ``elaswave-run``.
 """
 
 from __future__ import annotations
@@ -128,6 +129,7 @@ def main() -> None:
         return output, loss_func
 
     data = batches()
+    cpu_time = time.process_time()
     for iteration in range(1, args.train_iters + 1):
         start = time.perf_counter()
         model.zero_grad_buffer()
@@ -144,8 +146,11 @@ def main() -> None:
                 with_context_parallel=True))
         backend.synchronize()
         step_time = time.perf_counter() - start
+        now = time.process_time()
+        step_cpu_time, cpu_time = now - cpu_time, now
         if dist.get_rank() == 0:
-            print(json.dumps({"iteration": iteration, "step_time_s": step_time}), flush=True)
+            print(json.dumps({"iteration": iteration, "step_time_s": step_time,
+                              "cpu_time_s": step_cpu_time}), flush=True)
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

@@ -50,10 +50,10 @@ def main() -> None:
     snapshot_bytes: dict[str, int] = {}
 
     def arm(name: str):
-        def run() -> list[float]:
+        def run() -> list[dict]:
             records = pretrain_records(base + arms_flags[name], args.nproc)
             snapshot_bytes[name] = records[-1].get("snapshot_bytes", 0)
-            return [r["step_time_s"] for r in records]
+            return records
         return run
 
     times = alternate({name: arm(name) for name in arms_flags}, args.rounds, args.warmup_iters,

@@ -40,13 +40,13 @@ def main() -> None:
     layouts: dict[str, dict] = {}
 
     def arm(name: str, flags: list[str]):
-        def run() -> list[float]:
+        def run() -> list[dict]:
             records = pretrain_records(base + flags, 2 * args.data_parallel)
             layouts[name] = {
                 "microbatches_per_replica": [r["num_microbatches"] for r in records[-1]["layout"]],
                 "layers_per_stage": [[s["layers"][1] - s["layers"][0] + 1 for s in r["stages"]]
                                      for r in records[-1]["layout"]]}
-            return [r["step_time_s"] for r in records]
+            return records
         return run
 
     times = alternate({"follow": arm("follow", []),

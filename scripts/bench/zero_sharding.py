@@ -41,10 +41,10 @@ def main() -> None:
     recoveries: dict[str, list[dict]] = {"contiguous": [], "interleaved": []}
 
     def arm(zero: str):
-        def run() -> list[float]:
+        def run() -> list[dict]:
             records = pretrain_metrics([*base, "--elastic-zero", zero], 8)
             recoveries[zero] += [r for r in records if r["event"] == "recovery"]
-            return [r["step_time_s"] for r in records
+            return [r for r in records
                     if r["event"] == "iteration" and r["iteration"] > args.kill_iteration]
         return run
 
