@@ -153,6 +153,7 @@ def schedule_rows(profile: Profile | None = None) -> list[dict]:
                 num_microbatches=n,
                 send_s=cost.send_ns / 1e9,
                 sync_s=0.0,
+                num_chunks=chunks,
             )
             step = predict_step(
                 [work],
@@ -160,7 +161,6 @@ def schedule_rows(profile: Profile | None = None) -> list[dict]:
                 tokens_per_microbatch=cost.tokens_per_microbatch,
                 idle_devices=0,
                 power=PowerModel(),
-                num_chunks=chunks,
             )
             rows.append(
                 {

@@ -6,6 +6,8 @@ from hypothesis import strategies as st
 
 from megatron_elaswave.layout import Layout, Replica
 from megatron_elaswave.planner.cost import CostModel, MemoryModel
+from megatron_elaswave.planner.frequency import PowerModel
+from megatron_elaswave.planner.predict import layout_prediction, stage_work
 from megatron_elaswave.planner.job import JobSpec
 from megatron_elaswave.planner.profile import (
     OpCost,
@@ -16,6 +18,7 @@ from megatron_elaswave.planner.profile import (
 )
 from megatron_elaswave.planner.replan import PlanError, PlanOptions, plan_recovery
 from megatron_elaswave.planner.zero import StateLostError, buddy_rank
+from megatron_elaswave.simulator import simulate_pipeline
 
 
 @st.composite
@@ -155,3 +158,15 @@ def test_a_replica_keeps_its_virtual_stages_until_its_stages_change():
                             plan.layout.spares) == plan.layout
     with pytest.raises(ValueError, match="at least 4 micro-batches"):
         Layout(8, (Replica(0, old.replicas[0].stages, (0, 1, 2), virtual_stages=2),)).validate()
+    # Predictions simulate the interleaved schedule of the replicas that have chunks.
+    forward, backward = stage_work(cost, [(s.first_layer, s.last_layer)
+                                          for s in initial.replicas[0].stages], (1.0,) * 4)
+
+    def makespan(chunks: int) -> float:
+        return simulate_pipeline(forward, backward, 12, send_s=cost.send_ns / 1e9,
+                                 num_chunks=chunks).makespan_s
+
+    clocks = [(1.0,) * 4] * 3
+    gained = (layout_prediction(cost, initial, clocks, 0, PowerModel()).step_time_s
+              - layout_prediction(cost, old, clocks, 0, PowerModel()).step_time_s)
+    assert makespan(1) != makespan(2) and gained == pytest.approx(makespan(1) - makespan(2))

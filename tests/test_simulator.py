@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -11,14 +12,15 @@ from hypothesis import strategies as st
 
 from megatron_elaswave.planner.frequency import PowerModel
 from megatron_elaswave.simulator import ReplicaWork, predict_step, simulate_pipeline
-from megatron_elaswave.simulator.schedule import stage_order
+from megatron_elaswave.simulator.schedule import microbatch_group_size, stage_order
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 6), st.integers(0, 12), st.sampled_from([1, 2, 3]))
 def test_every_stage_runs_each_pass_once_forward_first(stages, microbatches, chunks):
-    if chunks > 1:
-        microbatches -= microbatches % stages
+    if chunks > 1 and microbatches < stages:  # the interleaved schedule needs one per stage
+        microbatches = 0
+    simulate_pipeline([1.0] * stages, [2.0] * stages, microbatches, num_chunks=chunks)
     for s in range(stages):
         order = stage_order(s, stages, microbatches, chunks)
         assert Counter(order) == Counter(
@@ -35,9 +37,26 @@ def test_1f1b_warmup_depth():
     assert [op.forward for op in order[:6]] == [True, True, True, False, True, False]
 
 
-def test_interleaved_needs_divisible_microbatches():
-    with pytest.raises(ValueError, match="divisible"):
-        stage_order(0, 4, 6, 2)
+@pytest.mark.parametrize("stages, microbatches, chunks",
+                         [(2, 4, 2), (2, 5, 2), (4, 8, 2), (4, 6, 3), (3, 7, 2)])
+def test_interleaved_order_is_megatron_cores(stages, microbatches, chunks):
+    """Forwards follow Megatron-Core's schedule table and backwards the same table with the
+    chunks reversed, in groups of the size the trainer sets (all micro-batches in one group when
+    the pipeline size does not divide them); each stage warms up with as many forwards as
+    Megatron-Core's schedule does."""
+    schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
+    group = microbatch_group_size(microbatches, stages)
+    table = schedules.get_schedule_table(microbatches, chunks, group)
+    for s in range(stages):
+        order = stage_order(s, stages, microbatches, chunks)
+        assert [(op.microbatch, op.chunk) for op in order if op.forward] == table
+        assert [(op.microbatch, chunks - 1 - op.chunk) for op in order if not op.forward] == table
+        pipeline = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: stages, rank=lambda: s),
+                                   virtual_pipeline_model_parallel_size=chunks)
+        _, _, warmup, remaining = schedules.get_pp_rank_microbatches(
+            microbatches, chunks, group, p2p_communicator=pipeline)
+        first_backward = warmup + 1 if remaining else warmup  # steady state: forward, backward
+        assert next(i for i, op in enumerate(order) if not op.forward) == first_backward
 
 
 @pytest.mark.parametrize("stages, microbatches", [(1, 5), (4, 8), (4, 2), (8, 32)])

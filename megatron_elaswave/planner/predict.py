@@ -44,7 +44,8 @@ def stage_sync_s(cost: CostModel, ranges, num_replicas: int) -> float:
 def predict(
     cost: CostModel, replicas: list[ReplicaWork], idle_devices: int, power: PowerModel
 ) -> StepPrediction:
-    """Simulate replicas of the job of ``cost`` (1F1B)."""
+    """Simulate replicas of the job of ``cost``, each with its schedule (1F1B, or interleaved
+    for a replica of several chunks per stage)."""
     return predict_step(
         replicas,
         micro_batch_size=cost.job.micro_batch_size,
@@ -77,6 +78,7 @@ def layout_prediction(
                 num_microbatches=replica.num_microbatches,
                 send_s=cost.send_ns / 1e9,
                 sync_s=sync,
+                num_chunks=replica.virtual_stages,
             )
         )
     return predict(cost, work, idle_devices, power)

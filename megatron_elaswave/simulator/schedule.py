@@ -4,10 +4,9 @@ Both schedules follow Megatron-Core's ``forward_backward_pipelining_*`` function
 
 * 1F1B: stage ``s`` of ``P`` runs ``min(P - s - 1, n)`` warm-up forwards, then alternates one
   forward and one backward, then drains the remaining backwards;
-* interleaved (``v`` model chunks per stage): forwards walk the chunks in groups of ``P``
-  micro-batches, backwards walk them in reverse chunk order; stage ``s`` warms up with
-  ``(P - s - 1) * 2 + (v - 1) * P`` forwards (at most ``n * v``). As in Megatron, ``n`` must be a
-  multiple of ``P``.
+* interleaved (``v`` model chunks per stage): forwards walk the chunks in groups of ``g``
+  micro-batches (:func:`microbatch_group_size`), backwards walk them in reverse chunk order;
+  stage ``s`` warms up with ``(P - s - 1) * 2 + (v - 1) * g`` forwards (at most ``n * v``).
 """
 
 from __future__ import annotations
@@ -34,21 +33,29 @@ def one_f_one_b(stage: int, num_stages: int, num_microbatches: int) -> list[Op]:
     return ops
 
 
+def microbatch_group_size(num_microbatches: int, num_stages: int) -> int:
+    """Megatron-Core's ``microbatch_group_size_per_vp_stage`` for a pipeline of ``num_stages``
+    running ``num_microbatches``: the pipeline size, as Megatron sets it, when it divides the
+    micro-batches; else all of them in one group (the interleaved schedule refuses a last group
+    smaller than the pipeline, which a replica's re-dealt count can leave)."""
+    return num_stages if num_microbatches % num_stages == 0 else num_microbatches
+
+
 def interleaved(stage: int, num_stages: int, num_microbatches: int, num_chunks: int) -> list[Op]:
-    """Interleaved 1F1B order of one stage holding ``num_chunks`` model chunks."""
-    if num_microbatches % num_stages:
-        raise ValueError(
-            f"the interleaved schedule needs a micro-batch count divisible by the pipeline size "
-            f"({num_microbatches} micro-batches, {num_stages} stages)"
-        )
-    total = num_microbatches * num_chunks
+    """Interleaved 1F1B order of one stage holding ``num_chunks`` model chunks: Megatron-Core's
+    schedule table with :func:`microbatch_group_size`."""
+    group = microbatch_group_size(num_microbatches, num_stages)
+    table = [(microbatch, chunk)
+             for first in range(0, num_microbatches, group)
+             for chunk in range(num_chunks)
+             for microbatch in range(first, min(first + group, num_microbatches))]
+    total = len(table)
 
     def virtual(k: int, forward: bool) -> Op:
-        chunk = (k // num_stages) % num_chunks
-        microbatch = (k // (num_stages * num_chunks)) * num_stages + k % num_stages
+        microbatch, chunk = table[k]
         return Op(forward, microbatch, chunk if forward else num_chunks - 1 - chunk)
 
-    warmup = min((num_stages - stage - 1) * 2 + (num_chunks - 1) * num_stages, total)
+    warmup = min((num_stages - stage - 1) * 2 + (num_chunks - 1) * group, total)
     ops = [virtual(k, True) for k in range(warmup)]
     for i in range(total - warmup):
         ops.append(virtual(warmup + i, True))

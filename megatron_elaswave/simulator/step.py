@@ -34,6 +34,8 @@ class ReplicaWork:
     """One pipeline send."""
     sync_s: float
     """Data-parallel synchronisation after the pipeline drains."""
+    num_chunks: int = 1
+    """Model chunks per stage: the interleaved schedule with more than one."""
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
@@ -75,13 +77,13 @@ def predict_step(
     tokens_per_microbatch: int,
     idle_devices: int,
     power: PowerModel,
-    num_chunks: int = 1,
 ) -> StepPrediction:
     """Simulate every distinct replica once and combine them (module docstring)."""
     if not replicas:
         raise ValueError("a job needs at least one replica")
     results = [
-        _pipeline(r.forward_s, r.backward_s, r.num_microbatches, r.send_s, num_chunks) for r in replicas
+        _pipeline(r.forward_s, r.backward_s, r.num_microbatches, r.send_s, r.num_chunks)
+        for r in replicas
     ]
     step = max(res.makespan_s for res in results) + max(r.sync_s for r in replicas)
     energy = idle_devices * power.static_w * step

@@ -24,6 +24,7 @@ from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter, samples_digest
 from megatron_elaswave.patches.schedules import forward_backward_on
+from megatron_elaswave.simulator.schedule import microbatch_group_size
 
 from .data import MicrobatchIds, MicrobatchSource, StepData
 from .model import TrainingObjects
@@ -41,14 +42,6 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     num_tokens = mask.sum().to(torch.int)
     report = torch.stack([loss_sum.detach().clone(), num_tokens.detach().float()])
     return loss_sum, num_tokens, {"lm loss": report}
-
-
-def microbatch_group_size(num_microbatches: int, num_stages: int) -> int:
-    """Megatron's ``microbatch_group_size_per_vp_stage`` for a pipeline of ``num_stages``
-    running ``num_microbatches``: the pipeline size, as Megatron sets it, when it divides the
-    micro-batches; else all of them in one group (the interleaved schedule refuses a last group
-    smaller than the pipeline, which a replica's re-dealt count can leave)."""
-    return num_stages if num_microbatches % num_stages == 0 else num_microbatches
 
 
 def stage_of(model) -> torch.nn.Module:
