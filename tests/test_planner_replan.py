@@ -7,8 +7,8 @@ from hypothesis import strategies as st
 from megatron_elaswave.layout import Layout, Replica
 from megatron_elaswave.planner.cost import CostModel, MemoryModel
 from megatron_elaswave.planner.frequency import PowerModel
-from megatron_elaswave.planner.predict import layout_prediction, stage_work
 from megatron_elaswave.planner.job import JobSpec
+from megatron_elaswave.planner.predict import layout_prediction, stage_work
 from megatron_elaswave.planner.profile import (
     OpCost,
     Profile,
@@ -142,7 +142,8 @@ def test_unknown_ranks_are_rejected():
 def test_a_replica_keeps_its_virtual_stages_until_its_stages_change():
     """TP2 x PP4 x DP3 with two virtual stages per stage: the layer groups are the virtual
     stages; after a failure the damaged replica runs one chunk per stage, the others keep
-    theirs, and the layout survives the metrics file's JSON."""
+    theirs, and the layout survives the metrics file's JSON. Predictions of an interleaved
+    layout simulate the interleaved schedule."""
     cost = small_cost()
     initial = cost.job.initial_layout()
     old = Layout(initial.num_layers, tuple(

@@ -40,23 +40,36 @@ def test_1f1b_warmup_depth():
 @pytest.mark.parametrize("stages, microbatches, chunks",
                          [(2, 4, 2), (2, 5, 2), (4, 8, 2), (4, 6, 3), (3, 7, 2)])
 def test_interleaved_order_is_megatron_cores(stages, microbatches, chunks):
-    """Forwards follow Megatron-Core's schedule table and backwards the same table with the
-    chunks reversed, in groups of the size the trainer sets (all micro-batches in one group when
-    the pipeline size does not divide them); each stage warms up with as many forwards as
-    Megatron-Core's schedule does."""
+    """Each stage runs what Megatron-Core's interleaved schedule runs, in its order, with the
+    micro-batch group size the trainer sets (all micro-batches in one group when the pipeline
+    size does not divide them): its warm-up forwards, then one forward and one backward at a
+    time, then the remaining backwards, walking the schedule table (backwards with the chunks
+    reversed)."""
     schedules = pytest.importorskip("megatron.core.pipeline_parallel.schedules")
     group = microbatch_group_size(microbatches, stages)
     table = schedules.get_schedule_table(microbatches, chunks, group)
+
+    def forward(k: int) -> tuple:
+        return (True, table[k][0], table[k][1])
+
+    def backward(k: int) -> tuple:
+        return (False, table[k][0], chunks - 1 - table[k][1])
+
     for s in range(stages):
-        order = stage_order(s, stages, microbatches, chunks)
-        assert [(op.microbatch, op.chunk) for op in order if op.forward] == table
-        assert [(op.microbatch, chunks - 1 - op.chunk) for op in order if not op.forward] == table
         pipeline = SimpleNamespace(pp_group=SimpleNamespace(size=lambda: stages, rank=lambda: s),
                                    virtual_pipeline_model_parallel_size=chunks)
-        _, _, warmup, remaining = schedules.get_pp_rank_microbatches(
+        total, _, warmup, remaining = schedules.get_pp_rank_microbatches(
             microbatches, chunks, group, p2p_communicator=pipeline)
-        first_backward = warmup + 1 if remaining else warmup  # steady state: forward, backward
-        assert next(i for i, op in enumerate(order) if not op.forward) == first_backward
+        megatron = [forward(k) for k in range(warmup)]
+        for k in range(remaining):
+            megatron += [forward(k + warmup), backward(k)]
+        megatron += [backward(k) for k in range(remaining, total)]
+        assert stage_order(s, stages, microbatches, chunks) == megatron
+
+
+def test_interleaved_needs_a_micro_batch_per_stage():
+    with pytest.raises(ValueError, match="at least 4 micro-batches"):
+        stage_order(0, 4, 3, 2)
 
 
 @pytest.mark.parametrize("stages, microbatches", [(1, 5), (4, 8), (4, 2), (8, 32)])

@@ -43,7 +43,11 @@ def microbatch_group_size(num_microbatches: int, num_stages: int) -> int:
 
 def interleaved(stage: int, num_stages: int, num_microbatches: int, num_chunks: int) -> list[Op]:
     """Interleaved 1F1B order of one stage holding ``num_chunks`` model chunks: Megatron-Core's
-    schedule table with :func:`microbatch_group_size`."""
+    schedule table with :func:`microbatch_group_size`. Raises ``ValueError`` for 1 to
+    ``num_stages - 1`` micro-batches, which Megatron-Core refuses to run interleaved."""
+    if 0 < num_microbatches < num_stages:
+        raise ValueError(f"the interleaved schedule needs at least {num_stages} micro-batches "
+                         f"(one per stage), not {num_microbatches}")
     group = microbatch_group_size(num_microbatches, num_stages)
     table = [(microbatch, chunk)
              for first in range(0, num_microbatches, group)
