@@ -684,6 +684,13 @@ class _NodeAgent:
                 if self._store_lost is not None:
                     return self._stop_without_store()
             time.sleep(POLL_INTERVAL_S)
+        if not self._config.is_store_host:
+            # Workers that lost the store may all have left before a heartbeat found it gone:
+            # one more look, so that this agent says so too. Node 0 keeps the store up until
+            # this node is done, so a job that ended well still finds it.
+            self._with_store(lambda store: store.check([node_lost_key(self._config.node_rank)]))
+            if self._store_lost is not None:
+                return self._stop_without_store()
         return job_exit_status(self._returncodes)
 
     def _reap(self) -> None:
