@@ -113,7 +113,14 @@ def node_lost_key(node_rank: int) -> str:
 
 ALERT_COUNT_KEY = "rt/alerts"
 """A counter bumped after each write the monitors must notice (a death record, a failure
-announcement): a monitor polls this one key and reads the rest only when it moved."""
+announcement); the bump that makes it ``n`` is followed by :func:`alert_key` ``(n, rank)`` for
+every launch rank."""
+
+
+def alert_key(index: int, rank: int) -> str:
+    """Set once the alert count reached ``index``: the monitor of launch rank ``rank`` waits on
+    it (and sets it itself to stop waiting)."""
+    return f"rt/alerts/{index}/{rank}"
 
 
 def heartbeat_key(rank: int) -> str:

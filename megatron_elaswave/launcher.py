@@ -771,7 +771,7 @@ class _NodeAgent:
             cause=SIGNALED if signal_name else EXITED,
             time=now,
         )
-        self._with_store(lambda store: record_death(store, death))
+        self._with_store(lambda store: record_death(store, death, self._config.world_size))
         how = f"killed by {signal_name}" if signal_name else f"exited with code {returncode}"
         still = _plural(len(self._running), "worker")
         _log(f"worker rank {worker.rank} (pid {worker.pid}) {how}; {still} still running")
@@ -879,7 +879,7 @@ class _NodeAgent:
                 cause=NODE_LOST,
                 time=now,
             )
-            record_death(self._store, death)
+            record_death(self._store, death, self._config.world_size)
             recorded.append(rank)
         deaths = f"recorded deaths for {_ranks(recorded)}" if recorded else "no worker left"
         _log(f"node {node_rank} lost: no heartbeat for {silence_s:.1f} s; {deaths}")

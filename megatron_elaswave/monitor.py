@@ -1,11 +1,13 @@
 """Failure detection: one :class:`FailureMonitor` per rank, watching the members of its generation.
 
-The monitor is a background thread with its own connection to the job store. It notices a
-failure in any of three ways:
+The monitor is a background thread with its own connection to the job store, and a second one
+that waits in the store for the next alert, so that a quiet job costs no store traffic between
+heartbeats. It notices a failure in any of three ways:
 
 * **Death records.** The launcher records a worker that exits with a non-zero code or is killed
-  by a signal within 50 ms (:mod:`megatron_elaswave.store`); the monitor reads them every
-  ``poll_interval_s``, so every survivor knows the dead rank well within a second.
+  by a signal within 50 ms (:mod:`megatron_elaswave.store`) and raises an alert; the monitor
+  reads the records as soon as the alert arrives, so every survivor knows the dead rank well
+  within a second.
 * **Heartbeats.** Every rank bumps a counter in the store every ``heartbeat_interval_s``; a
   member whose counter has not moved for ``heartbeat_timeout_s`` (a stopped or hung process)
   is declared failed. Counters are compared on the watcher's own clock, so clocks need not agree.
@@ -15,8 +17,8 @@ failure in any of three ways:
 The first sign of a failure in a generation sets :attr:`FailureMonitor.failure_detected`, aborts
 the collectives of this rank (by default :func:`megatron_elaswave.world.abort_collectives`, which
 also fails the pending collectives of every peer waiting on this rank), and announces the failure
-in the store. Every other member's monitor reads the announcement within ``poll_interval_s`` and
-does the same, so no survivor stays blocked in a collective: they all reach
+in the store. Every other member's monitor reads the announcement at its alert and does the
+same, so no survivor stays blocked in a collective: they all reach
 :func:`megatron_elaswave.agreement.agree`, which decides who failed.
 
 A rank that the decision excludes (it was stopped or too slow, not dead) normally leaves through
@@ -27,9 +29,11 @@ message and status, once the committed decision has excluded it for ``exclusion_
 
 Its keys are ``rt/heartbeat/<rank>`` (a counter), ``rt/gen<g>/round`` (the first
 :class:`FailureNotice` of generation ``g``; its presence starts the agreement),
-``rt/join/<rank>`` (a replacement asks to join) and ``rt/alerts`` (bumped after every death
-record and announcement, so that a poll with nothing new is one store round trip), named in
-:mod:`megatron_elaswave.keys`.
+``rt/join/<rank>`` (a replacement asks to join) and ``rt/alerts`` (a count bumped after every
+death record and announcement, then ``rt/alerts/<count>/<rank>`` set for every rank: the key
+the monitor of ``<rank>`` waits on),
+named in :mod:`megatron_elaswave.keys`. Every heartbeat interval it also reads the deaths and the
+announcement whatever the alerts say, in case a writer died before raising its alert.
 
 Ranks are launch ranks (``RANK`` as set by the launcher) throughout: they identify a process for
 the whole job, whatever its rank in the process group of the current generation.
@@ -37,6 +41,7 @@ the whole job, whatever its rank in the process group of the current generation.
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -45,17 +50,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from torch.distributed import DistStoreError
+
 from megatron_elaswave.decisions import Decision, Excluded
+
 from megatron_elaswave.keys import (
     ALERT_COUNT_KEY,
+    alert_key,
     decision_key,
     heartbeat_key,
     join_key,
     round_key,
 )
-from megatron_elaswave.store import WorkerDeath, read_deaths
+from megatron_elaswave.store import WorkerDeath, raise_alert, read_deaths
 from megatron_elaswave.world import abort_collectives
 
 if TYPE_CHECKING:
@@ -84,8 +94,8 @@ class MonitorConfig:
     """Heartbeat silence after which a member is declared failed. This bounds how fast a
     stopped or hung process is detected; too small, and a rank starved of CPU is excluded."""
     poll_interval_s: float = 0.05
-    """How often the monitor reads death records and failure announcements: the bound on the
-    delay between a recorded death (or another rank's announcement) and its detection."""
+    """How often the agreement looks for its members and its decision in the store. (The monitor
+    does not poll: it wakes at each alert.)"""
     agreement_timeout_s: float = 45.0
     """How long the agreement waits for a member to take part (or for the rank that proposes
     to commit) before treating it as failed. Longer than ``collective_timeout_s``: a survivor
@@ -206,8 +216,13 @@ class FailureMonitor:
         self.config = config
         self.failure_detected = threading.Event()
         """Set from the first sign of a failure until :meth:`advance`."""
-        # A connection of its own, so that a blocking store call elsewhere never delays detection.
+        # Connections of its own, so that a blocking store call elsewhere never delays detection.
         self._store = store.clone()
+        self._alert_store = store.clone()  # blocked in a wait between alerts
+        # Bounds a wait for an alert whose writer died before setting its key.
+        self._alert_store.set_timeout(timedelta(seconds=config.heartbeat_timeout_s))
+        self._alerts_seen = 0
+        """The alert count the listening thread last read: it waits for the next alert's key."""
         self._on_failure = on_failure
         self._on_excluded = on_excluded or leave_job
         self._committed: tuple[int, Decision, float] | None = None
@@ -223,15 +238,20 @@ class FailureMonitor:
         """The recorded death of each rank's current process, as read so far, and when it was
         read."""
         self._death_cursor = len(read_deaths(self._store)) if skip_recorded_deaths else 0
-        self._alerts_seen: int | None = None
-        """The alert count when deaths and announcements were last read; ``None``: read them
-        at the next poll (the generation changed)."""
+        self._wake = threading.Event()
+        """Set by an alert, a new generation or :meth:`stop`: the loop reads deaths and the
+        announcement at once instead of at the next beat."""
         self._job_size = max(decision.survivors) + 1 if job_size is None else job_size
         self._waiting: frozenset[int] = frozenset()
         self._beats = self._fresh_beats()
+        self._beat_keys_made: set[int] = set()
+        """Peers whose heartbeat counter exists in the store (one ``multi_get`` reads them)."""
         self._stopping = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"elaswave-monitor-{rank}", daemon=True
+        )
+        self._alert_thread = threading.Thread(
+            target=self._listen_for_alerts, name=f"elaswave-alerts-{rank}", daemon=True
         )
 
     # --- what the training loop calls ---------------------------------------------------------
@@ -316,18 +336,33 @@ class FailureMonitor:
             self._waiting = frozenset()
             for rank in decision.joined:
                 self._dead.pop(rank, None)
-            self._alerts_seen = None  # the new generation's round may be announced already
         self.failure_detected.clear()
+        self._wake.set()  # the new generation's round may be announced already
 
     def start(self) -> None:
         """Start watching (once; later calls do nothing)."""
         if self._thread.is_alive() or self._stopping.is_set():
             return
         self._beat()  # visible before the first check of any peer
+        self._alerts_seen = self._store.add(ALERT_COUNT_KEY, 0)
         self._thread.start()
+        self._alert_thread.start()
+        # A thread whose wait in the store ends while the interpreter finalizes aborts the
+        # process: a process that exits without stopping its monitor stops it on the way out.
+        atexit.register(self.stop)
 
     def stop(self) -> None:
+        """Stop watching; returns once the monitor's threads have ended (the listening one
+        within ``heartbeat_timeout_s`` if the store does not answer)."""
+        atexit.unregister(self.stop)
         self._stopping.set()
+        self._wake.set()
+        if self._alert_thread.is_alive():
+            try:  # the key the listening thread waits on: only this rank's
+                self._store.set(alert_key(self._alerts_seen + 1, self.rank), "")
+            except RuntimeError:
+                pass  # the store is lost, and the wait with it
+            self._alert_thread.join(self.config.heartbeat_timeout_s)
         if self._thread.is_alive():
             self._thread.join()
 
@@ -346,24 +381,48 @@ class FailureMonitor:
             while not self._stopping.is_set():
                 now = time.monotonic()
                 beating = now >= next_beat
-                if beating and not self.excluded():
-                    self._beat()
-                    self._check_heartbeats()
-                    self._check_join_requests()
+                if beating:
+                    if not self.excluded():
+                        self._beat()
+                        self._check_heartbeats()
+                        self._check_join_requests()
                     next_beat = now + self.config.heartbeat_interval_s
-                # One store round trip per quiet poll; every beat reads everything anyway, in
-                # case a writer died between its write and its bump of the alert count.
-                alerts = self._store.add(ALERT_COUNT_KEY, 0)
-                if beating or alerts != self._alerts_seen:
-                    self._alerts_seen = alerts
+                # Cleared before reading, so that an alert raised meanwhile wakes the next pass.
+                alerted = self._wake.is_set()
+                self._wake.clear()
+                if beating or alerted:
                     self._read_deaths()
                     self._check_announcement()
                 self._suspect_dead_members()
                 self._check_exclusion()
-                self._stopping.wait(self.config.poll_interval_s)
+                self._wake.wait(max(0.0, next_beat - time.monotonic()))
         except RuntimeError as error:  # torch's store errors
-            self._store_lost = str(error).splitlines()[0] if str(error) else type(error).__name__
-            self._trigger(STORE_ERROR, str(error), announce=False)
+            self._lose_store(error)
+
+    def _listen_for_alerts(self) -> None:
+        """Wake the loop at every alert: wait until this rank's key of the next one is set."""
+        store = self._alert_store
+        try:
+            while not self._stopping.is_set():
+                key = alert_key(self._alerts_seen + 1, self.rank)
+                try:
+                    store.wait([key])
+                    came = True
+                except DistStoreError:  # the timeout (a lost store raises another error)
+                    came = False  # a writer may have died between its count and its keys
+                count = store.add(ALERT_COUNT_KEY, 0)
+                if count > self._alerts_seen:
+                    self._alerts_seen = count
+                    self._wake.set()
+                elif came and not self._stopping.is_set():
+                    store.delete_key(key)  # left by a stopped monitor of an earlier process
+        except RuntimeError as error:
+            if not self._stopping.is_set():
+                self._lose_store(error)
+
+    def _lose_store(self, error: RuntimeError) -> None:
+        self._store_lost = str(error).splitlines()[0] if str(error) else type(error).__name__
+        self._trigger(STORE_ERROR, str(error), announce=False)
 
     def _beat(self) -> None:
         self._store.add(heartbeat_key(self.rank), 1)
@@ -376,7 +435,11 @@ class FailureMonitor:
     def _check_heartbeats(self) -> None:
         with self._lock:
             generation, peers = self._generation, list(self._beats)
-        counters = {rank: self._store.add(heartbeat_key(rank), 0) for rank in peers}
+        for rank in set(peers) - self._beat_keys_made:  # a multi_get waits for missing keys
+            self._store.add(heartbeat_key(rank), 0)
+            self._beat_keys_made.add(rank)
+        values = self._store.multi_get([heartbeat_key(rank) for rank in peers])
+        counters = dict(zip(peers, map(int, values)))
         now, silent = time.monotonic(), []
         with self._lock:
             for rank, counter in counters.items():
@@ -477,7 +540,7 @@ class FailureMonitor:
         self._on_failure()
         if announce and not self.excluded():
             self._store.compare_set(round_key(notice.generation), "", notice.to_json())
-            self._store.add(ALERT_COUNT_KEY, 1)
+            raise_alert(self._store, self._job_size)
 
 
 def leave_job(excluded: Excluded) -> None:

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from megatron_elaswave.keys import (
     ALERT_COUNT_KEY,
     DEATH_COUNT_KEY,
+    alert_key,
     death_key,
     exit_key,
     worker_key,
@@ -173,12 +174,21 @@ def read_exit(store: Store, rank: int) -> WorkerExit | None:
     return from_json(WorkerExit, store.get(key)) if store.check([key]) else None
 
 
-def record_death(store: Store, death: WorkerDeath) -> int:
-    """Append ``death`` to the job's death list; returns its index."""
+def record_death(store: Store, death: WorkerDeath, job_size: int) -> int:
+    """Append ``death`` to the job's death list and alert the monitors of launch ranks
+    ``0 .. job_size - 1``; returns its index."""
     index = store.add(DEATH_COUNT_KEY, 1) - 1
     store.set(death_key(index), to_json(death))
-    store.add(ALERT_COUNT_KEY, 1)
+    raise_alert(store, job_size)
     return index
+
+
+def raise_alert(store: Store, job_size: int) -> None:
+    """Wake the failure monitors of launch ranks ``0 .. job_size - 1`` after a write they must
+    read (a death record, a failure announcement): bumps the alert count to ``n``, then sets
+    ``alert_key(n, rank)`` for each rank, in one round trip."""
+    index = store.add(ALERT_COUNT_KEY, 1)
+    store.multi_set([alert_key(index, rank) for rank in range(job_size)], [""] * job_size)
 
 
 def read_deaths(store: Store, start: int = 0) -> list[WorkerDeath]:

@@ -115,7 +115,7 @@ def test_the_monitor_sees_join_requests_and_forgets_the_deaths_of_ranks_taken_ba
     with FailureMonitor(store, 0, Decision.initial(2), config, job_size=3,
                         on_failure=lambda: detected.append(time.time())) as monitor:
         record_death(store, WorkerDeath(rank=1, local_rank=1, node_rank=0, pid=11, exit_code=None,
-                                        signal="SIGKILL", cause="signal", time=time.time()))
+                                        signal="SIGKILL", cause="signal", time=time.time()), 3)
         deadline = time.monotonic() + 5
         while monitor.failure is None and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -127,7 +127,7 @@ def test_the_monitor_sees_join_requests_and_forgets_the_deaths_of_ranks_taken_ba
         assert monitor.waiting_to_join() == {1}  # rank 2 never asked
         monitor.advance(Decision(2, (0, 1), (), joined=(1,)))
         store.add("rt/heartbeat/1", 1)
-        time.sleep(0.3)  # several polls of the death records
+        time.sleep(0.3)  # several beats, each reading the death records
         assert monitor.failure is None and len(detected) == 1
 
 
@@ -138,7 +138,7 @@ def test_a_rank_taken_back_and_lost_again_is_not_blamed_on_its_first_death(store
     config = MonitorConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
     first_death = time.time() - 100
     record_death(store, WorkerDeath(rank=1, local_rank=1, node_rank=0, pid=11, exit_code=None,
-                                    signal="SIGKILL", cause="signal", time=first_death))
+                                    signal="SIGKILL", cause="signal", time=first_death), 2)
     with FailureMonitor(store, 0, Decision(1, (0,), (1,)), config, job_size=2) as monitor:
         time.sleep(0.2)  # the monitor has read the death record
         monitor.advance(Decision(2, (0, 1), (), joined=(1,)))

@@ -106,7 +106,7 @@ def test_read_deaths_stops_at_a_numbered_but_unwritten_record():
         rank=1, local_rank=1, node_rank=0, pid=9, exit_code=3, signal=None, cause="exit", time=1.0
     )
     store.add("elaswave/deaths/count", 1)  # a writer numbered death 0 but has not written it
-    assert record_death(store, death) == 1
+    assert record_death(store, death, 2) == 1
     assert read_deaths(store) == []
     store.set(death_key(0), json.dumps({**asdict(death), "rank": 0, "future_field": 1}))
     assert [d.rank for d in read_deaths(store)] == [0, 1]
