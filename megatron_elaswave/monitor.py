@@ -41,7 +41,6 @@ the whole job, whatever its rank in the process group of the current generation.
 
 from __future__ import annotations
 
-import atexit
 import json
 import math
 import os
@@ -50,16 +49,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from torch.distributed import DistStoreError
-
+from megatron_elaswave.alerts import AlertListener
 from megatron_elaswave.decisions import Decision, Excluded
-
 from megatron_elaswave.keys import (
-    ALERT_COUNT_KEY,
-    alert_key,
     decision_key,
     heartbeat_key,
     join_key,
@@ -218,11 +212,6 @@ class FailureMonitor:
         """Set from the first sign of a failure until :meth:`advance`."""
         # Connections of its own, so that a blocking store call elsewhere never delays detection.
         self._store = store.clone()
-        self._alert_store = store.clone()  # blocked in a wait between alerts
-        # Bounds a wait for an alert whose writer died before setting its key.
-        self._alert_store.set_timeout(timedelta(seconds=config.heartbeat_timeout_s))
-        self._alerts_seen = 0
-        """The alert count the listening thread last read: it waits for the next alert's key."""
         self._on_failure = on_failure
         self._on_excluded = on_excluded or leave_job
         self._committed: tuple[int, Decision, float] | None = None
@@ -250,9 +239,9 @@ class FailureMonitor:
         self._thread = threading.Thread(
             target=self._run, name=f"elaswave-monitor-{rank}", daemon=True
         )
-        self._alert_thread = threading.Thread(
-            target=self._listen_for_alerts, name=f"elaswave-alerts-{rank}", daemon=True
-        )
+        self._alerts = AlertListener(store, rank, on_alert=self._wake.set, on_lost=self._lose_store,
+                                     resync_s=config.heartbeat_timeout_s,
+                                     name=f"elaswave-alerts-{rank}")
 
     # --- what the training loop calls ---------------------------------------------------------
 
@@ -344,25 +333,15 @@ class FailureMonitor:
         if self._thread.is_alive() or self._stopping.is_set():
             return
         self._beat()  # visible before the first check of any peer
-        self._alerts_seen = self._store.add(ALERT_COUNT_KEY, 0)
+        self._alerts.start()
         self._thread.start()
-        self._alert_thread.start()
-        # A thread whose wait in the store ends while the interpreter finalizes aborts the
-        # process: a process that exits without stopping its monitor stops it on the way out.
-        atexit.register(self.stop)
 
     def stop(self) -> None:
-        """Stop watching; returns once the monitor's threads have ended (the listening one
-        within ``heartbeat_timeout_s`` if the store does not answer)."""
-        atexit.unregister(self.stop)
+        """Stop watching; returns once the monitor's threads have ended (the one that waits
+        for alerts within ``heartbeat_timeout_s`` if the store does not answer)."""
         self._stopping.set()
         self._wake.set()
-        if self._alert_thread.is_alive():
-            try:  # the key the listening thread waits on: only this rank's
-                self._store.set(alert_key(self._alerts_seen + 1, self.rank), "")
-            except RuntimeError:
-                pass  # the store is lost, and the wait with it
-            self._alert_thread.join(self.config.heartbeat_timeout_s)
+        self._alerts.stop()
         if self._thread.is_alive():
             self._thread.join()
 
@@ -398,27 +377,6 @@ class FailureMonitor:
                 self._wake.wait(max(0.0, next_beat - time.monotonic()))
         except RuntimeError as error:  # torch's store errors
             self._lose_store(error)
-
-    def _listen_for_alerts(self) -> None:
-        """Wake the loop at every alert: wait until this rank's key of the next one is set."""
-        store = self._alert_store
-        try:
-            while not self._stopping.is_set():
-                key = alert_key(self._alerts_seen + 1, self.rank)
-                try:
-                    store.wait([key])
-                    came = True
-                except DistStoreError:  # the timeout (a lost store raises another error)
-                    came = False  # a writer may have died between its count and its keys
-                count = store.add(ALERT_COUNT_KEY, 0)
-                if count > self._alerts_seen:
-                    self._alerts_seen = count
-                    self._wake.set()
-                elif came and not self._stopping.is_set():
-                    store.delete_key(key)  # left by a stopped monitor of an earlier process
-        except RuntimeError as error:
-            if not self._stopping.is_set():
-                self._lose_store(error)
 
     def _lose_store(self, error: RuntimeError) -> None:
         self._store_lost = str(error).splitlines()[0] if str(error) else type(error).__name__

@@ -175,7 +175,7 @@ def read_exit(store: Store, rank: int) -> WorkerExit | None:
 
 
 def record_death(store: Store, death: WorkerDeath, job_size: int) -> int:
-    """Append ``death`` to the job's death list and alert the monitors of launch ranks
+    """Append ``death`` to the job's death list and alert the workers of launch ranks
     ``0 .. job_size - 1``; returns its index."""
     index = store.add(DEATH_COUNT_KEY, 1) - 1
     store.set(death_key(index), to_json(death))
@@ -184,9 +184,9 @@ def record_death(store: Store, death: WorkerDeath, job_size: int) -> int:
 
 
 def raise_alert(store: Store, job_size: int) -> None:
-    """Wake the failure monitors of launch ranks ``0 .. job_size - 1`` after a write they must
-    read (a death record, a failure announcement): bumps the alert count to ``n``, then sets
-    ``alert_key(n, rank)`` for each rank, in one round trip."""
+    """Wake the alert listeners (:mod:`megatron_elaswave.alerts`) of launch ranks
+    ``0 .. job_size - 1`` after a write they must read (a death record, a failure announcement):
+    bumps the alert count to ``n``, then sets ``alert_key(n, rank)`` for each rank."""
     index = store.add(ALERT_COUNT_KEY, 1)
     store.multi_set([alert_key(index, rank) for rank in range(job_size)], [""] * job_size)
 

@@ -21,7 +21,7 @@ given to :func:`abandon_waits_when`, whichever comes first, and raises
 :class:`CollectiveAbandoned` in the second case: on the work's future where it has one (gloo's
 collectives; torch's collectives called without ``async_op`` wait through the same method, so
 megatron-core's all-reduces are covered too), otherwise (point-to-point requests) on a thread
-that waits for it. gloo's own wait cannot be shortened instead: a send or receive that times out
+of a pool that waits for it. gloo's own wait cannot be shortened instead: a send or receive that times out
 fails every connection of its group. The abandoned operation stays with a gloo thread until its
 deadline; its group must stay referenced until then (destroying the last reference joins that
 thread). :func:`abandoned_work_pending` tells whether any abandoned operation is still there,
@@ -40,6 +40,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any
 
@@ -52,7 +53,13 @@ _WATCH_S = 1.0
 _SET_WAKE_S = 0.02
 """While the event is set, how often its watcher wakes the waits that started since."""
 
+_WAIT_THREADS = 256
+"""Point-to-point waits in progress at once, abandoned ones included (each keeps its thread
+until its deadline); the pool starts a thread only when none is idle."""
+
 _abandon: threading.Event | None = None
+_wait_threads: ThreadPoolExecutor | None = None
+_wait_threads_lock = threading.Lock()
 _pending: list[Callable[[], bool]] = []
 """For every wait given up and not yet known to be over: whether its operation has ended."""
 _pending_lock = threading.Lock()
@@ -177,10 +184,21 @@ def _abandonable(wait):
     return wait_unless_abandoned
 
 
+def _waiting_threads() -> ThreadPoolExecutor:
+    """The pool, started in the process that waits (not in a parent it may be forked from).
+    Its threads are joined at interpreter shutdown, like threads that are not daemons: one
+    still in gloo then would abort the process; it ends at its work's deadline at the latest."""
+    global _wait_threads
+    with _wait_threads_lock:
+        if _wait_threads is None:
+            _wait_threads = ThreadPoolExecutor(_WAIT_THREADS,
+                                               thread_name_prefix="elaswave-p2p-wait")
+        return _wait_threads
+
+
 def _wait_on_a_thread(wait, work: Any, timeout: timedelta, abandon: threading.Event) -> bool:
-    """``wait(work, timeout)`` on a thread of its own, given up once ``abandon`` is set. The
-    thread is not a daemon: one still in gloo at interpreter shutdown would abort the process;
-    it ends at the work's deadline at the latest."""
+    """``wait(work, timeout)`` on a thread of a pool (starting one costs more than the wait's
+    hand-over), given up once ``abandon`` is set."""
     outcome: dict[str, Any] = {}
     done, waker = threading.Event(), threading.Event()
 
@@ -194,7 +212,7 @@ def _wait_on_a_thread(wait, work: Any, timeout: timedelta, abandon: threading.Ev
         done.set()
         waker.set()
 
-    threading.Thread(target=run, name="elaswave-p2p-wait", daemon=False).start()
+    _waiting_threads().submit(run)
     if _abandoned_first(done.is_set, waker, abandon, None):
         _abandoned(done.is_set)
         raise CollectiveAbandoned("point-to-point request abandoned: a failure was detected")

@@ -191,7 +191,8 @@ def test_a_quiet_monitor_makes_no_store_call_between_beats_and_reads_a_death_at_
         stopping_at = time.monotonic()
     # stop() ends the wait for the next alert at once (its timeout is heartbeat_timeout_s)
     assert time.monotonic() - stopping_at < 1.0
-    assert not [t for t in threading.enumerate() if t.name.startswith("elaswave-")]
+    assert not [t for t in threading.enumerate()
+                if t.name in ("elaswave-monitor-0", "elaswave-alerts-0")]
 
 
 def test_an_alert_whose_writer_died_before_its_key_stalls_the_alerts_only_until_a_timeout(store):

@@ -53,7 +53,7 @@ def test_a_death_before_every_rank_is_ready_stops_each_and_one_after_is_left_to_
         first.wait_until_started(timedelta(seconds=10))
         ready.join()
         record_death(store, death_of(1), 2)
-        time.sleep(0.5)  # ten polls of the watch
+        time.sleep(0.5)  # the watch would have read the death at its alert
     assert stops == [] and store.get(START_VERDICT_KEY).decode() == STARTED
 
     store = TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=10))

@@ -26,6 +26,7 @@ from datetime import timedelta
 import torch.distributed
 from torch.distributed import Store
 
+from megatron_elaswave.alerts import AlertListener
 from megatron_elaswave.keys import FINISHED_KEY, START_VERDICT_KEY, started_key
 from megatron_elaswave.store import WorkerDeath, read_deaths
 
@@ -33,6 +34,8 @@ from .recovery import CannotContinue
 
 STARTED = "started"
 _POLL_S = 0.05
+_RESYNC_S = 5.0
+"""How late the watch reads a death whose writer died before raising its alert."""
 
 
 def _default_stop(line: str, status: int) -> None:
@@ -57,22 +60,29 @@ class StartupWatch:
                  reason: Callable[[WorkerDeath], str],
                  stop: Callable[[str, int], None] = _default_stop) -> None:
         self._store = store
-        self._watch_store = store.clone()  # the watching thread's own connection
+        self._watch_store = store.clone()  # the alert listener's thread reads deaths with it
         self._rank = rank
         self._world_size = world_size
         self._exit_status = exit_status
         self._reason = reason
         self._stop = stop
         self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="elaswave-startup-watch",
-                                        daemon=True)
+        self._deaths_read = threading.Lock()
+        self._alerts = AlertListener(store, rank, on_alert=self._check_deaths,
+                                     on_lost=lambda error: None, resync_s=_RESYNC_S,
+                                     name="elaswave-startup-watch")
 
     def __enter__(self) -> StartupWatch:
-        self._thread.start()
+        self._alerts.start()
+        self._check_deaths()  # recorded before the listener started
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
         self._closed.set()
+        self._alerts.stop()
 
     def stop_if_a_rank_died(self, error: BaseException, wait_s: float = 2.0) -> None:
         """Called with ``error`` in hand: if it is a collective's (a peer's death fails gloo's
@@ -102,21 +112,20 @@ class StartupWatch:
             time.sleep(_POLL_S)
         if verdict != STARTED:
             self._stop(verdict, self._exit_status)
-        self._closed.set()
+        self._close()
 
     def _verdict(self) -> str | None:
         if not self._store.check([START_VERDICT_KEY]):
             return None
         return self._store.get(START_VERDICT_KEY).decode()
 
-    def _watch(self) -> None:
-        store = self._watch_store
-        while not self._closed.wait(_POLL_S):
-            if deaths := read_deaths(store):
-                reason = self._reason(deaths[0])
-                verdict = store.compare_set(START_VERDICT_KEY, "", reason).decode()
-                if verdict != STARTED:
-                    store.set(FINISHED_KEY, verdict)  # a replacement waiting to join leaves
-                    self._stop(verdict, self._exit_status)
-                self._closed.set()  # or the job started first: the monitors handle the death
+    def _check_deaths(self) -> None:
+        with self._deaths_read:
+            if self._closed.is_set() or not (deaths := read_deaths(self._watch_store)):
                 return
+            verdict = self._watch_store.compare_set(START_VERDICT_KEY, "",
+                                                    self._reason(deaths[0])).decode()
+            if verdict != STARTED:
+                self._watch_store.set(FINISHED_KEY, verdict)  # a replacement waiting to join leaves
+                self._stop(verdict, self._exit_status)
+            self._closed.set()  # or the job started first: the monitors handle the death
