@@ -15,12 +15,12 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from torch.distributed import DistStoreError
-
 from megatron_elaswave.keys import ALERT_COUNT_KEY, alert_key
 
 if TYPE_CHECKING:
     from torch.distributed import Store
+
+_NO_TIMEOUT = timedelta(days=365)
 
 
 class AlertListener:
@@ -31,9 +31,9 @@ class AlertListener:
 
     * An alert raised after :meth:`start` returned is followed by a call, as soon as the
       listener's key is set; if the alert's writer died between its count and its keys, the
-      next call comes at most ``resync_s`` later.
-    * :meth:`stop` returns once the thread has ended: at once, or within ``resync_s`` if the
-      store does not answer. A process that exits without stopping its listener stops it on
+      call comes with the next alert, whose writer sets them too.
+    * :meth:`stop` returns once the thread has ended: at once, or within ``stop_timeout_s`` if
+      the store does not answer. A process that exits without stopping its listener stops it on
       the way out (a wait in the store that ends while the interpreter finalizes aborts the
       process).
     * If the store's connection fails before :meth:`stop`, ``on_lost(error)`` is called once
@@ -41,14 +41,16 @@ class AlertListener:
     """
 
     def __init__(self, store: Store, rank: int, *, on_alert: Callable[[], None],
-                 on_lost: Callable[[RuntimeError], None], resync_s: float, name: str) -> None:
+                 on_lost: Callable[[RuntimeError], None], stop_timeout_s: float,
+                 name: str) -> None:
         """``rank`` is this process's launch rank; ``store`` is cloned twice: one connection
         waits, the other ends the wait."""
         self._rank = rank
         self._waiting_store = store.clone()
-        self._waiting_store.set_timeout(timedelta(seconds=resync_s))
+        # A wait that timed out would log two warnings: it ends at its key or with the store.
+        self._waiting_store.set_timeout(_NO_TIMEOUT)
         self._waking_store = store.clone()
-        self._resync_s = resync_s
+        self._stop_timeout_s = stop_timeout_s
         self._on_alert = on_alert
         self._on_lost = on_lost
         self._seen = 0
@@ -73,23 +75,19 @@ class AlertListener:
             self._waking_store.set(alert_key(self._seen + 1, self._rank), "")
         except RuntimeError:
             pass  # the store is lost, and the wait with it
-        self._thread.join(self._resync_s)
+        self._thread.join(self._stop_timeout_s)
 
     def _listen(self) -> None:
         store = self._waiting_store
         try:
             while not self._stopping.is_set():
                 key = alert_key(self._seen + 1, self._rank)
-                try:
-                    store.wait([key])
-                    came = True
-                except DistStoreError:  # the timeout (a lost store raises another error)
-                    came = False  # a writer may have died between its count and its keys
+                store.wait([key])
                 count = store.add(ALERT_COUNT_KEY, 0)
                 if count > self._seen:
                     self._seen = count
                     self._on_alert()
-                elif came and not self._stopping.is_set():
+                elif not self._stopping.is_set():
                     store.delete_key(key)  # set by a stopped listener of this rank, not an alert
         except RuntimeError as error:
             if not self._stopping.is_set():

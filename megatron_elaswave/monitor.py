@@ -240,7 +240,7 @@ class FailureMonitor:
             target=self._run, name=f"elaswave-monitor-{rank}", daemon=True
         )
         self._alerts = AlertListener(store, rank, on_alert=self._wake.set, on_lost=self._lose_store,
-                                     resync_s=config.heartbeat_timeout_s,
+                                     stop_timeout_s=config.heartbeat_timeout_s,
                                      name=f"elaswave-alerts-{rank}")
 
     # --- what the training loop calls ---------------------------------------------------------

@@ -186,9 +186,12 @@ def record_death(store: Store, death: WorkerDeath, job_size: int) -> int:
 def raise_alert(store: Store, job_size: int) -> None:
     """Wake the alert listeners (:mod:`megatron_elaswave.alerts`) of launch ranks
     ``0 .. job_size - 1`` after a write they must read (a death record, a failure announcement):
-    bumps the alert count to ``n``, then sets ``alert_key(n, rank)`` for each rank."""
+    bumps the alert count to ``n``, then sets ``alert_key(n, rank)`` for each rank, and the keys
+    of alert ``n - 1`` again, in case its writer died between its count and its keys."""
     index = store.add(ALERT_COUNT_KEY, 1)
-    store.multi_set([alert_key(index, rank) for rank in range(job_size)], [""] * job_size)
+    keys = [alert_key(i, rank) for i in range(max(index - 1, 1), index + 1)
+            for rank in range(job_size)]
+    store.multi_set(keys, [""] * len(keys))
 
 
 def read_deaths(store: Store, start: int = 0) -> list[WorkerDeath]:

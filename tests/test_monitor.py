@@ -94,27 +94,6 @@ with FailureMonitor(store, 2, Decision.initial(3), config, on_failure=lambda: No
 """
 
 
-UNSTOPPED_MONITOR = """
-import sys, time
-from datetime import timedelta
-from torch.distributed import TCPStore
-from megatron_elaswave.decisions import Decision
-from megatron_elaswave.monitor import FailureMonitor, MonitorConfig
-store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=10))
-config = MonitorConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=0.5)
-FailureMonitor(store, 0, Decision.initial(1), config).start()
-time.sleep(0.3)  # and exit while the wait for an alert is due to time out
-"""
-
-
-@multiprocess
-def test_a_process_that_exits_without_stopping_its_monitor_keeps_its_exit_status(store):
-    for _ in range(3):  # a wait that ended while the interpreter finalized aborted every time
-        ended = subprocess.run([sys.executable, "-c", UNSTOPPED_MONITOR, str(store.port)],
-                               capture_output=True, text=True, timeout=60)
-        assert ended.returncode == 0, ended.stderr[-2000:]
-
-
 @pytest.mark.parametrize("rank, excluded", [(2, True), (0, False)], ids=["excluded", "survivor"])
 def test_the_monitor_ends_an_excluded_rank_whose_loop_does_not_leave(store, rank, excluded):
     config = MonitorConfig(heartbeat_timeout_s=5.0, exclusion_grace_s=EXCLUSION_GRACE_S)
@@ -189,27 +168,26 @@ def test_a_quiet_monitor_makes_no_store_call_between_beats_and_reads_a_death_at_
         assert time.monotonic() - died_at < 0.2  # at its alert, not at the next beat
         assert list(monitor.suspects()) == [2]
         stopping_at = time.monotonic()
-    # stop() ends the wait for the next alert at once (its timeout is heartbeat_timeout_s)
+    # stop() ends the wait for the next alert at once (it would bound it by heartbeat_timeout_s)
     assert time.monotonic() - stopping_at < 1.0
     assert not [t for t in threading.enumerate()
                 if t.name in ("elaswave-monitor-0", "elaswave-alerts-0")]
 
 
-def test_an_alert_whose_writer_died_before_its_key_stalls_the_alerts_only_until_a_timeout(store):
+def test_an_alert_whose_writer_died_before_its_keys_is_delivered_with_the_next_one(store):
     config = MonitorConfig(heartbeat_interval_s=2.0, heartbeat_timeout_s=4.0)
     with FailureMonitor(store, 0, Decision.initial(2), config, on_failure=lambda: None) as monitor:
         started = time.monotonic()
         time.sleep(0.3)
-        store.add(ALERT_COUNT_KEY, 1)  # a writer bumped the count and died before its key
-        # past the wait's timeout (heartbeat_timeout_s), between the beats at 4 s and 6 s
-        while time.monotonic() < started + 5.0:
+        store.add(ALERT_COUNT_KEY, 1)  # a writer bumped the count and died before its keys
+        while time.monotonic() < started + 3.0:  # between the beats at 2 s and 4 s
             store.add(heartbeat_key(1), 1)
-            time.sleep(min(0.5, max(0.0, started + 5.0 - time.monotonic())))
+            time.sleep(min(0.5, max(0.0, started + 3.0 - time.monotonic())))
         died_at = time.monotonic()
         record_death(store, WorkerDeath(rank=1, local_rank=1, node_rank=0, pid=11, exit_code=1,
                                         signal=None, cause="exit", time=time.time()), 2)
         wait_until(lambda: monitor.failure is not None, 5, "the death to be noticed")
-        assert time.monotonic() - died_at < 0.5  # at its alert, not at the beat at 6 s
+        assert time.monotonic() - died_at < 0.5  # at its alert, not at the beat at 4 s
         assert list(monitor.suspects()) == [1]
 
 

@@ -34,8 +34,8 @@ from .recovery import CannotContinue
 
 STARTED = "started"
 _POLL_S = 0.05
-_RESYNC_S = 5.0
-"""How late the watch reads a death whose writer died before raising its alert."""
+_STOP_TIMEOUT_S = 5.0
+"""How long closing the watch waits for its thread when the store does not answer."""
 
 
 def _default_stop(line: str, status: int) -> None:
@@ -69,7 +69,7 @@ class StartupWatch:
         self._closed = threading.Event()
         self._deaths_read = threading.Lock()
         self._alerts = AlertListener(store, rank, on_alert=self._check_deaths,
-                                     on_lost=lambda error: None, resync_s=_RESYNC_S,
+                                     on_lost=lambda error: None, stop_timeout_s=_STOP_TIMEOUT_S,
                                      name="elaswave-startup-watch")
 
     def __enter__(self) -> StartupWatch:
