@@ -210,7 +210,7 @@ class FailureMonitor:
         self.config = config
         self.failure_detected = threading.Event()
         """Set from the first sign of a failure until :meth:`advance`."""
-        # Connections of its own, so that a blocking store call elsewhere never delays detection.
+        # A connection of its own, so that a blocking store call elsewhere never delays detection.
         self._store = store.clone()
         self._on_failure = on_failure
         self._on_excluded = on_excluded or leave_job
