@@ -51,7 +51,7 @@ from . import relayout
 from .checkpoint import TrainingProgress, save_checkpoint
 from .layer_groups import ModelFactory, build_stage_objects
 from .loop import StepResult, Trainer, log
-from .migration import StateLost, adam_step, load_pieces, migrate, named_shard, needed_pieces
+from .migration import NamedShard, StateLost, adam_step, load_pieces, migrate, needed_pieces
 from .planning import plan_growth
 from .records import (
     RecoveryTimes,
@@ -103,6 +103,7 @@ class ElasticTrainer(Trainer):
         super()._bind()
         self.reduce_group = self.registry.group(Role.WORLD)
         self.tp_rank = self.layout.position(self.rank)[2]
+        self._named_shard = NamedShard(self.objects, self.tp_rank)
         finalize = self.objects.config.finalize_model_grads_func
 
         def timed_finalize(*args, **kwargs):
@@ -144,7 +145,7 @@ class ElasticTrainer(Trainer):
     def take_snapshot(self, iteration: int, consumed_samples: int) -> None:
         self.snapshots.after_step(
             iteration, self.objects.optimizer, self.objects.scheduler, consumed_samples,
-            tensors=named_shard(self.objects, self.tp_rank), adam_step=adam_step(self.objects))
+            tensors=self._named_shard.tensors(), adam_step=adam_step(self.objects))
         self.injector.at("snapshot", iteration)
 
     def train_step(self):
@@ -346,7 +347,7 @@ class ElasticTrainer(Trainer):
         return directory
 
     def _reform_default_group(self) -> None:
-        held, step = named_shard(self.objects, self.tp_rank), adam_step(self.objects)
+        held, step = self._named_shard.tensors(), adam_step(self.objects)
         scheduler = self.objects.scheduler.state_dict()
         self.objects = self.stages = self.forward_backward = None
         leaving = set(self.layout.known_ranks() - self.layout.active_ranks())

@@ -80,17 +80,29 @@ def _chunk_params(objects):
             yield optimizer, names[local_name], param
 
 
-def named_shard(objects, tp_rank: int) -> dict[str, torch.Tensor]:
-    """This rank's optimizer shard under layout-independent keys (module docstring)."""
-    tensors = {}
-    for optimizer, name, param in _chunk_params(objects):
-        span = shard_range(optimizer, param)
-        if span is None:
-            continue  # this rank owns no element of it
-        state = shard_state(optimizer, param)
-        for kind in KINDS:
-            tensors[Piece(tp_rank, name, kind, span.start, span.stop).key] = state[kind]
-    return tensors
+class NamedShard:
+    """This rank's optimizer shard under layout-independent keys (module docstring).
+
+    The keys are worked out once: they depend only on the chunks and their optimizers, which a
+    layout keeps (walking the modules for them took longer than the snapshot's copies)."""
+
+    def __init__(self, objects, tp_rank: int) -> None:
+        self._entries = []
+        for optimizer, name, param in _chunk_params(objects):
+            span = shard_range(optimizer, param)
+            if span is not None:  # else this rank owns no element of it
+                keys = {kind: Piece(tp_rank, name, kind, span.start, span.stop).key
+                        for kind in KINDS}
+                self._entries.append((optimizer, param, keys))
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The shard's tensors by key: views of the optimizer's own, as they are now."""
+        tensors = {}
+        for optimizer, param, keys in self._entries:
+            state = shard_state(optimizer, param)
+            for kind, key in keys.items():
+                tensors[key] = state[kind]
+        return tensors
 
 
 def adam_step(objects) -> float:

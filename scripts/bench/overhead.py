@@ -37,6 +37,8 @@ import json
 from common import SCRIPTS, alternate, launch, pretrain_records
 
 ARMS = ("plain", "plugin", "elastic", "interleaved", "settled")
+TARGETS = {"plugin": 1.03, "elastic": 1.05, "interleaved": 1.05, "settled": 1.05}
+"""The most each arm's iteration time may be, as a ratio to ``plain``."""
 ELASTIC = ["--elastic", "--elastic-rebalance-window", "0"]
 CPU_TIME = "cpu_time_s"
 
@@ -53,8 +55,14 @@ def main() -> None:
     parser.add_argument("--train-iters", type=int, default=25)
     parser.add_argument("--warmup-iters", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=4, help="runs per arm")
+    parser.add_argument("--arms", default=",".join(ARMS),
+                        help=f"comma-separated arms to run, plain always among them ({', '.join(ARMS)})")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    names = ["plain", *(arm for arm in args.arms.split(",") if arm and arm != "plain")]
+    unknown = sorted(set(names) - set(ARMS))
+    if unknown:
+        parser.error(f"unknown arm {unknown[0]!r}; arms are {', '.join(ARMS)}")
 
     def pretrain(extra: list[str]) -> list[dict]:
         records = pretrain_records([
@@ -80,31 +88,31 @@ def main() -> None:
     arms = {"plain": plain, "plugin": lambda: pretrain([]), "elastic": lambda: pretrain(ELASTIC),
             "interleaved": lambda: pretrain([*ELASTIC, "--elastic-zero", "interleaved"]),
             "settled": lambda: pretrain([*ELASTIC, "--elastic-snapshot-overlap", "off"])}
-    times = alternate(arms, args.rounds, args.warmup_iters,
+    times = alternate({name: arms[name] for name in names}, args.rounds, args.warmup_iters,
                       report=(lambda line: None) if args.json else print)
-    medians = {name: times.median(name) for name in ARMS}
-    ratios = {name: times.paired_ratio(name, "plain") for name in ARMS if name != "plain"}
-    round_ratios = {name: times.round_ratios(name, "plain") for name in ARMS if name != "plain"}
-    cpu_medians = {name: times.median(name, CPU_TIME) for name in ARMS}
-    cpu_ratios = {name: times.paired_ratio(name, "plain", CPU_TIME)
-                  for name in ARMS if name != "plain"}
+    compared = names[1:]
+    medians = {name: times.median(name) for name in names}
+    ratios = {name: times.paired_ratio(name, "plain") for name in compared}
+    round_ratios = {name: times.round_ratios(name, "plain") for name in compared}
+    cpu_medians = {name: times.median(name, CPU_TIME) for name in names}
+    cpu_ratios = {name: times.paired_ratio(name, "plain", CPU_TIME) for name in compared}
     layout = f"TP{args.tp}xPP{args.pp}xDP{args.nproc // (args.tp * args.pp)}"
     if args.json:
         print(json.dumps({
             "layout": layout, "iterations_per_arm": len(times.pooled("plain")),
+            "tokens_per_iteration": args.global_batch_size * args.seq_length,
             "rounds": args.rounds, "median_s": medians, "ratio_to_plain": ratios,
             "round_ratios_to_plain": round_ratios,
             "cpu_median_s": cpu_medians, "cpu_ratio_to_plain": cpu_ratios,
-            # The names earlier reports read.
-            "plugin_median_s": medians["plugin"], "plain_median_s": medians["plain"],
-            "ratio": ratios["plugin"],
         }))
         return
-    print(f"{layout}, hidden {args.hidden_size}, {len(times.pooled('plain'))} iterations per arm; "
+    print(f"{layout}, hidden {args.hidden_size}, "
+          f"{args.global_batch_size * args.seq_length} tokens per iteration, "
+          f"{len(times.pooled('plain'))} iterations per arm; "
           f"plain megatron-core {medians['plain'] * 1e3:.1f} ms, "
           f"{cpu_medians['plain'] * 1e3:.1f} ms of CPU on rank 0")
-    for name, target in (("plugin", 1.03), ("elastic", 1.05), ("interleaved", 1.05),
-                         ("settled", 1.05)):
+    for name in compared:
+        target = TARGETS[name]
         rounds = " ".join(f"{ratio:.4f}" for ratio in round_ratios[name])
         print(f"  {name:12s} {medians[name] * 1e3:7.1f} ms, ratio to plain {ratios[name]:.4f} "
               f"(target <= {target}; by round {rounds}); CPU {cpu_medians[name] * 1e3:.1f} ms, "
