@@ -32,6 +32,7 @@ import gc
 import importlib
 import json
 import os
+import re
 import runpy
 import select
 import signal
@@ -51,6 +52,14 @@ DEFAULT_PRELOAD = (
 )
 """What a Megatron training script imports first and at most cost; those not installed are
 skipped."""
+
+IMPORT_NOTICES = (
+    "Transformer Engine and Apex are not installed",
+    "Apex is not installed",
+)
+"""What megatron-core warns when imported without Transformer Engine or Apex: nothing a CPU job
+can act on. The preload imports it without them (a training script that imports megatron-core
+itself filters them as well)."""
 
 PRELOAD_TIMEOUT_S = 120.0
 """How long the agent waits for the server's preload before executing workers afresh."""
@@ -228,15 +237,18 @@ class ForkServer:
 def _preload(modules: Sequence[str]) -> str | None:
     """Import ``modules``; returns why forked workers would not work, or ``None``."""
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # ask NVML, not the CUDA driver
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as error:
-            if error.name is None or not (name == error.name
-                                          or name.startswith(error.name + ".")):
-                return f"preloading {name} failed: {error}"
-        except Exception as error:  # noqa: BLE001 - any failure means: execute workers instead
-            return f"preloading {name} failed: {type(error).__name__}: {error}"
+    with warnings.catch_warnings():
+        for notice in IMPORT_NOTICES:
+            warnings.filterwarnings("ignore", message=f".*{re.escape(notice)}")
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except ModuleNotFoundError as error:
+                if error.name is None or not (name == error.name
+                                              or name.startswith(error.name + ".")):
+                    return f"preloading {name} failed: {error}"
+            except Exception as error:  # noqa: BLE001 - any failure means: execute workers instead
+                return f"preloading {name} failed: {type(error).__name__}: {error}"
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():
         return "preloading initialized CUDA, which forked workers could not use"

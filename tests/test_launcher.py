@@ -117,6 +117,24 @@ def test_read_deaths_stops_at_a_numbered_but_unwritten_record():
 
 
 @multiprocess
+@pytest.mark.timeout(200)
+def test_the_preload_imports_megatron_core_without_its_notices_about_missing_extensions(tmp_path):
+    """Forked from the default preload, a worker finds megatron-core imported and nothing of
+    its Transformer Engine and Apex notices printed; executed afresh, the same worker prints
+    them (this environment has neither, so the first check can fail)."""
+    outputs = {}
+    for preload in ("default", "none"):
+        flags = [] if preload == "default" else ["--preload=none"]
+        with launch([worker_script("imports_megatron_core.py")], nproc_per_node=1,
+                    master_port=free_port(), launcher_args=flags) as job:
+            returncode, outputs[preload] = job.wait(timeout=90)
+        assert returncode == 0, outputs[preload]
+        assert "imported megatron.core.optimizer" in outputs[preload]
+    assert "Transformer Engine and Apex are not installed" in outputs["none"]
+    assert "not installed" not in outputs["default"], outputs["default"]
+
+
+@multiprocess
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("preload", ["torch", "none"], ids=["forked", "executed"])
 def test_workers_get_the_launch_environment(tmp_path, preload):

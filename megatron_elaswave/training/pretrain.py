@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from megatron_elaswave.device import DeviceUnavailableError, resolve_device_backend
+from megatron_elaswave.spawn import IMPORT_NOTICES
 
 from . import exit_status
 from .arguments import ArgumentError, parse_args
@@ -25,8 +26,7 @@ from .arguments import ArgumentError, parse_args
 
 # Warnings megatron-core and torch print on every rank that a user cannot act on.
 _KNOWN_WARNINGS = (
-    "Transformer Engine and Apex are not installed",
-    "Apex is not installed",
+    *IMPORT_NOTICES,
     "full scope is deprecated",
     "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed",
     "`torch.distributed.reduce_scatter_tensor` is deprecated",
