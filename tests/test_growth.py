@@ -41,20 +41,24 @@ from test_pretrain_gpt import BASE, run_single, text_data  # noqa: F401  (fixtur
 __all__ = ["small_reference", "text_data"]  # fixtures
 
 
+JOIN_READ_S = 2 * MonitorConfig.heartbeat_interval_s
+"""Time enough for a running member's monitor to read a join request (it does with each beat)."""
 HELD = ["--elastic-heartbeat-timeout", "60"]
 """Flags of a job whose rank 0 is held while replacements start (:func:`hold_while_joining`): its peers
 must not take the pause for a hang."""
 
 
 def hold_while_joining(job, joiners: list[int], held: int = 0) -> None:
-    """SIGSTOP rank ``held`` of ``job`` until every rank of ``joiners`` has asked to join, then
-    SIGCONT it: a replacement takes seconds of imports to start, and the job must not finish
-    first. At most 25 s, within the 30 s op timeout of the job's collectives. Pausing changes
-    nothing that is computed."""
+    """SIGSTOP rank ``held`` of ``job`` until every rank of ``joiners`` has asked to join and the
+    members still running have read the requests (with their heartbeats, every
+    ``JOIN_READ_S``), then SIGCONT it: a replacement takes seconds of imports to start, and the
+    job must not finish first. At most 25 s, within the 30 s op timeout of the job's collectives.
+    Pausing changes nothing that is computed."""
     job.kill_worker(held, signal.SIGSTOP)
     try:
         job.wait_for(lambda: job.store().check([join_key(rank) for rank in joiners]), 25,
                      f"ranks {joiners} to ask to join")
+        time.sleep(JOIN_READ_S)
     finally:
         job.kill_worker(held, signal.SIGCONT)
 
