@@ -14,7 +14,8 @@ decide what to do. It guarantees:
 * **A node fails as a whole.** Workers are started with ``PR_SET_PDEATHSIG`` (Linux), so killing
   an agent kills its workers. Every other agent heartbeats through the store; the agent of node 0
   declares a node lost after ``--node-timeout`` seconds of silence and records the deaths of its
-  workers. An agent that finds its node declared lost (it was stalled, not dead) kills its
+  workers. Silence is counted on node 0's time (:mod:`megatron_elaswave.silence`): node 0's own
+  stall is not blamed on the others. An agent that finds its node declared lost (it was stalled, not dead) kills its
   workers, so a node the job has given up on cannot come back into it.
 * **Workers start forked from a preloaded server** (:mod:`megatron_elaswave.spawn`), unless
   ``--preload none``: they are the agent's own children all the same, so everything below holds
@@ -58,11 +59,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 
 from megatron_elaswave.decisions import Decision
+from megatron_elaswave.silence import HeartbeatSilence
 from megatron_elaswave.spawn import (
     DEFAULT_PRELOAD,
     ForkedWorker,
@@ -517,14 +519,6 @@ class _Worker:
     process: subprocess.Popen | ForkedWorker
 
 
-@dataclass
-class _PeerWatch:
-    """What node rank 0 knows of another node's heartbeat."""
-
-    heartbeat: int = -1
-    changed_at: float = field(default_factory=time.monotonic)
-
-
 class _NodeAgent:
     """Spawns and supervises one node's workers once the job has formed."""
 
@@ -548,7 +542,10 @@ class _NodeAgent:
         self._signals = signals
         self._running: dict[int, _Worker] = {}
         self._returncodes: list[int] = []
-        self._peers: dict[int, _PeerWatch] = {}
+        self._heartbeat_interval_s = min(1.0, config.node_timeout_s / 4)
+        self._peers = HeartbeatSilence((), interval_s=self._heartbeat_interval_s,
+                                       timeout_s=config.node_timeout_s, now=time.monotonic())
+        """On node 0: the other nodes running, and how long each agent's heartbeat is silent."""
         self._lost_nodes: set[int] = set()
         """On node 0: nodes declared lost, watched again once an agent replaces them."""
         self._due_starts: dict[int, float] = {}
@@ -556,7 +553,6 @@ class _NodeAgent:
         replacements (``--rejoin``)."""
         self._starts: dict[int, int] = {}
         """How many times each local rank was started."""
-        self._heartbeat_interval_s = min(1.0, config.node_timeout_s / 4)
         self._next_heartbeat = 0.0
         self._store_lost: str | None = None
         """Why the job store was lost, once it was."""
@@ -575,7 +571,8 @@ class _NodeAgent:
             self._skip_past_decisions()
             self._spawn_workers()
             if self._config.is_store_host:
-                self._peers = {n: _PeerWatch() for n in range(1, self._config.nnodes)}
+                for node_rank in range(1, self._config.nnodes):
+                    self._peers.add(node_rank)
             status = self._supervise()
         finally:
             self._kill_workers()
@@ -668,7 +665,7 @@ class _NodeAgent:
     def _supervise(self) -> int:
         """Run until every local worker has ended and every other node has finished or been
         lost (node 0 must keep the store up until then); returns the exit status."""
-        while self._running or self._peers or self._due_starts:
+        while self._running or self._peers.peers or self._due_starts:
             self._reap()
             self._start_due()
             if self._signals.received:
@@ -838,23 +835,21 @@ class _NodeAgent:
 
     def _watch_peers(self) -> None:
         """On node 0: settle the nodes that finished, declare lost those that fell silent."""
-        now = time.monotonic()
         for node_rank in list(self._lost_nodes):
             if not self._store.check([node_lost_key(node_rank)]):  # an agent took the node's place
                 self._lost_nodes.discard(node_rank)
-                self._peers[node_rank] = _PeerWatch()
+                self._peers.add(node_rank)
                 _log(f"node {node_rank} rejoined the job")
-        for node_rank, peer in list(self._peers.items()):
+        heartbeats = {}
+        for node_rank in self._peers.peers:
             if self._store.check([node_done_key(node_rank)]):
-                del self._peers[node_rank]
-                continue
-            heartbeat = self._store.add(node_heartbeat_key(node_rank), 0)
-            if heartbeat != peer.heartbeat:
-                peer.heartbeat, peer.changed_at = heartbeat, now
-            elif now - peer.changed_at > self._config.node_timeout_s:
-                del self._peers[node_rank]
-                self._lost_nodes.add(node_rank)
-                self._declare_lost(node_rank, silence_s=now - peer.changed_at)
+                self._peers.forget(node_rank)
+            else:
+                heartbeats[node_rank] = self._store.add(node_heartbeat_key(node_rank), 0)
+        for node_rank, silence_s in self._peers.read(heartbeats, time.monotonic()).items():
+            self._peers.forget(node_rank)
+            self._lost_nodes.add(node_rank)
+            self._declare_lost(node_rank, silence_s)
 
     def _declare_lost(self, node_rank: int, silence_s: float) -> None:
         """Fence the node first (if it comes back, its agent kills its workers), then record

@@ -10,7 +10,9 @@ heartbeats. It notices a failure in any of three ways:
   within a second.
 * **Heartbeats.** Every rank bumps a counter in the store every ``heartbeat_interval_s``; a
   member whose counter has not moved for ``heartbeat_timeout_s`` (a stopped or hung process)
-  is declared failed. Counters are compared on the watcher's own clock, so clocks need not agree.
+  is declared failed. Counters are compared on the watcher's own clock, so clocks need not agree,
+  and a pause of the watcher itself is not counted (:mod:`megatron_elaswave.silence`): a job
+  stopped and resumed as a whole goes on without excluding anyone.
 * **Collective errors.** The training code passes the errors of its collectives (including
   their timeouts) to :meth:`FailureMonitor.report_error`.
 
@@ -59,6 +61,7 @@ from megatron_elaswave.keys import (
     join_key,
     round_key,
 )
+from megatron_elaswave.silence import HeartbeatSilence
 from megatron_elaswave.store import WorkerDeath, raise_alert, read_deaths
 from megatron_elaswave.world import abort_collectives
 
@@ -385,30 +388,25 @@ class FailureMonitor:
     def _beat(self) -> None:
         self._store.add(heartbeat_key(self.rank), 1)
 
-    def _fresh_beats(self) -> dict[int, tuple[int | None, float]]:
-        """``{rank: (last counter seen, monotonic time it was first seen)}`` for the peers."""
-        now = time.monotonic()
-        return {rank: (None, now) for rank in self._members if rank != self.rank}
+    def _fresh_beats(self) -> HeartbeatSilence:
+        """The heartbeat silence of the peers, from now on."""
+        return HeartbeatSilence((rank for rank in self._members if rank != self.rank),
+                                interval_s=self.config.heartbeat_interval_s,
+                                timeout_s=self.config.heartbeat_timeout_s, now=time.monotonic())
 
     def _check_heartbeats(self) -> None:
         with self._lock:
-            generation, peers = self._generation, list(self._beats)
+            generation, beats = self._generation, self._beats
+        peers = beats.peers
         for rank in set(peers) - self._beat_keys_made:  # a multi_get waits for missing keys
             self._store.add(heartbeat_key(rank), 0)
             self._beat_keys_made.add(rank)
         values = self._store.multi_get([heartbeat_key(rank) for rank in peers])
-        counters = dict(zip(peers, map(int, values)))
-        now, silent = time.monotonic(), []
         with self._lock:
-            for rank, counter in counters.items():
-                if rank not in self._beats:
-                    continue  # the generation changed meanwhile
-                last, since = self._beats[rank]
-                if counter != last:
-                    self._beats[rank] = (counter, now)
-                elif now - since > self.config.heartbeat_timeout_s:
-                    silent.append((rank, now - since))
-        for rank, silence in silent:
+            if beats is not self._beats:
+                return  # the generation changed meanwhile
+            silent = beats.read(dict(zip(peers, map(int, values))), time.monotonic())
+        for rank, silence in silent.items():
             detail = f"no heartbeat for {silence:.1f} s"
             self._suspect(Suspicion(rank, HEARTBEAT, time.time(), detail), generation=generation)
 

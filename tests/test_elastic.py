@@ -579,6 +579,67 @@ def test_a_lost_node_takes_half_the_job_and_the_other_half_continues(text_data, 
         [[0, 1]], [[2, 3]]]
 
 
+@pytest.mark.timeout(300)
+def test_a_job_stopped_as_a_whole_and_resumed_rank_by_rank_excludes_no_one(text_data,  # noqa: F811
+                                                                          small_reference,
+                                                                          tmp_path):
+    """Every worker is SIGSTOPped at once (a paused host) for longer than the heartbeat timeout,
+    then resumed one by one, 0.3 s apart: the first to wake must not take the others' silence,
+    which was its own, for a failure. The job goes on without a recovery, on the trajectory."""
+
+    def inject(job, reached):
+        job.wait_for(lambda: reached(3), 120, "iteration 3")
+        for rank in job.ranks:
+            job.kill_worker(rank, signal.SIGSTOP)
+        time.sleep(5)
+        for rank in job.ranks:
+            job.kill_worker(rank, signal.SIGCONT)
+            time.sleep(0.3)
+
+    iterations, recoveries, output = run_with_faults(
+        tmp_path, "paused", [*small_flags(text_data), "--elastic-heartbeat-timeout", "3"],
+        inject, nproc=4)
+    assert recoveries == [], output[-6000:]
+    assert_on_trajectory(small_reference, iterations)
+
+
+@pytest.mark.timeout(300)
+def test_node_0_stalled_with_another_node_does_not_declare_it_lost(text_data,  # noqa: F811
+                                                                  small_reference, tmp_path):
+    """Node 1's launcher is SIGSTOPped, then, once node 0 has read its last heartbeat, node 0's
+    launcher too (it hosts the job store, so every worker waits on it meanwhile), for longer than
+    the node timeout and the workers' heartbeat timeout. Node 0 is resumed first: it must not
+    count its own stall as node 1's silence, nor the workers theirs as each other's. No node is
+    lost, no worker is excluded, and the job ends on the trajectory."""
+    metrics = tmp_path / "stall.jsonl"
+    flags = [PRETRAIN, *small_flags(text_data), "--elastic-metrics-file", str(metrics)]
+    node_timeout_s = 8.0  # node 0 reads the heartbeats every second
+    port = free_port()
+    with contextlib.ExitStack() as stack:
+        node0, node1 = (
+            stack.enter_context(launch(flags, 2, nnodes=2, node_rank=node, master_port=port,
+                                       launcher_args=[f"--node-timeout={node_timeout_s:g}"],
+                                       log_path=tmp_path / f"node{node}.log"))
+            for node in (0, 1))
+        node0.wait_for(lambda: metrics.exists() and len(read_metrics(str(metrics), "iteration")) >= 3,
+                       120, "iteration 3")
+        node1.send_signal(signal.SIGSTOP)
+        time.sleep(1.3)
+        node0.send_signal(signal.SIGSTOP)
+        time.sleep(node_timeout_s + 2)
+        node0.send_signal(signal.SIGCONT)
+        time.sleep(0.3)
+        node1.send_signal(signal.SIGCONT)
+        returncode, output = node0.wait(240)
+        node1_code, node1_output = node1.wait(60)
+    assert (returncode, node1_code) == (0, 0), output[-4000:] + node1_output[-4000:]
+    assert "lost" not in output + node1_output
+    assert read_metrics(str(metrics), "recovery") == []
+    iterations = read_metrics(str(metrics), "iteration")
+    assert [r["iteration"] for r in iterations] == list(range(1, TRAIN_ITERS + 1)), output[-4000:]
+    assert_on_trajectory(small_reference, iterations)
+
+
 @pytest.mark.timeout(200)
 def test_losing_the_store_host_stops_every_other_node_in_one_line_each(text_data, tmp_path):  # noqa: F811
     """Node 0's launcher, which hosts the job store, is SIGKILLed with its workers: node 1's

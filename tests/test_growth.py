@@ -284,8 +284,7 @@ def test_a_replacement_joins_while_a_lower_rank_is_still_missing(text_data, smal
     with contextlib.ExitStack() as stack:
         node0, node1 = (
             stack.enter_context(launch(flags, 2, nnodes=2, node_rank=node, master_port=port,
-                                       launcher_args=["--node-timeout=1", *extra],
-                                       log_path=tmp_path / f"node{node}.log"))
+                                       launcher_args=extra, log_path=tmp_path / f"node{node}.log"))
             for node, extra in ((0, ()), (1, ("--rejoin", "--rejoin-delay=0.5"))))
         node0.wait_for(lambda: len(recorded("iteration")) >= 3, 120, "iteration 3")
         node0.kill_worker(1)

@@ -37,6 +37,7 @@ from megatron_elaswave.monitor import (
     FailureNotice,
     MonitorConfig,
 )
+from megatron_elaswave.silence import HeartbeatSilence
 from megatron_elaswave.store import WorkerDeath, record_death
 
 multiprocess = pytest.mark.multiprocess
@@ -65,6 +66,43 @@ OP_TIMEOUT_S = 15.0
 def test_monitor_config_rejects_bad_timing(fields, message):
     with pytest.raises(ValueError, match=message):
         MonitorConfig(**fields)
+
+
+def test_heartbeat_silence_reports_a_stopped_peer_after_the_timeout_of_regular_reads():
+    silence = HeartbeatSilence([1, 2], interval_s=0.5, timeout_s=2.0, now=0.0)
+    reports = [silence.read({1: 0, 2: step}, now=0.5 * step) for step in range(1, 8)]
+    # Rank 1's counter was first read at 0.5 s; from there 2 s of reads is four more, the fifth
+    # exceeds the timeout.
+    assert [report for report in reports if report] == [{1: 2.5}, {1: 3.0}]
+    assert reports[5] == {1: 2.5}
+
+
+def test_heartbeat_silence_does_not_count_the_watchers_own_pause():
+    silence = HeartbeatSilence([1], interval_s=0.5, timeout_s=2.0, now=0.0)
+    assert silence.read({1: 7}, now=0.5) == {}
+    # The watcher was stopped for 60 s: the peer's unchanged counter counts for two intervals.
+    assert silence.read({1: 7}, now=60.5) == {}
+    assert silence.read({1: 7}, now=61.0) == {}
+    assert silence.read({1: 8}, now=61.5) == {}  # it beat: its silence starts again
+    assert silence.read({1: 8}, now=62.0) == {}
+    # A peer that really stopped is still reported, by reads at the interval.
+    assert [silence.read({1: 8}, now=62.0 + 0.5 * step) for step in range(1, 5)] == [
+        {}, {}, {}, {1: 2.5}]
+
+
+def test_heartbeat_silence_watches_peers_added_and_forgets_those_settled():
+    silence = HeartbeatSilence([], interval_s=0.25, timeout_s=1.0, now=0.0)
+    silence.add(3)
+    silence.add(1)
+    assert silence.peers == [3, 1]
+    silence.forget(3)
+    silence.forget(5)  # not watched: nothing to do
+    assert silence.peers == [1]
+    # A watched peer whose counter was not read counts as silent; an unknown one is ignored.
+    reports = [silence.read({9: step}, now=0.25 * step) for step in range(1, 6)]
+    assert reports[-1] == {1: 1.25} and not any(reports[:-1])
+    with pytest.raises(ValueError, match="at least twice"):
+        HeartbeatSilence([1], interval_s=1.0, timeout_s=1.5, now=0.0)
 
 
 @given(

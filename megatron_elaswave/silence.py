@@ -1,0 +1,75 @@
+"""How long each peer's heartbeat has been silent, as seen by a watcher that may itself pause.
+
+A watcher (a worker's failure monitor, node rank 0's launcher) reads its peers' heartbeat
+counters every ``interval_s``. A counter that has not moved since the previous read adds the
+time between the two reads to that peer's silence, but never more than ``2 * interval_s`` per
+read: the rest of a longer gap is the watcher's own pause. While the watcher was stopped, starved
+of CPU or waiting on a stalled store, its peers' beats could not reach it either, so it gives
+them a fresh window on its return rather than declaring them all failed at once. A peer that
+really fell silent is still declared after ``timeout_s`` of the watcher's attentive time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+
+@dataclass
+class _Peer:
+    counter: int | None = None
+    """The counter last read; ``None`` before the first read."""
+    silent_s: float = 0.0
+    """Silence counted since the counter last moved."""
+
+
+class HeartbeatSilence:
+    """The heartbeat silence of a set of peers.
+
+    Guarantees: a peer is reported only once its counter has stayed the same over reads whose
+    gaps, each counted up to ``2 * interval_s``, add up to more than ``timeout_s``; so a pause of
+    the watcher alone never gets a peer reported, and a watcher that reads every ``interval_s``
+    reports a stopped peer within ``timeout_s + interval_s``.
+    """
+
+    def __init__(self, peers: Iterable[int], *, interval_s: float, timeout_s: float,
+                 now: float) -> None:
+        """Watch ``peers`` from ``now`` (a monotonic time); raises ``ValueError`` unless
+        ``0 < interval_s`` and ``2 * interval_s <= timeout_s``."""
+        if not 0 < 2 * interval_s <= timeout_s:
+            raise ValueError(f"the heartbeat timeout ({timeout_s:g} s) must be at least twice "
+                             f"the interval between reads ({interval_s:g} s), which is positive")
+        self._max_counted_s = 2 * interval_s
+        self._timeout_s = timeout_s
+        self._peers = {peer: _Peer() for peer in peers}
+        self._last_read = now
+
+    @property
+    def peers(self) -> list[int]:
+        """The peers watched, in the order they were added."""
+        return list(self._peers)
+
+    def add(self, peer: int) -> None:
+        """Watch ``peer`` too, from the next read on (its silence starts at zero)."""
+        self._peers[peer] = _Peer()
+
+    def forget(self, peer: int) -> None:
+        """Stop watching ``peer`` (it finished, or was declared lost)."""
+        self._peers.pop(peer, None)
+
+    def read(self, counters: Mapping[int, int], now: float) -> dict[int, float]:
+        """Record the counters read at ``now``; returns ``{peer: seconds of silence}`` for every
+        peer silent for more than ``timeout_s``. Peers not watched are ignored; a watched peer
+        missing from ``counters`` counts as silent."""
+        counted = min(max(0.0, now - self._last_read), self._max_counted_s)
+        self._last_read = now
+        silent = {}
+        for peer, state in self._peers.items():
+            counter = counters.get(peer)
+            if counter is not None and counter != state.counter:
+                state.counter, state.silent_s = counter, 0.0
+                continue
+            state.silent_s += counted
+            if state.silent_s > self._timeout_s:
+                silent[peer] = state.silent_s
+        return silent
