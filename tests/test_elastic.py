@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -145,7 +146,8 @@ def test_with_host_state_on_gloo_twins_of_the_device_groups_two_failures_stay_on
 
 
 def run_with_faults(tmp_path: Path, name: str, flags: list[str], inject, nproc: int = 8,
-                    timeout: float = 240) -> tuple[list[dict], list[dict], str]:
+                    timeout: float = 240, launcher_args: Sequence[str] = ()
+                    ) -> tuple[list[dict], list[dict], str]:
     """Train, calling ``inject(job, reached)`` to send faults from outside; ``reached(i)`` says
     whether the metrics file holds iteration ``i``. Returns what :func:`run` returns."""
     metrics = tmp_path / f"{name}.jsonl"
@@ -155,7 +157,8 @@ def run_with_faults(tmp_path: Path, name: str, flags: list[str], inject, nproc: 
             r["iteration"] >= iteration for r in read_metrics(str(metrics), "iteration"))
 
     with launch([PRETRAIN, *flags, "--elastic-metrics-file", str(metrics)], nproc,
-                master_port=free_port(), log_path=tmp_path / f"{name}.log") as job:
+                master_port=free_port(), log_path=tmp_path / f"{name}.log",
+                launcher_args=launcher_args) as job:
         inject(job, reached)
         returncode, output = job.wait(timeout)
     assert returncode == 0, output[-6000:]
@@ -198,6 +201,32 @@ def test_a_rank_killed_during_the_recovery_of_another(text_data, reference, tmp_
     assert causes == {"2": "killed by SIGKILL", "5": "killed by SIGKILL"}, recoveries
     assert "Traceback" not in output
     assert iterations[-1]["world_size"] == 4  # the TP partners of 2 and 5 are spares
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_stopped_during_the_recovery_of_another_is_excluded_by_its_silence(
+        text_data, reference, tmp_path):  # noqa: F811
+    """Rank 5 is SIGKILLed after iteration 5; rank 2 is SIGSTOPped for good as soon as a survivor
+    starts restoring state. Its connections stay open, so only its silent heartbeat tells: the
+    others exclude it, recover again without it and finish on the trajectory, and its launcher
+    kills it after the exclusion grace so that the job ends."""
+
+    def inject(job, reached):
+        job.wait_for(lambda: reached(5), 120, "iteration 5")
+        job.kill_worker(5)
+        job.wait_for(lambda: job.store().check(["rt/gen1/restore/held/0"]), 60, "the restore")
+        job.kill_worker(2, signal.SIGSTOP)
+
+    flags = [*elastic_flags(text_data, tensor_model_parallel_size=2, pipeline_model_parallel_size=2),
+             "--elastic-heartbeat-timeout", "3"]
+    iterations, recoveries, output = run_with_faults(tmp_path, "stopped", flags, inject,
+                                                     launcher_args=("--exclusion-grace", "2"))
+    assert_on_trajectory(reference, iterations)
+    causes = {rank: cause for rec in recoveries for rank, cause in rec["causes"].items()}
+    assert causes.keys() == {"2", "5"}, recoveries
+    assert causes["5"] == "killed by SIGKILL" and causes["2"].startswith("no heartbeat for")
+    assert re.search(r"worker rank 2 \(pid \d+\) was excluded by the job; killing it", output)
+    assert "Traceback" not in output
 
 
 @pytest.mark.timeout(300)
