@@ -669,6 +669,48 @@ def test_node_0_stalled_with_another_node_does_not_declare_it_lost(text_data,  #
     assert_on_trajectory(small_reference, iterations)
 
 
+@pytest.mark.timeout(300)
+def test_a_node_paused_past_its_timeout_is_fenced_when_it_wakes(text_data, small_reference,  # noqa: F811
+                                                               tmp_path):
+    """Node 1 as a whole (its launcher, fork server and workers) is SIGSTOPped for longer than
+    the node timeout: node 0 declares it lost and the other half of the job recovers without it.
+    When node 1 wakes, its launcher finds itself declared lost, says so in one line, kills its
+    workers and exits with 1; nothing it does reaches the job, which ends on the trajectory."""
+    metrics = tmp_path / "paused.jsonl"
+    flags = [PRETRAIN, *small_flags(text_data), "--elastic-metrics-file", str(metrics)]
+    port = free_port()
+
+    def recorded(event: str) -> list[dict]:
+        return read_metrics(str(metrics), event) if metrics.exists() else []
+
+    with contextlib.ExitStack() as stack:
+        node0, node1 = (
+            stack.enter_context(launch(flags, 2, nnodes=2, node_rank=node, master_port=port,
+                                       launcher_args=["--node-timeout=2"],
+                                       log_path=tmp_path / f"node{node}.log"))
+            for node in (0, 1))
+        paused = node1.worker_pids()
+        node0.wait_for(lambda: len(recorded("iteration")) >= 3, 120, "iteration 3")
+        os.killpg(node1.pid, signal.SIGSTOP)
+        node0.wait_for(lambda: bool(recorded("recovery")), 120, "the recovery")
+        os.killpg(node1.pid, signal.SIGCONT)
+        node1_code, node1_output = node1.wait(60)
+        returncode, output = node0.wait(240)
+    assert returncode == 0, output[-4000:]
+    assert node1_code == 1, node1_output[-4000:]
+    assert node1_output.count("this node was declared lost by node rank 0; killing its workers") \
+        == 1, node1_output[-4000:]
+    assert all(is_gone(pid) for pid in paused.values())
+    assert "node 1 lost: no heartbeat for" in output
+    [recovery] = recorded("recovery")
+    assert recovery["failed_ranks"] == [2, 3]
+    assert recovery["causes"] == {"2": "its node was lost", "3": "its node was lost"}
+    iterations = recorded("iteration")
+    assert [r["iteration"] for r in iterations] == list(range(1, TRAIN_ITERS + 1)), output[-4000:]
+    assert all(r["world_size"] == 2 for r in iterations if r["iteration"] > recovery["iteration"])
+    assert_on_trajectory(small_reference, iterations)
+
+
 @pytest.mark.timeout(200)
 def test_losing_the_store_host_stops_every_other_node_in_one_line_each(text_data, tmp_path):  # noqa: F811
     """Node 0's launcher, which hosts the job store, is SIGKILLed with its workers: node 1's
