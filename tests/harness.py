@@ -18,6 +18,7 @@ that exits while a test waits for something from it fails the test with its outp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -258,3 +259,23 @@ def launch(
         output_path=output_path,
         owns_output=owns_output,
     )
+
+
+def launch_nodes(
+    stack: contextlib.ExitStack,
+    args: Sequence[str],
+    nproc_per_node: int,
+    *,
+    master_port: int,
+    log_dir: str | os.PathLike,
+    node_args: Sequence[Sequence[str]] = ((), ()),
+) -> list[LaunchedJob]:
+    """Start one launcher per node of a job on this machine, ``len(node_args)`` of them, node
+    ``n`` with the extra launcher flags ``node_args[n]`` and its output in
+    ``log_dir/node<n>.log``. Each is entered on ``stack``, so it is closed with it."""
+    return [
+        stack.enter_context(launch(args, nproc_per_node, nnodes=len(node_args), node_rank=node,
+                                   master_port=master_port, launcher_args=extra,
+                                   log_path=Path(log_dir) / f"node{node}.log"))
+        for node, extra in enumerate(node_args)
+    ]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import free_port, is_gone, launch
+from harness import free_port, is_gone, launch, launch_nodes
 from megatron_elaswave.communicator import SEPARATE_HOST_GROUPS_ENV
 from megatron_elaswave.metrics import read_metrics
 from test_pretrain_gpt import PRETRAIN, model_flags, text_data  # noqa: F401  (fixture)
@@ -588,13 +588,9 @@ def test_a_lost_node_takes_half_the_job_and_the_other_half_continues(text_data, 
     flags = [PRETRAIN, *elastic_flags(text_data, tensor_model_parallel_size=2,
                                       pipeline_model_parallel_size=2),
              "--elastic-metrics-file", str(metrics)]
-    port = free_port()
     with contextlib.ExitStack() as stack:
-        node0, node1 = (
-            stack.enter_context(launch(flags, 4, nnodes=2, node_rank=node, master_port=port,
-                                       launcher_args=["--node-timeout=1"],
-                                       log_path=tmp_path / f"node{node}.log"))
-            for node in (0, 1))
+        node0, node1 = launch_nodes(stack, flags, 4, master_port=free_port(), log_dir=tmp_path,
+                                    node_args=[["--node-timeout=1"]] * 2)
         node0.wait_for(lambda: metrics.exists() and len(read_metrics(str(metrics), "iteration")) >= 3,
                        120, "iteration 3")
         node1.send_signal(signal.SIGKILL)
@@ -643,13 +639,9 @@ def test_node_0_stalled_with_another_node_does_not_declare_it_lost(text_data,  #
     metrics = tmp_path / "stall.jsonl"
     flags = [PRETRAIN, *small_flags(text_data), "--elastic-metrics-file", str(metrics)]
     node_timeout_s = 8.0  # node 0 reads the heartbeats every second
-    port = free_port()
     with contextlib.ExitStack() as stack:
-        node0, node1 = (
-            stack.enter_context(launch(flags, 2, nnodes=2, node_rank=node, master_port=port,
-                                       launcher_args=[f"--node-timeout={node_timeout_s:g}"],
-                                       log_path=tmp_path / f"node{node}.log"))
-            for node in (0, 1))
+        node0, node1 = launch_nodes(stack, flags, 2, master_port=free_port(), log_dir=tmp_path,
+                                    node_args=[[f"--node-timeout={node_timeout_s:g}"]] * 2)
         node0.wait_for(lambda: metrics.exists() and len(read_metrics(str(metrics), "iteration")) >= 3,
                        120, "iteration 3")
         node1.send_signal(signal.SIGSTOP)
@@ -678,17 +670,13 @@ def test_a_node_paused_past_its_timeout_is_fenced_when_it_wakes(text_data, small
     workers and exits with 1; nothing it does reaches the job, which ends on the trajectory."""
     metrics = tmp_path / "paused.jsonl"
     flags = [PRETRAIN, *small_flags(text_data), "--elastic-metrics-file", str(metrics)]
-    port = free_port()
 
     def recorded(event: str) -> list[dict]:
         return read_metrics(str(metrics), event) if metrics.exists() else []
 
     with contextlib.ExitStack() as stack:
-        node0, node1 = (
-            stack.enter_context(launch(flags, 2, nnodes=2, node_rank=node, master_port=port,
-                                       launcher_args=["--node-timeout=2"],
-                                       log_path=tmp_path / f"node{node}.log"))
-            for node in (0, 1))
+        node0, node1 = launch_nodes(stack, flags, 2, master_port=free_port(), log_dir=tmp_path,
+                                    node_args=[["--node-timeout=2"]] * 2)
         paused = node1.worker_pids()
         node0.wait_for(lambda: len(recorded("iteration")) >= 3, 120, "iteration 3")
         os.killpg(node1.pid, signal.SIGSTOP)
@@ -720,11 +708,8 @@ def test_losing_the_store_host_stops_every_other_node_in_one_line_each(text_data
     flags = [PRETRAIN, *small_flags(text_data), "--elastic-metrics-file", str(metrics)]
     port = free_port()
     with contextlib.ExitStack() as stack:
-        node0, node1 = (
-            stack.enter_context(launch(flags, 2, nnodes=2, node_rank=node, master_port=port,
-                                       launcher_args=["--node-timeout=2", "--shutdown-grace=10"],
-                                       log_path=tmp_path / f"node{node}.log"))
-            for node in (0, 1))
+        node0, node1 = launch_nodes(stack, flags, 2, master_port=port, log_dir=tmp_path,
+                                    node_args=[["--node-timeout=2", "--shutdown-grace=10"]] * 2)
         pids = node1.worker_pids()
         node0.wait_for(lambda: metrics.exists() and len(read_metrics(str(metrics), "iteration")) >= 3,
                        120, "iteration 3")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import free_port, launch
+from harness import free_port, launch, launch_nodes
 from megatron_elaswave.agreement import agree
 from megatron_elaswave.decisions import Decision
 from megatron_elaswave.keys import FINISHED_KEY, accepted_key, decision_key, join_key
@@ -276,16 +276,13 @@ def test_a_replacement_joins_while_a_lower_rank_is_still_missing(text_data, smal
     snapshots and state sent to it must still reach it, and the run stays on the trajectory."""
     metrics = tmp_path / "gap.jsonl"
     flags = [PRETRAIN, *small_flags(text_data), *HELD, "--elastic-metrics-file", str(metrics)]
-    port = free_port()
 
     def recorded(event: str) -> list[dict]:
         return read_metrics(str(metrics), event) if metrics.exists() else []
 
     with contextlib.ExitStack() as stack:
-        node0, node1 = (
-            stack.enter_context(launch(flags, 2, nnodes=2, node_rank=node, master_port=port,
-                                       launcher_args=extra, log_path=tmp_path / f"node{node}.log"))
-            for node, extra in ((0, ()), (1, ("--rejoin", "--rejoin-delay=0.5"))))
+        node0, node1 = launch_nodes(stack, flags, 2, master_port=free_port(), log_dir=tmp_path,
+                                    node_args=[[], ["--rejoin", "--rejoin-delay=0.5"]])
         node0.wait_for(lambda: len(recorded("iteration")) >= 3, 120, "iteration 3")
         node0.kill_worker(1)
         node0.wait_for(lambda: len(recorded("recovery")) >= 1, 120, "the first recovery")
