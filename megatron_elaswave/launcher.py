@@ -15,8 +15,9 @@ decide what to do. It guarantees:
   an agent kills its workers. Every other agent heartbeats through the store; the agent of node 0
   declares a node lost after ``--node-timeout`` seconds of silence and records the deaths of its
   workers. Silence is counted on node 0's time (:mod:`megatron_elaswave.silence`): node 0's own
-  stall is not blamed on the others. An agent that finds its node declared lost (it was stalled, not dead) kills its
-  workers, so a node the job has given up on cannot come back into it.
+  stall is not blamed on the others. An agent that finds its node declared lost (it was
+  stalled, not dead) kills its workers, so a node the job has given up on cannot come back
+  into it.
 * **Workers start forked from a preloaded server** (:mod:`megatron_elaswave.spawn`), unless
   ``--preload none``: they are the agent's own children all the same, so everything below holds
   for them as for workers it executes.

@@ -29,7 +29,7 @@ class HeartbeatSilence:
     Guarantees: a peer is reported only once its counter has stayed the same over reads whose
     gaps, each counted up to ``2 * interval_s``, add up to more than ``timeout_s``; so a pause of
     the watcher alone never gets a peer reported, and a watcher that reads every ``interval_s``
-    reports a stopped peer within ``timeout_s + interval_s``.
+    reports a stopped peer within ``timeout_s + 2 * interval_s`` of its last beat.
     """
 
     def __init__(self, peers: Iterable[int], *, interval_s: float, timeout_s: float,
