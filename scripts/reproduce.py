@@ -81,10 +81,10 @@ FULL = Sizes(
     communicator_configs="2x2x2,2x2x4", communicator_repetitions=3,
     convergence=("--train-iters", "220", "--fail-at", "20"),
     mttr=("--repetitions", "3"),
-    overhead=("--rounds", "4"),
-    overhead_tokens=("--global-batch-size", "64", "--arms", "elastic", "--rounds", "4",
-                     "--train-iters", "15", "--warmup-iters", "3"),
-    snapshot=("--rounds", "3"),
+    overhead=("--sets", "3", "--rounds", "8"),
+    overhead_tokens=("--global-batch-size", "64", "--arms", "elastic", "--sets", "3",
+                     "--rounds", "3", "--window", "3", "--warmup-iters", "3"),
+    snapshot=("--sets", "2", "--rounds", "6"),
     scale_cases=True,
     chaos=("--faults", "50", "--seed", "1"),
     calibration=(),
@@ -93,11 +93,12 @@ SMOKE = Sizes(
     communicator_configs="2x2x2", communicator_repetitions=1,
     convergence=("--train-iters", "10", "--fail-at", "4", "--arms", "elaswave"),
     mttr=("--repetitions", "1", "--fail-at", "4", "--skip-restart", "--skip-torchft"),
-    overhead=("--nproc", "2", "--tp", "1", "--rounds", "1", "--train-iters", "6",
+    overhead=("--nproc", "2", "--tp", "1", "--sets", "1", "--rounds", "1", "--window", "2",
               "--warmup-iters", "2"),
-    overhead_tokens=("--nproc", "2", "--tp", "1", "--rounds", "1", "--train-iters", "6",
-                     "--warmup-iters", "2", "--global-batch-size", "32", "--arms", "elastic"),
-    snapshot=("--nproc", "2", "--rounds", "1", "--train-iters", "6", "--warmup-iters", "2"),
+    overhead_tokens=("--nproc", "2", "--tp", "1", "--sets", "1", "--rounds", "1", "--window",
+                     "2", "--warmup-iters", "2", "--global-batch-size", "32", "--arms", "elastic"),
+    snapshot=("--nproc", "2", "--sets", "1", "--rounds", "1", "--window", "2",
+              "--warmup-iters", "2"),
     scale_cases=False,
     chaos=("--faults", "5", "--seed", "62"),  # one fault of each kind
     calibration=("--nproc", "4", "--tp", "1", "--num-layers", "4", "--hidden-size", "64",
@@ -133,6 +134,12 @@ def beside(value: float, target: float, digits: int = 3) -> str:
         if round(value, more) != round(target, more):
             return f"{value:.{more}f}"
     return f"{value:.{digits}f}"
+
+
+def quartiles(values: list[float]) -> str:
+    """The lower quartile, median and upper quartile of ``values``, to three decimals."""
+    cuts = statistics.quantiles(values, n=4) if len(values) > 1 else list(values) * 3
+    return " ".join(f"{cut:.3f}" for cut in cuts)
 
 
 def table(header: list[str], rows: list[list]) -> list[str]:
@@ -313,20 +320,23 @@ def overhead(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
     ]
     lines = [
         f"Measured: {plugin['layout']}, hidden 256, {plugin['tokens_per_iteration']} tokens per "
-        f"iteration unless the row says otherwise (measured in a run of its own, {tokens['rounds']} "
-        "rounds), on "
-        f"CPU processes, {plugin['rounds']} rounds "
-        "of runs alternating between the arms; iteration-time medians after warm-up, and as "
-        "ratio the median over rounds of the two runs' ratio within a round. The `--elastic` "
-        "arms keep per-step snapshots replicated to a buddy (each settled in the next step, "
-        "or in its own with `--elastic-snapshot-overlap off`), heartbeats, one chunk per layer "
-        "group and the step reports.", "",
+        "iteration unless the row says otherwise, on CPU processes. The arms run time-sliced: "
+        "one run of each is started, and round after round each in turn trains "
+        f"{plugin['window']} measured iterations while the others are paused (SIGSTOP), so "
+        "that arms are compared seconds apart on the same machine; "
+        f"{plugin['sets']} sets of new runs of {plugin['rounds']} rounds each "
+        f"({plugin['iterations_per_arm']} iterations per arm; at "
+        f"{tokens['tokens_per_iteration']} tokens per iteration {tokens['sets']} sets of "
+        f"{tokens['rounds']} rounds of {tokens['window']}). Iteration-time medians after "
+        "warm-up, and as ratio the median over rounds of the two windows' ratio within a round. "
+        "The `--elastic` arms keep per-step snapshots replicated to a buddy (each settled in the "
+        "next step, or in its own with `--elastic-snapshot-overlap off`), heartbeats, one chunk "
+        "per layer group and the step reports.", "",
         *table(["what", "with (ms)", "without (ms)", "ratio", "target"], rows),
-        "", "Ratios to plain megatron-core by round: " + "; ".join(
-            f"{arm} {' '.join(f'{ratio:.3f}' for ratio in ratios)}"
-            for arm, ratios in plugin["round_ratios_to_plain"].items())
+        "", "Ratios to plain megatron-core by round, quartiles (lower, median, upper): " + "; ".join(
+            f"{arm} {quartiles(ratios)}" for arm, ratios in plugin["round_ratios_to_plain"].items())
         + f"; elastic at {tokens['tokens_per_iteration']} tokens per iteration "
-        + " ".join(f"{ratio:.3f}" for ratio in tokens["round_ratios_to_plain"]["elastic"]) + ".",
+        + quartiles(tokens["round_ratios_to_plain"]["elastic"]) + ".",
         "", "CPU time per iteration of rank 0's process (all its threads), median over rounds of "
         "the ratio to plain megatron-core's within a round: " + ", ".join(
             f"{arm} {ratio:.4f}" for arm, ratio in plugin["cpu_ratio_to_plain"].items())

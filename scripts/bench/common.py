@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -44,13 +46,20 @@ def mock_gpt_flags(*, pipeline: int, num_layers: int, hidden_size: int, micro_ba
     ]
 
 
+def _launch_command(script: Path, script_args: Sequence[str], nproc: int,
+                    launcher_args: Sequence[str] = ()) -> list[str]:
+    return [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={nproc}",
+            f"--master-port={free_port()}", *launcher_args, str(script), *script_args]
+
+
+_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
 def launch(script: Path, script_args: Sequence[str], nproc: int,
            launcher_args: Sequence[str] = ()) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nproc`` ranks through elaswave-run; exit with its stderr on failure."""
-    command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={nproc}",
-               f"--master-port={free_port()}", *launcher_args, str(script), *script_args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
+    command = _launch_command(script, script_args, nproc, launcher_args)
+    result = subprocess.run(command, capture_output=True, text=True, env=_ENV)
     if result.returncode != 0:
         sys.exit(f"{script.name} failed:\n{result.stderr[-3000:]}")
     return result
@@ -115,4 +124,129 @@ def alternate(arms: dict[str, Callable[[], list[dict[str, float]]]], rounds: int
             runs[name].append(run)
             median_ms = statistics.median(r[STEP_TIME] for r in run) * 1e3
             report(f"  {name:12s} run: median {median_ms:.1f} ms over {len(run)} iterations")
+    return Alternated(runs)
+
+
+class SlicedJob:
+    """A training run on ``nproc`` ranks through elaswave-run, in a process group of its own so
+    that it can be paused (SIGSTOP) and resumed as a whole. Its iteration records are read, as
+    they are written, from JSON lines: the script's stdout, or the file the script is told to
+    write with the flag ``records_flag`` (``pretrain_gpt.py``'s ``--elastic-metrics-file``)."""
+
+    def __init__(self, script: Path, script_args: Sequence[str], nproc: int,
+                 records_flag: str | None = None) -> None:
+        self._workdir = tempfile.TemporaryDirectory()
+        workdir = Path(self._workdir.name)
+        self._stdout = open(workdir / "stdout", "w+b")
+        self._stderr = open(workdir / "stderr", "w+b")
+        self._records_path = workdir / ("stdout" if records_flag is None else "records.jsonl")
+        if records_flag is not None:
+            script_args = [*script_args, records_flag, str(self._records_path)]
+        self._offset = 0
+        self._partial = b""
+        self.records: list[dict] = []
+        """Every iteration record read so far."""
+        self.process = subprocess.Popen(_launch_command(script, script_args, nproc),
+                                        stdout=self._stdout, stderr=self._stderr, env=_ENV,
+                                        start_new_session=True)
+
+    @classmethod
+    def pretrain(cls, flags: Sequence[str], nproc: int) -> "SlicedJob":
+        """A ``pretrain_gpt.py`` run; its records are the metrics file's iteration events."""
+        return cls(SCRIPTS / "pretrain_gpt.py", flags, nproc, "--elastic-metrics-file")
+
+    def _read(self) -> None:
+        try:
+            with open(self._records_path, "rb") as handle:
+                handle.seek(self._offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for line in lines:
+            if line.startswith(b"{"):
+                record = json.loads(line)
+                if record.get("event", "iteration") == "iteration":
+                    self.records.append(record)
+
+    def wait_for(self, count: int, timeout_s: float = 600.0) -> None:
+        """Return once ``count`` records are in; exit with the run's stderr if it ended first,
+        or after ``timeout_s`` (the run is killed by whoever started it)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._read()
+            if len(self.records) >= count:
+                return
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self._stderr.seek(0)
+                ended = (f"exited with {self.process.returncode}" if self.process.poll() is not None
+                         else f"wrote {len(self.records)} of {count} records in {timeout_s:.0f} s")
+                sys.exit(f"a benchmark run {ended}:\n"
+                         f"{self._stderr.read()[-3000:].decode(errors='replace')}")
+            time.sleep(0.02)
+
+    def pause(self) -> None:
+        """Stop every process of the run, then read the records written before it stopped."""
+        os.killpg(self.process.pid, signal.SIGSTOP)
+        self._read()
+
+    def resume(self) -> None:
+        os.killpg(self.process.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        """Kill every process of the run, paused or not, and remove its files."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+        self._stdout.close()
+        self._stderr.close()
+        self._workdir.cleanup()
+
+
+RESUME_DROPPED = 2
+"""Records dropped after each resume of a time-sliced run: that of the iteration the pause cut
+in two and, as ``pretrain_gpt.py --elastic`` writes each iteration's record once the next step
+has settled it, that of the iteration before."""
+
+
+def time_sliced(jobs: dict[str, Callable[[int], SlicedJob]], rounds: int, window: int,
+                warmup: int, sets: int = 1, report: Callable[[str], None] = print) -> Alternated:
+    """Run the arms side by side, one at a time, in ``sets`` of runs one after the other.
+
+    In a set every arm's job starts, trains ``warmup`` iterations and is paused; then, round
+    after round, each arm in turn is resumed for ``window`` measured iterations and paused
+    again, the others waiting. Arms measured seconds apart see the same machine, where runs
+    minutes apart were seen to differ by a quarter in speed and CPU time alike. Each set starts
+    new jobs: a run of 8 ranks on 2 cores keeps a speed of its own within a few percent (how its
+    processes came to share the cores), which only more runs average out. The first
+    :data:`RESUME_DROPPED` records after each resume are dropped. ``jobs`` start a run given its
+    number of iterations; every job is killed at the end of its set. Rounds of all sets are
+    returned in order."""
+    names = list(jobs)
+    train_iters = warmup + rounds * (window + RESUME_DROPPED + 1) + 2
+    runs: dict[str, list[list[dict[str, float]]]] = {name: [] for name in names}
+    for set_index in range(sets):
+        started: dict[str, SlicedJob] = {}
+        try:
+            for name in names:
+                started[name] = jobs[name](train_iters)
+                started[name].wait_for(warmup)
+                started[name].pause()
+            for round_index in range(rounds):
+                shift = (set_index + round_index) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    job = started[name]
+                    first = len(job.records) + RESUME_DROPPED
+                    job.resume()
+                    job.wait_for(first + window)
+                    job.pause()
+                    run = job.records[first:]
+                    runs[name].append(run)
+                    median_ms = statistics.median(r[STEP_TIME] for r in run) * 1e3
+                    report(f"  set {set_index + 1} {name:12s} window: median {median_ms:.1f} ms "
+                           f"over {len(run)} iterations")
+        finally:
+            for job in started.values():
+                job.kill()
     return Alternated(runs)

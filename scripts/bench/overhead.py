@@ -16,11 +16,15 @@ same layout through ``elaswave-run``:
 * ``settled``: ``--elastic`` with ``--elastic-snapshot-overlap off``: each snapshot is copied,
   checksummed and exchanged with its buddy before its step returns.
 
-Runs alternate between the arms so that machine noise hits all alike; the first iterations of
-each run are dropped as warm-up. Prints each arm's median iteration time and its ratio to
-``plain``: the median over rounds of the ratio of the two runs' medians in one round, so that a
-run slowed by other work moves one round's ratio and not the figure (targets: plugin at most
-1.03, ``--elastic`` at most 1.05).
+The arms' runs are time-sliced: one run of every arm is started, and round after round each in
+turn trains a window of iterations while the others are paused (SIGSTOP of the whole run), so
+that arms are compared seconds apart on the same machine; runs minutes apart were seen to differ
+by a quarter in speed on a shared host. This is done in several sets of new runs, since a run of
+many ranks on few cores keeps a speed of its own (``common.time_sliced``). The first iterations
+of each run are dropped as warm-up, and so are those a pause cut in two. Prints each arm's
+median iteration time and its ratio to ``plain``: the median over rounds of the ratio of the two
+windows' medians in one round, so that a window slowed by other work moves one round's ratio and
+not the figure (targets: plugin at most 1.03, ``--elastic`` at most 1.05).
 
 Beside it, the same ratio of CPU time per iteration (rank 0's process, all its threads: the
 step, the snapshot exchange and the failure monitor beside it). When the ranks outnumber the
@@ -34,7 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from common import SCRIPTS, alternate, launch, pretrain_records
+from common import SCRIPTS, SlicedJob, time_sliced
 
 ARMS = ("plain", "plugin", "elastic", "interleaved", "settled")
 TARGETS = {"plugin": 1.03, "elastic": 1.05, "interleaved": 1.05, "settled": 1.05}
@@ -52,9 +56,11 @@ def main() -> None:
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--global-batch-size", type=int, default=16)
-    parser.add_argument("--train-iters", type=int, default=25)
+    parser.add_argument("--window", type=int, default=4,
+                        help="iterations measured per arm and round")
     parser.add_argument("--warmup-iters", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=4, help="runs per arm")
+    parser.add_argument("--rounds", type=int, default=8, help="windows per arm and set")
+    parser.add_argument("--sets", type=int, default=3, help="runs per arm, one after the other")
     parser.add_argument("--arms", default=",".join(ARMS),
                         help=f"comma-separated arms to run, plain always among them ({', '.join(ARMS)})")
     parser.add_argument("--json", action="store_true")
@@ -64,32 +70,31 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown arm {unknown[0]!r}; arms are {', '.join(ARMS)}")
 
-    def pretrain(extra: list[str]) -> list[dict]:
-        records = pretrain_records([
+    def pretrain(extra: list[str]):
+        return lambda train_iters: SlicedJob.pretrain([
             "--tensor-model-parallel-size", str(args.tp), "--pipeline-model-parallel-size", str(args.pp),
             "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
             "--num-attention-heads", "4", "--seq-length", str(args.seq_length),
             "--micro-batch-size", "2", "--global-batch-size", str(args.global_batch_size),
-            "--train-iters", str(args.train_iters), "--lr", "1e-3", "--mock-data",
+            "--train-iters", str(train_iters), "--lr", "1e-3", "--mock-data",
             "--vocab-size", "511", "--use-distributed-optimizer", "--log-interval", "1000",
             "--eval-interval", "100000", "--untie-embeddings-and-output-weights", *extra,
         ], args.nproc)
-        return records
 
-    def plain() -> list[dict]:
-        result = launch(SCRIPTS / "bench" / "plain_gpt.py", [
+    def plain(train_iters: int) -> SlicedJob:
+        return SlicedJob(SCRIPTS / "bench" / "plain_gpt.py", [
             "--tp", str(args.tp), "--pp", str(args.pp), "--num-layers", str(args.num_layers),
             "--hidden-size", str(args.hidden_size), "--seq-length", str(args.seq_length),
             "--global-batch-size", str(args.global_batch_size), "--vocab-size", "512",
-            "--train-iters", str(args.train_iters), "--untie-embeddings-and-output-weights",
+            "--train-iters", str(train_iters), "--untie-embeddings-and-output-weights",
         ], args.nproc)
-        return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
-    arms = {"plain": plain, "plugin": lambda: pretrain([]), "elastic": lambda: pretrain(ELASTIC),
-            "interleaved": lambda: pretrain([*ELASTIC, "--elastic-zero", "interleaved"]),
-            "settled": lambda: pretrain([*ELASTIC, "--elastic-snapshot-overlap", "off"])}
-    times = alternate({name: arms[name] for name in names}, args.rounds, args.warmup_iters,
-                      report=(lambda line: None) if args.json else print)
+    arms = {"plain": plain, "plugin": pretrain([]), "elastic": pretrain(ELASTIC),
+            "interleaved": pretrain([*ELASTIC, "--elastic-zero", "interleaved"]),
+            "settled": pretrain([*ELASTIC, "--elastic-snapshot-overlap", "off"])}
+    times = time_sliced({name: arms[name] for name in names}, args.rounds, args.window,
+                        args.warmup_iters, sets=args.sets,
+                        report=(lambda line: None) if args.json else print)
     compared = names[1:]
     medians = {name: times.median(name) for name in names}
     ratios = {name: times.paired_ratio(name, "plain") for name in compared}
@@ -101,7 +106,8 @@ def main() -> None:
         print(json.dumps({
             "layout": layout, "iterations_per_arm": len(times.pooled("plain")),
             "tokens_per_iteration": args.global_batch_size * args.seq_length,
-            "rounds": args.rounds, "median_s": medians, "ratio_to_plain": ratios,
+            "sets": args.sets, "rounds": args.rounds, "window": args.window,
+            "median_s": medians, "ratio_to_plain": ratios,
             "round_ratios_to_plain": round_ratios,
             "cpu_median_s": cpu_medians, "cpu_ratio_to_plain": cpu_ratios,
         }))

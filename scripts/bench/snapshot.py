@@ -1,13 +1,14 @@
 """Step time with and without per-step in-memory snapshots, and the memory they take.
 
-Four arms of ``pretrain_gpt.py`` on the same job, alternating: no snapshots; snapshots kept
+Four arms of ``pretrain_gpt.py`` on the same job, time-sliced (``common.time_sliced``): no
+snapshots; snapshots kept
 locally (``--elastic-snapshot-replicas 0``); snapshots replicated to one buddy (K=1, the
 default), each settled in its own step (``--elastic-snapshot-overlap off``); the same, each
 settled in the next step before its optimizer step (``--elastic-snapshot-overlap on``, the
 default): its exchange with the buddy runs on a thread beside the next step's forward and
 backward, and on CUDA its device-to-host copies too.
 Prints the median iteration time of each arm, their ratios to the arm without snapshots (the
-median over rounds of the runs' ratio within a round; target: at most 1.05) and the snapshot
+median over rounds of the windows' ratio within a round; target: at most 1.05) and the snapshot
 bytes held per rank.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from common import alternate, mock_gpt_flags, pretrain_records
+from common import SlicedJob, mock_gpt_flags, time_sliced
 
 
 def main() -> None:
@@ -26,19 +27,25 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--seq-length", type=int, default=128)
-    parser.add_argument("--train-iters", type=int, default=25)
+    parser.add_argument("--window", type=int, default=4,
+                        help="iterations measured per arm and round")
     parser.add_argument("--warmup-iters", type=int, default=5)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--global-batch-size", type=int, default=16)
     parser.add_argument("--bf16", action="store_true", help="train in bf16 (CUDA, NPU)")
-    parser.add_argument("--rounds", type=int, default=3, help="runs per arm")
+    parser.add_argument("--rounds", type=int, default=6, help="windows per arm and set")
+    parser.add_argument("--sets", type=int, default=2, help="runs per arm, one after the other")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    base = mock_gpt_flags(pipeline=args.pp, num_layers=args.num_layers,
-                          hidden_size=args.hidden_size, micro_batch_size=args.micro_batch_size,
-                          global_batch_size=args.global_batch_size,
-                          train_iters=args.train_iters, seq_length=args.seq_length)
-    base += ["--bf16"] if args.bf16 else []
+
+    def base(train_iters: int) -> list[str]:
+        flags = mock_gpt_flags(pipeline=args.pp, num_layers=args.num_layers,
+                               hidden_size=args.hidden_size,
+                               micro_batch_size=args.micro_batch_size,
+                               global_batch_size=args.global_batch_size,
+                               train_iters=train_iters, seq_length=args.seq_length)
+        return flags + (["--bf16"] if args.bf16 else [])
+
     arms_flags = {
         "none": [],
         "local": ["--elastic-snapshots", "--elastic-snapshot-replicas", "0"],
@@ -47,17 +54,16 @@ def main() -> None:
         "overlapped": ["--elastic-snapshots", "--elastic-snapshot-replicas", "1",
                        "--elastic-snapshot-overlap", "on"],
     }
-    snapshot_bytes: dict[str, int] = {}
 
     def arm(name: str):
-        def run() -> list[dict]:
-            records = pretrain_records(base + arms_flags[name], args.nproc)
-            snapshot_bytes[name] = records[-1].get("snapshot_bytes", 0)
-            return records
-        return run
+        return lambda train_iters: SlicedJob.pretrain(base(train_iters) + arms_flags[name],
+                                                      args.nproc)
 
-    times = alternate({name: arm(name) for name in arms_flags}, args.rounds, args.warmup_iters,
-                      report=(lambda line: None) if args.json else print)
+    times = time_sliced({name: arm(name) for name in arms_flags}, args.rounds, args.window,
+                        args.warmup_iters, sets=args.sets,
+                        report=(lambda line: None) if args.json else print)
+    snapshot_bytes = {name: runs[-1][-1].get("snapshot_bytes", 0)
+                      for name, runs in times.runs.items()}
     medians = {name: times.median(name) for name in arms_flags}
     summary = {
         "median_s": medians,
