@@ -46,7 +46,8 @@ def main() -> None:
                         help="a line's virtual environment (repeat; default: .venv and "
                              ".venv-mcore0.19.2)")
     parser.add_argument("--repetitions", type=int, default=3, help="MTTR runs per line")
-    parser.add_argument("--rounds", type=int, default=3, help="overhead runs per arm and line")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="overhead windows per arm, set of runs and line")
     parser.add_argument("--output", default=str(REPO / "docs" / "results" /
                                                 "megatron_core_lines.md"))
     args = parser.parse_args()
@@ -60,7 +61,9 @@ def main() -> None:
                                check=True).stdout.split() for p in pythons]
     mttr = [run_json(p, "mttr.py", ["--skip-restart", "--skip-torchft",
                                      "--repetitions", str(args.repetitions)]) for p in pythons]
-    overhead = [run_json(p, "overhead.py", ["--rounds", str(args.rounds)]) for p in pythons]
+    overhead = [run_json(p, "overhead.py",
+                         ["--arms", "plugin,elastic", "--rounds", str(args.rounds)])
+                for p in pythons]
     rows = ["| Python | torch | megatron-core | ElasWave MTTR, median (s) | plugin / plain "
             "megatron-core | --elastic / plain megatron-core |", "|---|---|---|---|---|---|"]
     for (python, torch, megatron_core), recovery, cost in zip(versions, mttr, overhead):
