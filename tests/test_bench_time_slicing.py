@@ -41,8 +41,11 @@ def test_measured_windows_hold_no_iteration_cut_by_a_pause(tmp_path, record_lag)
     assert record_lag < RESUME_DROPPED
 
     def arm(train_iters: int) -> SlicedJob:
+        # Executed, not forked from a server that imports torch and megatron-core: the trainer
+        # needs neither.
         return SlicedJob(trainer, ["--train-iters", str(train_iters),
-                                   "--record-lag", str(record_lag)], nproc=1)
+                                   "--record-lag", str(record_lag)], nproc=1,
+                         launcher_args=["--preload", "none"])
 
     rounds = 3
     times = time_sliced({"first": arm, "second": arm}, rounds=rounds, window=WINDOW, warmup=2,

@@ -131,10 +131,11 @@ class SlicedJob:
     """A training run on ``nproc`` ranks through elaswave-run, in a process group of its own so
     that it can be paused (SIGSTOP) and resumed as a whole. Its iteration records are read, as
     they are written, from JSON lines: the script's stdout, or the file the script is told to
-    write with the flag ``records_flag`` (``pretrain_gpt.py``'s ``--elastic-metrics-file``)."""
+    write with the flag ``records_flag`` (``pretrain_gpt.py``'s ``--elastic-metrics-file``).
+    ``launcher_args`` go to elaswave-run."""
 
     def __init__(self, script: Path, script_args: Sequence[str], nproc: int,
-                 records_flag: str | None = None) -> None:
+                 records_flag: str | None = None, launcher_args: Sequence[str] = ()) -> None:
         self._workdir = tempfile.TemporaryDirectory()
         workdir = Path(self._workdir.name)
         self._stdout = open(workdir / "stdout", "w+b")
@@ -146,7 +147,7 @@ class SlicedJob:
         self._partial = b""
         self.records: list[dict] = []
         """Every iteration record read so far."""
-        self.process = subprocess.Popen(_launch_command(script, script_args, nproc),
+        self.process = subprocess.Popen(_launch_command(script, script_args, nproc, launcher_args),
                                         stdout=self._stdout, stderr=self._stderr, env=_ENV,
                                         start_new_session=True)
 
