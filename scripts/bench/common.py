@@ -52,14 +52,15 @@ def _launch_command(script: Path, script_args: Sequence[str], nproc: int,
             f"--master-port={free_port()}", *launcher_args, str(script), *script_args]
 
 
-_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+def _run_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
 def launch(script: Path, script_args: Sequence[str], nproc: int,
            launcher_args: Sequence[str] = ()) -> subprocess.CompletedProcess:
     """Run ``script`` on ``nproc`` ranks through elaswave-run; exit with its stderr on failure."""
     command = _launch_command(script, script_args, nproc, launcher_args)
-    result = subprocess.run(command, capture_output=True, text=True, env=_ENV)
+    result = subprocess.run(command, capture_output=True, text=True, env=_run_env())
     if result.returncode != 0:
         sys.exit(f"{script.name} failed:\n{result.stderr[-3000:]}")
     return result
@@ -148,7 +149,7 @@ class SlicedJob:
         self.records: list[dict] = []
         """Every iteration record read so far."""
         self.process = subprocess.Popen(_launch_command(script, script_args, nproc, launcher_args),
-                                        stdout=self._stdout, stderr=self._stderr, env=_ENV,
+                                        stdout=self._stdout, stderr=self._stderr, env=_run_env(),
                                         start_new_session=True)
 
     @classmethod
