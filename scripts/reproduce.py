@@ -333,8 +333,9 @@ def overhead(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
         "next step, or in its own with `--elastic-snapshot-overlap off`), heartbeats, one chunk "
         "per layer group and the step reports.", "",
         *table(["what", "with (ms)", "without (ms)", "ratio", "target"], rows),
-        "", "Ratios to plain megatron-core by round, quartiles (lower, median, upper): " + "; ".join(
-            f"{arm} {quartiles(ratios)}" for arm, ratios in plugin["round_ratios_to_plain"].items())
+        "", "Ratios to plain megatron-core by round, quartiles (lower, median, upper): "
+        + "; ".join(f"{arm} {quartiles(ratios)}"
+                    for arm, ratios in plugin["round_ratios_to_plain"].items())
         + f"; elastic at {tokens['tokens_per_iteration']} tokens per iteration "
         + quartiles(tokens["round_ratios_to_plain"]["elastic"]) + ".",
         "", "CPU time per iteration of rank 0's process (all its threads), median over rounds of "
