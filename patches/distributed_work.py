@@ -21,8 +21,12 @@ given to :func:`abandon_waits_when`, whichever comes first, and raises
 :class:`CollectiveAbandoned` in the second case: on the work's future where it has one (gloo's
 collectives; torch's collectives called without ``async_op`` wait through the same method, so
 megatron-core's all-reduces are covered too), otherwise (point-to-point requests) on a thread
-of a pool that waits for it. gloo's own wait cannot be shortened instead: a send or receive that times out
-fails every connection of its group. The abandoned operation stays with a gloo thread until its
+of a pool that waits for it. A collective is first waited for in torch alone, for at most
+``_TORCH_WAIT_S``: most end within it (the tensor-parallel all-reduces of every layer), and
+torch's wait wakes its thread directly, where the future's callback and the event take the GIL
+on two threads; a gloo collective's wait that times out raises and leaves the work as it was.
+A point-to-point request's wait cannot be shortened so: a send or receive that times out fails
+every connection of its group. The abandoned operation stays with a gloo thread until its
 deadline; its group must stay referenced until then (destroying the last reference joins that
 thread). :func:`abandoned_work_pending` tells whether any abandoned operation is still there,
 so that its groups are released once none is. Inert until an event is given.
@@ -48,6 +52,11 @@ from .registry import PatchRegistry
 
 TARGET = "torch.distributed.Work.wait"
 
+_TORCH_WAIT_S = 0.05
+"""How long a collective's wait is left to torch before the event may end it: at most this is
+added to the time a failure takes to end a wait."""
+_TORCH_TIMED_OUT = "Operation timed out"
+"""How torch's ``Work.wait`` says that its timeout passed (``c10d::Work::wait``)."""
 _WATCH_S = 1.0
 """How often the watcher of an event looks whether it is still needed."""
 _SET_WAKE_S = 0.02
@@ -172,6 +181,17 @@ def _abandonable(wait):
             future = work.get_future()
         except RuntimeError:  # no future: a point-to-point request
             return _wait_on_a_thread(wait, work, timeout, abandon)
+        if future.done() or (timeout and timeout.total_seconds() <= _TORCH_WAIT_S):
+            return wait(work, timeout)
+        if not abandon.is_set():
+            started = time.monotonic()
+            try:
+                return wait(work, timedelta(seconds=_TORCH_WAIT_S))
+            except RuntimeError as error:
+                if not str(error).startswith(_TORCH_TIMED_OUT):
+                    raise
+            if timeout:
+                timeout -= timedelta(seconds=time.monotonic() - started)
         waker = threading.Event()
         future.add_done_callback(lambda _: waker.set())
         deadline = time.monotonic() + timeout.total_seconds() if timeout else None

@@ -81,7 +81,7 @@ FULL = Sizes(
     communicator_configs="2x2x2,2x2x4", communicator_repetitions=3,
     convergence=("--train-iters", "220", "--fail-at", "20"),
     mttr=("--repetitions", "3"),
-    overhead=("--sets", "3", "--rounds", "8"),
+    overhead=("--sets", "8", "--rounds", "3"),
     overhead_tokens=("--global-batch-size", "64", "--arms", "elastic", "--sets", "3",
                      "--rounds", "3", "--window", "3", "--warmup-iters", "3"),
     snapshot=("--sets", "2", "--rounds", "6"),

@@ -293,20 +293,25 @@ def test_a_collective_that_nothing_ends_is_abandoned_once_a_failure_is_detected(
 
 
 class _Work:
-    """A stand-in for a gloo ``Work`` that ends when :attr:`ended` is set; with a future (a
-    collective) or without one (a point-to-point request)."""
+    """A stand-in for a gloo ``Work`` that ends when :meth:`end` is called; with a future (a
+    collective) or without one (a point-to-point request). Its wait blocks as torch's does, on
+    a lock rather than a Python event."""
 
     def __init__(self, with_future: bool) -> None:
-        self.ended = threading.Event()
+        self.ended = False
+        self._running = threading.Lock()
+        self._running.acquire()
         self.future = torch.futures.Future() if with_future else None
 
     def end(self) -> None:
-        self.ended.set()
+        if not self.ended:
+            self.ended = True
+            self._running.release()
         if self.future is not None and not self.future.done():
             self.future.set_result(None)
 
     def is_completed(self) -> bool:
-        return self.ended.is_set()
+        return self.ended
 
     def get_future(self) -> torch.futures.Future:
         if self.future is None:
@@ -315,7 +320,11 @@ class _Work:
 
 
 def _gloo_wait(work: _Work, timeout: timedelta = timedelta(0)) -> bool:
-    return work.ended.wait(timeout.total_seconds() or None)
+    """As torch's ``Work.wait``: raises when ``timeout`` passes before the work ends."""
+    if not work._running.acquire(timeout=timeout.total_seconds() or -1):
+        raise RuntimeError("Operation timed out!")
+    work._running.release()
+    return True
 
 
 @pytest.fixture
@@ -345,6 +354,32 @@ def test_an_armed_wait_sleeps_until_its_work_ends(with_future, polls_of_this_thr
     finally:
         distributed_work.abandon_waits_when(None)
         work.end()
+
+
+@pytest.mark.parametrize("ends_after_s", [0.01, 0.3])
+def test_a_collective_is_left_to_torch_for_its_first_moments(ends_after_s, monkeypatch):
+    """A collective that ends within ``_TORCH_WAIT_S`` is waited for by torch alone; one that
+    takes longer is then armed against the failure event."""
+    armed = []
+    monkeypatch.setattr(distributed_work, "_abandoned_first",
+                        _counted(distributed_work._abandoned_first, armed))
+    work, failure = _Work(with_future=True), threading.Event()
+    distributed_work.abandon_waits_when(failure)
+    try:
+        threading.Timer(ends_after_s, work.end).start()
+        assert distributed_work._abandonable(_gloo_wait)(work, timedelta(seconds=10))
+        assert len(armed) == (0 if ends_after_s < distributed_work._TORCH_WAIT_S else 1)
+    finally:
+        distributed_work.abandon_waits_when(None)
+        work.end()
+
+
+def _counted(function, calls: list):
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return function(*args, **kwargs)
+
+    return counting
 
 
 @pytest.mark.parametrize("with_future", [True, False], ids=["collective", "point-to-point"])

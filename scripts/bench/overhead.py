@@ -59,8 +59,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=4,
                         help="iterations measured per arm and round")
     parser.add_argument("--warmup-iters", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=8, help="windows per arm and set")
-    parser.add_argument("--sets", type=int, default=3, help="runs per arm, one after the other")
+    parser.add_argument("--rounds", type=int, default=3, help="windows per arm and set")
+    parser.add_argument("--sets", type=int, default=8, help="runs per arm, one after the other")
     parser.add_argument("--arms", default=",".join(ARMS),
                         help=f"comma-separated arms to run, plain always among them ({', '.join(ARMS)})")
     parser.add_argument("--json", action="store_true")
