@@ -10,6 +10,7 @@ import time
 import types
 from datetime import timedelta
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -360,26 +361,17 @@ def test_an_armed_wait_sleeps_until_its_work_ends(with_future, polls_of_this_thr
 def test_a_collective_is_left_to_torch_for_its_first_moments(ends_after_s, monkeypatch):
     """A collective that ends within ``_TORCH_WAIT_S`` is waited for by torch alone; one that
     takes longer is then armed against the failure event."""
-    armed = []
-    monkeypatch.setattr(distributed_work, "_abandoned_first",
-                        _counted(distributed_work._abandoned_first, armed))
+    armed = mock.Mock(wraps=distributed_work._abandoned_first)
+    monkeypatch.setattr(distributed_work, "_abandoned_first", armed)
     work, failure = _Work(with_future=True), threading.Event()
     distributed_work.abandon_waits_when(failure)
     try:
         threading.Timer(ends_after_s, work.end).start()
         assert distributed_work._abandonable(_gloo_wait)(work, timedelta(seconds=10))
-        assert len(armed) == (0 if ends_after_s < distributed_work._TORCH_WAIT_S else 1)
+        assert armed.call_count == (0 if ends_after_s < distributed_work._TORCH_WAIT_S else 1)
     finally:
         distributed_work.abandon_waits_when(None)
         work.end()
-
-
-def _counted(function, calls: list):
-    def counting(*args, **kwargs):
-        calls.append(args)
-        return function(*args, **kwargs)
-
-    return counting
 
 
 @pytest.mark.parametrize("with_future", [True, False], ids=["collective", "point-to-point"])
