@@ -6,6 +6,10 @@ From 0.19, DDP under the distributed optimizer expects the parameter layout prec
 ``DistributedOptimizer.compute_full_param_layout`` (and warns on every rank that builds one
 without). :func:`distributed_data_parallel` passes the layout DDP would compute itself: the same
 parameters, data-parallel size and bucketing, so the buffers are the same as 0.16.1's.
+
+:func:`share_bucket_groups` puts the buckets of several DDPs into one of Megatron's bucket groups
+(``_ParamAndGradBucketGroup``, built as ``partition_buckets`` builds one for the buffers of one
+DDP); both releases sync a DDP's gradients and parameters through ``DDP.bucket_groups`` alone.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import inspect
 
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
@@ -40,3 +45,39 @@ def distributed_data_parallel(config: TransformerConfig, ddp_config: Distributed
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
                                    disable_bucketing=disable_bucketing,
                                    pg_collection=pg_collection, **layout)
+
+
+def share_bucket_groups(chunks: list[DistributedDataParallel]) -> None:
+    """Give the chunks that reduce over one data-parallel group one bucket group over all their
+    buckets, so that their gradient reduce-scatter and their parameter all-gather are one
+    coalesced collective each (``torch.distributed._coalescing_manager``) instead of one per chunk.
+
+    The shared group is kept by the last of ``chunks`` that reduces over it and taken from the
+    others, and it syncs every one of them: the gradients when that chunk's are synced, the
+    parameters when that chunk's optimizer has stepped. So the chunks' gradients must be synced,
+    and their optimizers stepped, in the order of ``chunks`` (a ``ChainedOptimizer`` over their
+    optimizers in that order). The optimizers' shards are unchanged: each bucket is still split
+    over the group as before. Raises ``ValueError`` for chunks without the distributed optimizer
+    or whose gradient reduction overlaps the backward pass (bucket groups synced one by one as
+    their gradients are ready).
+    """
+    shared: dict[object, list[tuple[DistributedDataParallel, _ParamAndGradBucketGroup]]] = {}
+    for chunk in chunks:
+        if chunk.ddp_config.overlap_grad_reduce or not chunk.ddp_config.use_distributed_optimizer:
+            raise ValueError("only chunks under the distributed optimizer that reduce their "
+                             "gradients at the step can share bucket groups")
+        for bucket_group in chunk.bucket_groups:
+            group = bucket_group.intra_distributed_optimizer_instance_group
+            shared.setdefault(group, []).append((chunk, bucket_group))
+    for group, members in shared.items():
+        if len(members) == 1:
+            continue
+        owner, first = members[-1][0], members[0][1]
+        merged = _ParamAndGradBucketGroup(
+            [bucket for _, bucket_group in members for bucket in bucket_group.buckets],
+            first.ddp_config, group, first.intra_distributed_optimizer_instance_size)
+        for chunk, bucket_group in members:
+            chunk.bucket_groups.remove(bucket_group)
+            for param in bucket_group.params:
+                chunk.param_to_bucket_group[param] = merged
+        owner.bucket_groups.append(merged)

@@ -84,7 +84,7 @@ FULL = Sizes(
     overhead=("--sets", "8", "--rounds", "3"),
     overhead_tokens=("--global-batch-size", "64", "--arms", "elastic", "--sets", "3",
                      "--rounds", "3", "--window", "3", "--warmup-iters", "3"),
-    snapshot=("--sets", "2", "--rounds", "6"),
+    snapshot=("--sets", "8", "--rounds", "3"),
     scale_cases=True,
     chaos=("--faults", "50", "--seed", "1"),
     calibration=(),

@@ -92,20 +92,23 @@ def assert_matches_plain(plain: list[dict], elastic: list[dict], tolerance: floa
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("tp, pp, nproc, dropout", [
-    (2, 1, 2, 0.0),
-    (1, 2, 2, 0.0),
-    (2, 2, 4, 0.0),
-    (2, 2, 8, 0.0),
-    (2, 2, 4, 0.1),
-], ids=["tp2", "pp2", "tp2-pp2", "tp2-pp2-dp2", "tp2-pp2-dropout"])
+@pytest.mark.parametrize("tp, pp, nproc, dropout, zero", [
+    (2, 1, 2, 0.0, "contiguous"),
+    (1, 2, 2, 0.0, "contiguous"),
+    (2, 2, 4, 0.0, "contiguous"),
+    (2, 2, 8, 0.0, "contiguous"),
+    (2, 2, 4, 0.1, "contiguous"),
+    (2, 2, 8, 0.0, "interleaved"),
+], ids=["tp2", "pp2", "tp2-pp2", "tp2-pp2-dp2", "tp2-pp2-dropout", "tp2-pp2-dp2-interleaved-zero"])
 def test_elastic_without_failures_is_the_plain_megatron_core_path(text_data, tmp_path,  # noqa: F811
-                                                                  tp, pp, nproc, dropout):
+                                                                  tp, pp, nproc, dropout, zero):
+    """With interleaved ZeRO each rank's two layers are two chunks over one data-parallel group,
+    which share one reduce-scatter and one all-gather."""
     # With dropout both paths draw the layout-invariant masks (the plain default is Megatron's).
     flags = oracle_flags(text_data, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                          hidden_dropout=dropout, attention_dropout=dropout, elastic_rng="invariant")
     plain = train(tmp_path, "plain", nproc, flags)
-    elastic = train(tmp_path, "elastic", nproc, flags + ELASTIC)
+    elastic = train(tmp_path, "elastic", nproc, [*flags, *ELASTIC, "--elastic-zero", zero])
     assert sum(r["grad_norm"] > CLIP_GRAD for r in plain) >= TRAIN_ITERS // 2, \
         [r["grad_norm"] for r in plain]  # the clip binds: the scale reaches the update
     assert_matches_plain(plain, elastic, EXACT)

@@ -148,7 +148,7 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> None:
                        help="how the distributed optimizer shards its state: one contiguous shard "
                             "per rank of each layer group (contiguous, Megatron's, default), or "
                             "each layer's state over that layer's holders (interleaved: less to "
-                            "move after a failure, one reduce-scatter per layer)")
+                            "move after a failure)")
     group.add_argument("--elastic-slow-stage-factor", type=float, default=1.5,
                        help="a pipeline stage whose time per transformer layer is this many "
                             "times the fastest stage's of its replica runs on a slow device: "

@@ -16,8 +16,10 @@ With interleaved ZeRO (``--elastic-zero interleaved``) a rank builds one chunk p
 each over the data-parallel group of the layer group it belongs to: every layer's optimizer state
 is then sharded over that layer's holders alone, so a layer whose holders did not change keeps its
 shards where they are after a re-partition, and moving a layer or recovering a lost shard is a set
-of rank-to-rank copies of that layer's state only. The price is one gradient reduce-scatter and
-parameter all-gather per layer instead of per layer group.
+of rank-to-rank copies of that layer's state only. The chunks of one layer group share one
+bucket group (:func:`~megatron_elaswave.patches.distributed_data_parallel.share_bucket_groups`),
+so their gradient reduce-scatter and parameter all-gather stay one coalesced collective each, as
+with one chunk per layer group.
 
 Gradients are normalised by the token count of the whole global batch (one all-reduce over
 every active rank), and the gradient norm is reduced over the same group, so any split of the
@@ -55,7 +57,10 @@ from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_elaswave.communicator import GroupRegistry, Role
 from megatron_elaswave.layout import Layout
-from megatron_elaswave.patches.distributed_data_parallel import distributed_data_parallel
+from megatron_elaswave.patches.distributed_data_parallel import (
+    distributed_data_parallel,
+    share_bucket_groups,
+)
 from megatron_elaswave.patches.optimizer import agree_grad_norm_groups, param_groups_aligned_on
 from megatron_elaswave.patches.parallel_state import install_process_groups
 from megatron_elaswave.patches.process_groups_config import process_group_collection
@@ -317,6 +322,8 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
             ).chained_optimizers
         chunks.append(ddp)
         chunk_groups.append(groups_of_chunk)
+    # ``finalize`` syncs the chunks' gradients, and the chained optimizer steps them, in order.
+    share_bucket_groups(chunks)
     optimizer = ChainedOptimizer(optimizers)
     # A host tensor: the world's gloo twin where the device backend is not gloo.
     agree_grad_norm_groups(optimizer, registry.host_group(Role.WORLD))

@@ -1,0 +1,105 @@
+"""Chunks that reduce over one data-parallel group share one bucket group: one coalesced
+reduce-scatter of their gradients and one coalesced all-gather of their parameters per step.
+
+The step's results are compared with the plain megatron-core path in ``test_plain_oracle.py``
+(interleaved ZeRO, two chunks per rank over one group of two); here the collectives are
+counted."""
+
+import contextlib
+
+import pytest
+import torch
+
+from megatron_elaswave.patches.distributed_data_parallel import share_bucket_groups
+from test_distrib_optimizer_fix import one_rank_megatron  # noqa: F401  (fixture)
+
+
+def gpt_chunk(ddp_config):
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    model_parallel_cuda_manual_seed(7, force_reset_rng=True)
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
+                               use_cpu_initialization=True, hidden_dropout=0.0,
+                               attention_dropout=0.0)
+    gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                   vocab_size=32, max_sequence_length=8)
+    return DistributedDataParallel(config, ddp_config, gpt)
+
+
+@pytest.fixture
+def collectives(monkeypatch):
+    """The data-parallel collectives of the bucket groups, in order: ``"block"`` for each
+    coalescing block, then ``"reduce-scatter"`` or ``"all-gather"`` for each call in it."""
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+
+    calls = []
+    torch_block = buffers._coalescing_manager
+
+    @contextlib.contextmanager
+    def counted_block(*args, **kwargs):
+        calls.append("block")
+        with torch_block(*args, **kwargs) as manager:
+            yield manager
+
+    def counted(name, collective):
+        def call(*args, **kwargs):
+            calls.append(name)
+            return collective(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(buffers, "_coalescing_manager", counted_block)
+    monkeypatch.setattr(buffers, "dist_reduce_scatter_func",
+                        counted("reduce-scatter", buffers.dist_reduce_scatter_func))
+    monkeypatch.setattr(buffers, "dist_all_gather_func",
+                        counted("all-gather", buffers.dist_all_gather_func))
+    return calls
+
+
+def test_chunks_over_one_group_reduce_and_gather_in_one_collective_each(one_rank_megatron,  # noqa: F811
+                                                                         collectives):
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                               grad_reduce_in_fp32=True)
+    chunks = [gpt_chunk(ddp_config), gpt_chunk(ddp_config)]
+    buckets = [bucket for chunk in chunks for group in chunk.bucket_groups
+               for bucket in group.buckets]
+    optimizer = ChainedOptimizer([
+        inner for chunk in chunks for inner in get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True), [chunk],
+            use_gloo_process_groups=False).chained_optimizers])
+
+    share_bucket_groups(chunks)
+
+    assert chunks[0].bucket_groups == []
+    [shared] = chunks[1].bucket_groups
+    assert shared.buckets == buckets
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(8).expand(2, 8)
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+        chunk(tokens, positions, None, labels=tokens).mean().backward()
+    for chunk in chunks:
+        chunk.finish_grad_sync()
+    assert collectives == ["block", "reduce-scatter", "reduce-scatter"]
+    before = [p.detach().clone() for chunk in chunks for p in chunk.parameters()]
+    collectives.clear()
+    optimizer.step()
+    assert collectives == ["block", "all-gather", "all-gather"]
+    after = [p.detach() for chunk in chunks for p in chunk.parameters()]
+    assert all(not torch.equal(b, a) for b, a in zip(before, after))  # every chunk stepped
+
+
+def test_chunks_that_overlap_their_gradient_reduction_keep_their_buckets(one_rank_megatron):  # noqa: F811
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                               overlap_grad_reduce=True)
+    with pytest.raises(ValueError, match="reduce their gradients at the step"):
+        share_bucket_groups([gpt_chunk(ddp_config), gpt_chunk(ddp_config)])
