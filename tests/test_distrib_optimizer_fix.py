@@ -29,11 +29,11 @@ def one_rank_megatron():
     compat.remove()
 
 
-def build_and_train(steps):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+def tiny_gpt(ddp_config):
+    """A one-layer GPT (vocabulary 32, sequence 8) in Megatron's ``DistributedDataParallel``."""
+    from megatron.core.distributed import DistributedDataParallel
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -43,8 +43,15 @@ def build_and_train(steps):
                                attention_dropout=0.0)
     gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
                    vocab_size=32, max_sequence_length=8)
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True), gpt)
+    return DistributedDataParallel(config, ddp_config, gpt)
+
+
+def build_and_train(steps):
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    model = tiny_gpt(DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                   grad_reduce_in_fp32=True))
     optimizer = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True), [model],
         use_gloo_process_groups=False)

@@ -11,23 +11,7 @@ import pytest
 import torch
 
 from megatron_elaswave.patches.distributed_data_parallel import share_bucket_groups
-from test_distrib_optimizer_fix import one_rank_megatron  # noqa: F401  (fixture)
-
-
-def gpt_chunk(ddp_config):
-    from megatron.core.distributed import DistributedDataParallel
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    model_parallel_cuda_manual_seed(7, force_reset_rng=True)
-    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
-                               use_cpu_initialization=True, hidden_dropout=0.0,
-                               attention_dropout=0.0)
-    gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                   vocab_size=32, max_sequence_length=8)
-    return DistributedDataParallel(config, ddp_config, gpt)
+from test_distrib_optimizer_fix import one_rank_megatron, tiny_gpt  # noqa: F401  (fixture)
 
 
 @pytest.fixture
@@ -67,7 +51,7 @@ def test_chunks_over_one_group_reduce_and_gather_in_one_collective_each(one_rank
 
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True,
                                                grad_reduce_in_fp32=True)
-    chunks = [gpt_chunk(ddp_config), gpt_chunk(ddp_config)]
+    chunks = [tiny_gpt(ddp_config), tiny_gpt(ddp_config)]
     buckets = [bucket for chunk in chunks for group in chunk.bucket_groups
                for bucket in group.buckets]
     optimizer = ChainedOptimizer([
@@ -102,4 +86,4 @@ def test_chunks_that_overlap_their_gradient_reduction_keep_their_buckets(one_ran
     ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True,
                                                overlap_grad_reduce=True)
     with pytest.raises(ValueError, match="reduce their gradients at the step"):
-        share_bucket_groups([gpt_chunk(ddp_config), gpt_chunk(ddp_config)])
+        share_bucket_groups([tiny_gpt(ddp_config), tiny_gpt(ddp_config)])
