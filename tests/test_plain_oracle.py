@@ -99,7 +99,8 @@ def assert_matches_plain(plain: list[dict], elastic: list[dict], tolerance: floa
     (2, 2, 8, 0.0, "contiguous"),
     (2, 2, 4, 0.1, "contiguous"),
     (2, 2, 8, 0.0, "interleaved"),
-], ids=["tp2", "pp2", "tp2-pp2", "tp2-pp2-dp2", "tp2-pp2-dropout", "tp2-pp2-dp2-interleaved-zero"])
+], ids=["tp2", "pp2", "tp2-pp2", "tp2-pp2-dp2", "tp2-pp2-dropout",
+       "tp2-pp2-dp2-interleaved-zero"])
 def test_elastic_without_failures_is_the_plain_megatron_core_path(text_data, tmp_path,  # noqa: F811
                                                                   tp, pp, nproc, dropout, zero):
     """With interleaved ZeRO each rank's two layers are two chunks over one data-parallel group,
