@@ -20,16 +20,18 @@ What can be changed is the wait. Wrapped here, ``Work.wait`` waits for the work 
 given to :func:`abandon_waits_when`, whichever comes first, and raises
 :class:`CollectiveAbandoned` in the second case: on the work's future where it has one (gloo's
 collectives; torch's collectives called without ``async_op`` wait through the same method, so
-megatron-core's all-reduces are covered too), otherwise (point-to-point requests) on a thread
-of a pool that waits for it. A collective is first waited for in torch alone, for at most
-``_TORCH_WAIT_S``: most end within it (the tensor-parallel all-reduces of every layer), and
-torch's wait wakes its thread directly, where the future's callback and the event take the GIL
-on two threads; a gloo collective's wait that times out raises and leaves the work as it was.
-A point-to-point request's wait cannot be shortened so: a send or receive that times out fails
-every connection of its group. The abandoned operation stays with a gloo thread until its
-deadline; its group must stay referenced until then (destroying the last reference joins that
-thread). :func:`abandoned_work_pending` tells whether any abandoned operation is still there,
-so that its groups are released once none is. Inert until an event is given.
+megatron-core's all-reduces are covered too), otherwise on a thread of a pool that waits for it:
+point-to-point requests, and the one work of collectives coalesced by ``_coalescing_manager``
+(megatron-core's bucket groups), which has no future in gloo. A collective with a future is
+first waited for in torch alone, for at most ``_TORCH_WAIT_S``: most end within it (the
+tensor-parallel all-reduces of every layer), and torch's wait wakes its thread directly, where
+the future's callback and the event take the GIL on two threads; a gloo collective's wait that
+times out raises and leaves the work as it was. A point-to-point request's wait cannot be
+shortened so: a send or receive that times out fails every connection of its group. The
+abandoned operation stays with a gloo thread until its deadline; its group must stay referenced
+until then (destroying the last reference joins that thread). :func:`abandoned_work_pending`
+tells whether any abandoned operation is still there, so that its groups are released once none
+is. Inert until an event is given.
 
 A device backend's work is left to torch: NCCL completes a work's future when the operation is
 enqueued (its ``wait`` makes the current stream wait, and blocks no host thread), so the wrapped
@@ -179,7 +181,7 @@ def _abandonable(wait):
             return wait(work, timeout)
         try:
             future = work.get_future()
-        except RuntimeError:  # no future: a point-to-point request
+        except RuntimeError:  # no future: a point-to-point request or coalesced collectives
             return _wait_on_a_thread(wait, work, timeout, abandon)
         if future.done() or (timeout and timeout.total_seconds() <= _TORCH_WAIT_S):
             return wait(work, timeout)
@@ -235,7 +237,7 @@ def _wait_on_a_thread(wait, work: Any, timeout: timedelta, abandon: threading.Ev
     _waiting_threads().submit(run)
     if _abandoned_first(done.is_set, waker, abandon, None):
         _abandoned(done.is_set)
-        raise CollectiveAbandoned("point-to-point request abandoned: a failure was detected")
+        raise CollectiveAbandoned("wait abandoned: a failure was detected")
     if "error" in outcome:
         raise outcome["error"]
     return outcome["completed"]

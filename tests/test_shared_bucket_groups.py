@@ -5,7 +5,7 @@ The step's results are compared with the plain megatron-core path in ``test_plai
 (interleaved ZeRO, two chunks per rank over one group of two); here the collectives are
 counted."""
 
-import contextlib
+from unittest import mock
 
 import pytest
 import torch
@@ -16,31 +16,22 @@ from test_distrib_optimizer_fix import one_rank_megatron, tiny_gpt  # noqa: F401
 
 @pytest.fixture
 def collectives(monkeypatch):
-    """The data-parallel collectives of the bucket groups, in order: ``"block"`` for each
-    coalescing block, then ``"reduce-scatter"`` or ``"all-gather"`` for each call in it."""
+    """The data-parallel collectives of the bucket groups, in order (``.mock_calls``): ``block``
+    for each coalescing block, then ``reduce_scatter`` or ``all_gather`` for each call in it."""
     from megatron.core.distributed import param_and_grad_buffer as buffers
 
-    calls = []
-    torch_block = buffers._coalescing_manager
-
-    @contextlib.contextmanager
-    def counted_block(*args, **kwargs):
-        calls.append("block")
-        with torch_block(*args, **kwargs) as manager:
-            yield manager
-
-    def counted(name, collective):
-        def call(*args, **kwargs):
-            calls.append(name)
-            return collective(*args, **kwargs)
-        return call
-
-    monkeypatch.setattr(buffers, "_coalescing_manager", counted_block)
-    monkeypatch.setattr(buffers, "dist_reduce_scatter_func",
-                        counted("reduce-scatter", buffers.dist_reduce_scatter_func))
-    monkeypatch.setattr(buffers, "dist_all_gather_func",
-                        counted("all-gather", buffers.dist_all_gather_func))
+    calls = mock.Mock()
+    for attribute, name in (("_coalescing_manager", "block"),
+                            ("dist_reduce_scatter_func", "reduce_scatter"),
+                            ("dist_all_gather_func", "all_gather")):
+        recorded = mock.Mock(wraps=getattr(buffers, attribute))
+        calls.attach_mock(recorded, name)
+        monkeypatch.setattr(buffers, attribute, recorded)
     return calls
+
+
+def names(calls: mock.Mock) -> list[str]:
+    return [name for name, _, _ in calls.mock_calls]
 
 
 def test_chunks_over_one_group_reduce_and_gather_in_one_collective_each(one_rank_megatron,  # noqa: F811
@@ -71,11 +62,11 @@ def test_chunks_over_one_group_reduce_and_gather_in_one_collective_each(one_rank
         chunk(tokens, positions, None, labels=tokens).mean().backward()
     for chunk in chunks:
         chunk.finish_grad_sync()
-    assert collectives == ["block", "reduce-scatter", "reduce-scatter"]
+    assert names(collectives) == ["block", "reduce_scatter", "reduce_scatter"]
     before = [p.detach().clone() for chunk in chunks for p in chunk.parameters()]
-    collectives.clear()
+    collectives.reset_mock()
     optimizer.step()
-    assert collectives == ["block", "all-gather", "all-gather"]
+    assert names(collectives) == ["block", "all_gather", "all_gather"]
     after = [p.detach() for chunk in chunks for p in chunk.parameters()]
     assert all(not torch.equal(b, a) for b, a in zip(before, after))  # every chunk stepped
 
