@@ -1,9 +1,11 @@
 """The benchmarks' time slicing (``scripts/bench/common.py``): every arm gets its windows of
 measured iterations, and no measured iteration is one that a pause cut in two, whether a run
-writes an iteration's record at its end or, like ``pretrain_gpt.py --elastic``, one step later."""
+writes an iteration's record at its end or, like ``pretrain_gpt.py --elastic``, one step later.
+The interval given for a median ratio covers the median as often as it says."""
 
 from __future__ import annotations
 
+import random
 import sys
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 
-from common import RESUME_DROPPED, SlicedJob, time_sliced  # noqa: E402
+from common import RESUME_DROPPED, SlicedJob, median_interval, time_sliced  # noqa: E402
 
 STEP_S = 0.1
 WINDOW = 3
@@ -60,3 +62,19 @@ def test_measured_windows_hold_no_iteration_cut_by_a_pause(tmp_path, record_lag)
             # Each pause lasts the other arm's whole window: an iteration it cut in two would
             # have taken several steps' time.
             assert max(record["step_time_s"] for record in run) < 3 * STEP_S, (name, run)
+
+
+@pytest.mark.parametrize("count, ranks", [(10, (2, 9)), (24, (7, 18)), (48, (17, 32)), (5, (1, 5))])
+def test_median_interval_is_the_sign_test_bound(count, ranks):
+    # The tabulated 95% order statistics for the median; too few values give their whole range.
+    values = [float(rank) for rank in range(count, 0, -1)]
+    assert median_interval(values) == tuple(float(rank) for rank in ranks)
+
+
+def test_median_interval_covers_the_median_at_least_as_often_as_it_says():
+    draws = random.Random(0)
+    covered = 0
+    for _ in range(2000):
+        low, high = median_interval([draws.lognormvariate(0.0, 0.1) for _ in range(24)])
+        covered += low <= 1.0 <= high  # the median of lognormal(0, s) is 1
+    assert 0.95 <= covered / 2000 <= 0.985  # the bound's exact coverage is 0.9773

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import statistics
@@ -107,6 +108,30 @@ class Alternated:
         """The median of :meth:`round_ratios`: runs of one round are minutes apart, so a
         machine slowed for a while moves one round's ratio, not this figure."""
         return statistics.median(self.round_ratios(arm, base, measure))
+
+    def ratio_interval(self, arm: str, base: str, measure: str = STEP_TIME,
+                       confidence: float = 0.95) -> tuple[float, float]:
+        """:func:`median_interval` of :meth:`round_ratios`: where :meth:`paired_ratio` would lie
+        if the rounds were measured again, the rounds taken as independent."""
+        return median_interval(self.round_ratios(arm, base, measure), confidence)
+
+
+def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median of the population ``values`` were drawn
+    from: the order statistics ``k`` from either end, ``k`` the largest whose interval covers
+    the median with at least ``confidence`` (the binomial sign-test bound). Too few values for
+    that (fewer than 6 at 95%): their whole range."""
+    ordered = sorted(values)
+    n = len(ordered)
+    tail = (1 - confidence) / 2
+    depth, below = 0, 0.0  # below: P(at most depth - 1 of the n values lie below the median)
+    while depth < n // 2:
+        below += math.comb(n, depth) / 2 ** n
+        if below > tail:
+            break
+        depth += 1
+    depth = max(depth, 1)
+    return ordered[depth - 1], ordered[n - depth]
 
 
 def alternate(arms: dict[str, Callable[[], list[dict[str, float]]]], rounds: int, warmup: int,

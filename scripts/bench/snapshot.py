@@ -8,8 +8,8 @@ settled in the next step before its optimizer step (``--elastic-snapshot-overlap
 default): its exchange with the buddy runs on a thread beside the next step's forward and
 backward, and on CUDA its device-to-host copies too.
 Prints the median iteration time of each arm, their ratios to the arm without snapshots (the
-median over rounds of the windows' ratio within a round; target: at most 1.05) and the snapshot
-bytes held per rank.
+median over rounds of the windows' ratio within a round; target: at most 1.05) with a 95%
+interval for each (``common.median_interval``), and the snapshot bytes held per rank.
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ def main() -> None:
         "ratio_local": times.paired_ratio("local", "none"),
         "ratio_replicated": times.paired_ratio("replicated", "none"),
         "ratio_overlapped": times.paired_ratio("overlapped", "none"),
+        "ratio_interval": {name: times.ratio_interval(name, "none")
+                           for name in ("local", "replicated", "overlapped")},
         "snapshot_bytes_rank0": {k: v for k, v in snapshot_bytes.items() if k != "none"},
         "iterations_per_arm": len(times.pooled("none")),
     }
@@ -82,7 +84,10 @@ def main() -> None:
               f"(x{summary['ratio_local']:.3f}), replicated K=1 {medians['replicated'] * 1e3:.1f} ms "
               f"(x{summary['ratio_replicated']:.3f}), settled in the next step "
               f"{medians['overlapped'] * 1e3:.1f} ms (x{summary['ratio_overlapped']:.3f}); "
-              f"target <= 1.05; bytes held by rank 0: "
+              f"target <= 1.05; 95% intervals: " + ", ".join(
+                  f"{name} {low:.3f} to {high:.3f}"
+                  for name, (low, high) in summary["ratio_interval"].items())
+              + "; bytes held by rank 0: "
               f"local {snapshot_bytes['local']}, K=1 {snapshot_bytes['replicated']}")
 
 
