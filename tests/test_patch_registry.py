@@ -264,12 +264,13 @@ def test_pipeline_receives_wait_for_the_op_timeout_not_the_creation_timeout(tmp_
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("operation", ["all_reduce", "recv"])
+@pytest.mark.parametrize("operation", ["all_reduce", "coalesced", "recv"])
 @pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
 def test_a_collective_that_nothing_ends_is_abandoned_once_a_failure_is_detected(tmp_path,
                                                                                  patched,
                                                                                  operation):
-    """Rank 1 never joins rank 0's all-reduce (or never sends what rank 0 receives), and nothing
+    """Rank 1 never joins rank 0's all-reduce or coalesced reduce-scatters (a bucket group's
+    gradient sync, one work without a future), or never sends what rank 0 receives, and nothing
     fails it: the armed wait gives up as soon as its event is set, and the group it leaves
     behind is destroyed without waiting for gloo's deadline. The retired group (its gloo event
     loop) lives on while the abandoned operation may still be inside it, and is released once

@@ -1,8 +1,9 @@
-"""A gloo all-reduce that rank 1 never joins, or a receive from rank 1 that it never sends (it
-stays alive 8 s, then exits); rank 0's wait is given up 1 s in by setting the event the wait was
-armed with.
+"""A gloo all-reduce that rank 1 never joins, two reduce-scatters coalesced into one work as
+megatron-core's bucket groups issue them, or a receive from rank 1 that it never sends (it stays
+alive 8 s, then exits); rank 0's wait is given up 1 s in by setting the event the wait was armed
+with.
 
-Usage: collective_abandon.py OUT_DIR all_reduce|recv [--patched]; rank 0 writes
+Usage: collective_abandon.py OUT_DIR all_reduce|coalesced|recv [--patched]; rank 0 writes
 ``OUT_DIR/rank0.json`` with the first (completed) all-reduce's result, how long the operation
 that follows it was waited for, the error that ended the wait, and how long destroying its group
 then took. With ``--patched`` the project's patches are installed first and the wait is armed;
@@ -20,6 +21,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _coalescing_manager
 
 
 def gloo_event_loops() -> int:
@@ -53,6 +55,10 @@ if __name__ == "__main__":
     try:
         if operation == "recv":
             dist.recv(tensor, src=1, group=group)
+        elif operation == "coalesced":  # synchronous, as without overlap_grad_reduce
+            with _coalescing_manager(group, async_ops=False):
+                for shard in (torch.empty(2), torch.empty(2)):
+                    dist.reduce_scatter_tensor(shard, tensor, group=group)
         else:
             dist.all_reduce(tensor, group=group)
     except RuntimeError as error:
