@@ -247,7 +247,10 @@ class ElasticTrainer(Trainer):
         try:
             self.monitor.raise_if_failed()
             result = self.train_step()
-            self.monitor.raise_if_failed()
+            # A non-finite loss is the same on every rank: each takes it as its own error below,
+            # even when another has already reported it.
+            if math.isfinite(result.lm_loss):
+                self.monitor.raise_if_failed()
         except (RuntimeError, FailureDetected) as error:
             self.recover(error)
             return None
