@@ -26,7 +26,7 @@ median iteration time and its ratio to ``plain``: the median over rounds of the 
 windows' medians in one round, so that a window slowed by other work moves one round's ratio and
 not the figure (targets: plugin at most 1.03, ``--elastic`` at most 1.05), and a 95% interval
 for it (``common.median_interval``). One round's ratio was seen anywhere from 0.77 to 1.38 on a
-loaded 2-core host, so a ratio whose interval holds its target is not decided by one run.
+loaded 2-core host: a ratio whose interval straddles its target is not settled by one run.
 
 Beside it, the same ratio of CPU time per iteration (rank 0's process, all its threads: the
 step, the snapshot exchange and the failure monitor beside it). When the ranks outnumber the
