@@ -81,7 +81,7 @@ FULL = Sizes(
     communicator_configs="2x2x2,2x2x4", communicator_repetitions=3,
     convergence=("--train-iters", "220", "--fail-at", "20"),
     mttr=("--repetitions", "3"),
-    overhead=("--sets", "8", "--rounds", "6"),
+    overhead=("--sets", "10", "--rounds", "4"),
     overhead_tokens=("--global-batch-size", "64", "--arms", "elastic", "--sets", "3",
                      "--rounds", "3", "--window", "3", "--warmup-iters", "3"),
     snapshot=("--sets", "8", "--rounds", "3"),
@@ -327,9 +327,10 @@ def overhead(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
         f"({plugin['iterations_per_arm']} iterations per arm; at "
         f"{tokens['tokens_per_iteration']} tokens per iteration {tokens['sets']} sets of "
         f"{tokens['rounds']} rounds of {tokens['window']}). Iteration-time medians after "
-        "warm-up, and as ratio the median over rounds of the two windows' ratio within a round, "
-        "with a distribution-free 95% interval for that median (the rounds taken as "
-        "independent): one round's ratio varies by a tenth or more on this machine. "
+        "warm-up. As ratio, per round the two windows' ratio, per set the median of its rounds' "
+        "ratios, and the median over sets, with a distribution-free 95% interval for it over "
+        "the sets (new runs; rounds of one set share their runs' speed): one round's ratio "
+        "varies by a tenth or more on this machine, one set's by several hundredths. "
         "The `--elastic` arms keep per-step snapshots replicated to a buddy (each settled in the "
         "next step, or in its own with `--elastic-snapshot-overlap off`), heartbeats, one chunk "
         "per layer group and the step reports.", "",
@@ -339,8 +340,11 @@ def overhead(sizes: Sizes, plots: Path) -> tuple[list[str], dict]:
                     for arm, ratios in plugin["round_ratios_to_plain"].items())
         + f"; elastic at {tokens['tokens_per_iteration']} tokens per iteration "
         + quartiles(tokens["round_ratios_to_plain"]["elastic"]) + ".",
-        "", "CPU time per iteration of rank 0's process (all its threads), median over rounds of "
-        "the ratio to plain megatron-core's within a round: " + ", ".join(
+        "", "Ratios to plain megatron-core by set, lowest to highest: "
+        + "; ".join(f"{arm} " + " ".join(f"{ratio:.3f}" for ratio in sorted(ratios))
+                    for arm, ratios in plugin["set_ratios_to_plain"].items()) + ".",
+        "", "CPU time per iteration of rank 0's process (all its threads), as ratio to plain "
+        "megatron-core's in the same way: " + ", ".join(
             f"{arm} {ratio:.4f}" for arm, ratio in plugin["cpu_ratio_to_plain"].items())
         + f" (plain: {plugin['cpu_median_s']['plain'] * 1e3:.1f} ms); elastic at "
         f"{tokens['tokens_per_iteration']} tokens per iteration "

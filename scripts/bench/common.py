@@ -90,6 +90,10 @@ class Alternated:
     record maps a measure (``"step_time_s"``, ...) to its value in that iteration."""
 
     runs: dict[str, list[list[dict[str, float]]]]
+    rounds_per_set: int = 1
+    """How many consecutive rounds the same runs measured (one set of runs). Rounds of one set
+    share those runs' speed, which differs from set to set by as much as a tenth; only the sets
+    are independent draws."""
 
     def pooled(self, arm: str, measure: str = STEP_TIME) -> list[float]:
         """Every iteration's ``measure`` of ``arm``, all rounds together."""
@@ -104,16 +108,24 @@ class Alternated:
                 / statistics.median(r[measure] for r in base_run)
                 for run, base_run in zip(self.runs[arm], self.runs[base], strict=True)]
 
+    def set_ratios(self, arm: str, base: str, measure: str = STEP_TIME) -> list[float]:
+        """Per set of runs, the median of its :meth:`round_ratios`: a window slowed by other
+        work moves one round's ratio, not its set's."""
+        ratios = self.round_ratios(arm, base, measure)
+        size = self.rounds_per_set
+        return [statistics.median(ratios[start:start + size])
+                for start in range(0, len(ratios), size)]
+
     def paired_ratio(self, arm: str, base: str, measure: str = STEP_TIME) -> float:
-        """The median of :meth:`round_ratios`: runs of one round are minutes apart, so a
-        machine slowed for a while moves one round's ratio, not this figure."""
-        return statistics.median(self.round_ratios(arm, base, measure))
+        """The median of :meth:`set_ratios` (of the rounds' ratios where every round ran new
+        runs)."""
+        return statistics.median(self.set_ratios(arm, base, measure))
 
     def ratio_interval(self, arm: str, base: str, measure: str = STEP_TIME,
                        confidence: float = 0.95) -> tuple[float, float]:
-        """:func:`median_interval` of :meth:`round_ratios`: where :meth:`paired_ratio` would lie
-        if the rounds were measured again, the rounds taken as independent."""
-        return median_interval(self.round_ratios(arm, base, measure), confidence)
+        """:func:`median_interval` of :meth:`set_ratios`: where :meth:`paired_ratio` would lie
+        if new sets were measured, the sets taken as independent."""
+        return median_interval(self.set_ratios(arm, base, measure), confidence)
 
 
 def median_interval(values: Sequence[float], confidence: float = 0.95) -> tuple[float, float]:
@@ -276,4 +288,4 @@ def time_sliced(jobs: dict[str, Callable[[int], SlicedJob]], rounds: int, window
         finally:
             for job in started.values():
                 job.kill()
-    return Alternated(runs)
+    return Alternated(runs, rounds_per_set=rounds)

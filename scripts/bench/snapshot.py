@@ -8,8 +8,9 @@ settled in the next step before its optimizer step (``--elastic-snapshot-overlap
 default): its exchange with the buddy runs on a thread beside the next step's forward and
 backward, and on CUDA its device-to-host copies too.
 Prints the median iteration time of each arm, their ratios to the arm without snapshots (the
-median over rounds of the windows' ratio within a round; target: at most 1.05) with a 95%
-interval for each (``common.median_interval``), and the snapshot bytes held per rank.
+median over sets of each set's median over rounds of the windows' ratio within a round; target:
+at most 1.05) with a 95% interval for each over the sets (``common.median_interval``), and the
+snapshot bytes held per rank.
 """
 
 from __future__ import annotations
