@@ -2,7 +2,7 @@
 for a rank it leaves out.
 
 A decision is written once per generation to the job store (:mod:`megatron_elaswave.agreement`
-for a failure, :mod:`megatron_elaswave.training.relayout` for a grow) and read by the monitors,
+for a failure, :mod:`megatron_elaswave.training.relayout` for a grow or a layer move) and read by the monitors,
 the trainers and the launchers; it carries why and when the failure happened, as its proposer
 saw it, so every survivor reports the same.
 """
@@ -35,6 +35,10 @@ class Decision:
     its last heartbeat); 0 for a grow."""
     error: str = ""
     """With no failed rank: the error that started the round (``rank R: ...``)."""
+    relayout: bool = False
+    """A decision that changes the layout at a step boundary, a grow or a layer move, rather
+    than one that ends a failure: its plan is published beside it
+    (:mod:`megatron_elaswave.training.relayout`)."""
 
     @classmethod
     def initial(cls, world_size: int) -> Decision:
@@ -63,7 +67,8 @@ class Decision:
         return cls(fields["generation"], tuple(fields["survivors"]), tuple(fields["failed"]),
                    tuple(fields.get("joined", ())),
                    tuple((int(rank), cause) for rank, cause in fields.get("causes", ())),
-                   fields.get("failed_at", 0.0), fields.get("error", ""))
+                   fields.get("failed_at", 0.0), fields.get("error", ""),
+                   fields.get("relayout", False))
 
 
 class Excluded(SystemExit):

@@ -18,7 +18,9 @@ Phases, within iteration ``I`` (counted from 1 like Megatron's log lines): ``for
 first micro-batch's forward), ``backward`` (the first micro-batch's backward), ``allreduce``
 (as the gradient reduction over the data-parallel groups starts), ``optimizer`` (before the
 optimizer step), ``snapshot`` (between capturing the snapshot and replicating it),
-``recovery`` (on entering a recovery during iteration ``I``).
+``recovery`` (on entering a recovery during iteration ``I``), ``relayout`` (when the layout has
+just changed before iteration ``I``, by a recovery, a layer move or a grow: once every rank has
+restored its state into the new layout, before this rank snapshots it there).
 
 ``--elastic-inject-slowdown rank=R,factor=F[,iteration=I]`` makes rank ``R`` a straggler from
 iteration ``I`` on: after each transformer layer's forward it sleeps ``(F - 1)`` times that
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-PHASES = ("forward", "backward", "allreduce", "optimizer", "snapshot", "recovery")
+PHASES = ("forward", "backward", "allreduce", "optimizer", "snapshot", "recovery", "relayout")
 KINDS = ("kill", "hang", "raise", "poison", "nan")
 
 

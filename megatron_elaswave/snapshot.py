@@ -9,6 +9,14 @@ Guarantees:
 * **Double buffering.** The two most recent iterations are kept, own and replicated alike: while
   the snapshot of step ``t`` is being taken, the complete one of step ``t-1`` is still there, so a
   failure in the middle of step ``t`` rolls back to the end of ``t-1``.
+* **Versions never overwrite each other.** Every snapshot carries the *version* of the layout it
+  was taken in (:class:`SnapshotTag`). After a layout change the ranks snapshot the same
+  iteration again in the new layout; that set is kept beside the old one, not over it, so that a
+  failure while the new set is only partly taken or replicated still finds the old set whole.
+  The state of an iteration is the same in every layout, so any whole set restores it
+  (:func:`newest_whole_iteration`). An older version of an iteration is dropped once a snapshot of
+  the next iteration is kept: a rank takes one only after every rank of its layout has settled
+  the newest version of the iteration before (the step's reduction over the world comes first).
 * **Complete when held.** A snapshot is listed by :meth:`SnapshotStore.held` only once it is
   copied and checksummed: :meth:`SnapshotStore.capture` returns a complete one, and
   :meth:`SnapshotStore.start_capture` one that :meth:`SnapshotStore.complete` finishes later (on
@@ -40,7 +48,8 @@ import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from collections import defaultdict
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -54,6 +63,36 @@ class SnapshotCorrupted(RuntimeError):
 
 class SnapshotMissing(KeyError):
     """No snapshot of that rank and iteration is held here."""
+
+
+class SnapshotTag(NamedTuple):
+    """Which snapshot a store holds: whose state, after which iteration, in which layout."""
+
+    rank: int
+    iteration: int
+    version: int = 0
+    """The layout it was taken in (the generation that formed the layout). The snapshots of one
+    iteration taken in one layout form a *set* that holds the whole state of that iteration."""
+    owners: int = 1
+    """How many ranks' snapshots make up that set: every rank that held a stage."""
+
+
+def newest_whole_iteration(tags: Iterable[SnapshotTag]) -> int | None:
+    """The newest iteration of which some set (one version) is whole among ``tags``, the
+    snapshots that the ranks still alive hold together: a snapshot of every one of the set's
+    owners is among them. ``None`` when no set is whole.
+
+    Sets of different versions may mix in a restore (the state of an iteration is the same in
+    every layout); a whole one guarantees that every element of the state is covered.
+    """
+    owners: dict[tuple[int, int], set[int]] = defaultdict(set)
+    expected: dict[tuple[int, int], int] = {}
+    for tag in tags:
+        owners[tag.iteration, tag.version].add(tag.rank)
+        expected[tag.iteration, tag.version] = tag.owners
+    whole = [iteration for (iteration, version), ranks in owners.items()
+             if len(ranks) >= expected[iteration, version]]
+    return max(whole, default=None)
 
 
 @dataclass(frozen=True)
@@ -167,6 +206,18 @@ class Snapshot:
     """Pickled small state (RNG states, data cursor)."""
     checksums: dict[str, tuple[int, ...]] = field(default_factory=dict)
     chunk_bytes: int = 4 << 20
+    version: int = 0
+    """:attr:`SnapshotTag.version`."""
+    owners: int = 1
+    """:attr:`SnapshotTag.owners`."""
+
+    @property
+    def tag(self) -> SnapshotTag:
+        return SnapshotTag(self.rank, self.iteration, self.version, self.owners)
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return self.rank, self.iteration, self.version
 
     def extents(self) -> Iterator[tuple[str, int, int]]:
         """``(name, start, end)`` of each tensor's bytes in the payload."""
@@ -215,20 +266,22 @@ class Snapshot:
             if checksum != self.checksums.get(name):
                 what = "the small state" if name == _STATE else repr(name)
                 raise SnapshotCorrupted(f"snapshot of rank {self.rank} at iteration "
-                                        f"{self.iteration}: {what} does not match its checksum")
+                                        f"{self.iteration} (layout version {self.version}): "
+                                        f"{what} does not match its checksum")
 
     def header(self) -> bytes:
         """Everything but the payload: identity, layout, checksums and the small state."""
         return pickle.dumps({
             "rank": self.rank, "iteration": self.iteration, "layout": self.layout,
             "state": self.state, "checksums": self.checksums, "chunk_bytes": self.chunk_bytes,
+            "version": self.version, "owners": self.owners,
         })
 
     @classmethod
     def from_header(cls, header: bytes, payload: torch.Tensor) -> "Snapshot":
         meta = pickle.loads(header)
         return cls(meta["rank"], meta["iteration"], meta["layout"], payload, meta["state"],
-                   meta["checksums"], meta["chunk_bytes"])
+                   meta["checksums"], meta["chunk_bytes"], meta["version"], meta["owners"])
 
 
 @dataclass
@@ -257,7 +310,8 @@ class SnapshotStore:
     def __init__(self, rank: int, config: SnapshotConfig = SnapshotConfig()) -> None:
         self.rank = rank
         self.config = config
-        self._held: dict[tuple[int, int], Snapshot] = {}
+        self._held: dict[tuple[int, int, int], Snapshot] = {}
+        """By :attr:`Snapshot.key`."""
         self._held_lock = threading.Lock()
         """Replicas arrive on the exchange thread (:meth:`replicate_when_captured`)."""
         self._copy_stream = None
@@ -270,27 +324,29 @@ class SnapshotStore:
 
     def _payload_buffer(self, rank: int, iteration: int, nbytes: int,
                         pinned: bool = False) -> torch.Tensor:
-        """The payload of ``rank``'s snapshot two iterations back (about to be dropped) when it
-        fits, else a new buffer: steady-state steps allocate nothing. A snapshot whose buffer is
-        taken is no longer held."""
+        """The payload of a snapshot of ``rank`` two or more iterations back (about to be
+        dropped) when it fits, else a new buffer: steady-state steps allocate nothing. A snapshot
+        whose buffer is taken is no longer held."""
         with self._held_lock:
-            previous = self._held.get((rank, iteration - 2))
-            if (previous is not None and previous.payload.numel() == nbytes
-                    and previous.payload.is_pinned() == pinned):
-                del self._held[(rank, iteration - 2)]
-                return previous.payload
+            for key, previous in self._held.items():
+                if (key[0] == rank and key[1] <= iteration - 2
+                        and previous.payload.numel() == nbytes
+                        and previous.payload.is_pinned() == pinned):
+                    del self._held[key]
+                    return previous.payload
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
     # -- capture and restore -------------------------------------------------------------------
 
     def capture(self, iteration: int, tensors: Mapping[str, torch.Tensor],
-                state: Mapping[str, Any]) -> Snapshot:
-        """Copy ``tensors`` and ``state`` into host memory as the snapshot of ``iteration`` and
-        checksum the copy."""
-        return self.complete(self.start_capture(iteration, tensors, state))
+                state: Mapping[str, Any], version: int = 0, owners: int = 1) -> Snapshot:
+        """Copy ``tensors`` and ``state`` into host memory as the snapshot of ``iteration`` (in
+        layout ``version``, whose set has ``owners`` snapshots) and checksum the copy."""
+        return self.complete(self.start_capture(iteration, tensors, state, version, owners))
 
     def start_capture(self, iteration: int, tensors: Mapping[str, torch.Tensor],
-                      state: Mapping[str, Any]) -> PendingSnapshot:
+                      state: Mapping[str, Any], version: int = 0,
+                      owners: int = 1) -> PendingSnapshot:
         """Start :meth:`capture`; :meth:`complete` finishes it. Host tensors are copied and
         checksummed at once; CUDA tensors are copied on a side stream that first waits for the
         work queued so far, then checksummed on the store's threads, and must not be written
@@ -300,7 +356,7 @@ class SnapshotStore:
         payload = self._payload_buffer(self.rank, iteration, _payload_bytes(layout),
                                        pinned=from_device)
         snapshot = Snapshot(self.rank, iteration, layout, payload, pickle.dumps(dict(state)),
-                            chunk_bytes=self.config.chunk_bytes)
+                            chunk_bytes=self.config.chunk_bytes, version=version, owners=owners)
         if not from_device:
             chunk_bytes = self.config.chunk_bytes
             snapshot.checksums = {
@@ -333,13 +389,18 @@ class SnapshotStore:
         self._keep(pending.snapshot)
         return pending.snapshot
 
-    def restore(self, rank: int, iteration: int) -> tuple[dict[str, torch.Tensor], dict]:
-        """The verified tensors and state of ``rank`` at ``iteration``."""
+    def restore(self, rank: int, iteration: int,
+                version: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+        """The verified tensors and state of ``rank`` at ``iteration``, as taken in layout
+        ``version`` (default: the newest held)."""
         with self._held_lock:
-            snapshot = self._held.get((rank, iteration))
+            versions = [key[2] for key in self._held if key[:2] == (rank, iteration)]
+            if version is None and versions:
+                version = max(versions)
+            snapshot = self._held.get((rank, iteration, version))
         if snapshot is None:
             raise SnapshotMissing(f"no snapshot of rank {rank} at iteration {iteration} here "
-                                  f"(held: {self.held()})")
+                                  f"(held: {[tuple(tag[:3]) for tag in self.held()]})")
         snapshot.verify()
         return snapshot.tensors, pickle.loads(snapshot.state)
 
@@ -351,10 +412,10 @@ class SnapshotStore:
             for key in [key for key in self._held if key[1] > iteration]:
                 del self._held[key]
 
-    def held(self) -> list[tuple[int, int]]:
-        """``(rank, iteration)`` of every snapshot held, own and replicated."""
+    def held(self) -> list[SnapshotTag]:
+        """Every snapshot held, own and replicated, sorted."""
         with self._held_lock:
-            return sorted(self._held)
+            return sorted(snapshot.tag for snapshot in self._held.values())
 
     @property
     def bytes_held(self) -> int:
@@ -362,12 +423,21 @@ class SnapshotStore:
             return sum(s.nbytes for s in self._held.values())
 
     def _keep(self, snapshot: Snapshot) -> None:
+        """Hold ``snapshot``, and drop what no rollback can need any more (module docstring):
+        a snapshot of iteration ``i`` exists only once every rank of its layout has settled the
+        newest version of ``i - 1``, so earlier iterations, and older versions of ``i - 1``, go."""
         with self._held_lock:
-            self._held[(snapshot.rank, snapshot.iteration)] = snapshot
-            # Double buffering: per rank, only the two most recent iterations stay.
-            iterations = sorted(i for r, i in self._held if r == snapshot.rank)
-            for stale in iterations[:-2]:
-                del self._held[(snapshot.rank, stale)]
+            self._held[snapshot.key] = snapshot
+            previous = snapshot.iteration - 1
+            newest_of_previous: dict[int, int] = {}
+            for rank, iteration, version in self._held:
+                if iteration == previous:
+                    newest_of_previous[rank] = max(version, newest_of_previous.get(rank, version))
+            for key in list(self._held):
+                rank, iteration, version = key
+                if iteration < previous or (iteration == previous
+                                            and version < newest_of_previous[rank]):
+                    del self._held[key]
 
     # -- replication ---------------------------------------------------------------------------
 

@@ -138,3 +138,28 @@ def test_a_loss_that_is_not_finite_again_stops_like_megatron(text_data, tmp_path
         f"the snapshot of iteration {nan_at - 1}: it reproduces"), lines
     assert [r["iteration"] for r in iterations] == list(range(1, nan_at))
     assert "Traceback" not in output
+
+
+@pytest.mark.timeout(300)
+def test_a_bad_sample_stops_the_job_in_one_line_whatever_the_error(text_data, tmp_path):  # noqa: F811
+    """A corpus whose token ids lie beyond the vocabulary: embedding them raises ``IndexError``
+    on the first stages, not a ``RuntimeError``. It is bounded like any step error: one re-run,
+    then one line and exit status 1, the state of the last good iteration saved, and no rank
+    dies of it."""
+    bad = tmp_path / "bad_text_document"
+    for suffix in (".idx", ".bin"):
+        Path(f"{bad}{suffix}").write_bytes(Path(f"{text_data}{suffix}").read_bytes())
+    tokens = bytearray(Path(f"{bad}.bin").read_bytes())
+    tokens[:] = b"\xff" * len(tokens)  # uint16 ids 65535: far beyond the 512 of the vocabulary
+    Path(f"{bad}.bin").write_bytes(bytes(tokens))
+    checkpoint = tmp_path / "checkpoint"
+    returncode, output, iterations, _ = run(tmp_path, "bad", elastic(
+        str(bad), "--elastic-max-step-retries", "1", "--save", str(checkpoint)))
+    assert returncode == 1, output[-6000:]
+    lines = error_lines(output)
+    assert len(lines) == 1, output[-6000:]
+    assert re.match(r"pretrain_gpt.py: error: iteration 1 failed 2 times with no rank failing "
+                    r"\(rank [02]: IndexError: index out of range", lines[0]), lines
+    assert f"The state of iteration 0 is saved in {checkpoint}" in lines[0]
+    assert not re.search(r"worker rank \d \(pid \d+\) exited with code [^1]", output), output[-4000:]
+    assert iterations == [] and "Traceback" not in output

@@ -44,6 +44,10 @@ class PlanOptions:
     """Plan per-stage clocks; otherwise every stage runs at the nominal clock."""
     power: PowerModel = field(default_factory=PowerModel)
     """Power model and clock levels for the clock plan."""
+    migration: bool = True
+    """Plan the migration's transfers, taking the failed ranks' optimizer state from their
+    first snapshot buddy in the old layout (:class:`~.zero.StateLostError` when that failed
+    too). A running job, which knows which snapshots its survivors hold, turns it off."""
 
     def __post_init__(self) -> None:
         if not self.tolerance >= 0:
@@ -58,7 +62,8 @@ class RecoveryPlan:
     failed_ranks: frozenset[int]
     dissolved_replicas: tuple[int, ...]
     """Replicas that no longer run; their live ranks are spares."""
-    migration: MigrationPlan
+    migration: MigrationPlan | None
+    """``None`` when :attr:`PlanOptions.migration` is off."""
     clocks: ClockPlan
     """Clocks in the order of ``layout.replicas`` and their stages."""
 
@@ -231,7 +236,7 @@ def plan_recovery(
                        for index in sorted(placed)),
         spares=tuple(sorted(spares)),
     )
-    migration = interleaved_migration(old, layout, failed, cost)
+    migration = interleaved_migration(old, layout, failed, cost) if options.migration else None
     return RecoveryPlan(layout, failed, dissolved, migration, choose_clocks(cost, layout, options))
 
 

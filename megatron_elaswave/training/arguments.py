@@ -127,9 +127,9 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> None:
                        help="profile JSON the planner uses after a failure (default: costs "
                             "computed from the model's FLOP counts)")
     group.add_argument("--elastic-inject-failure", action="append", default=[],
-                       metavar="rank=R,iteration=I[,phase=P][,kind=kill|hang|raise|poison]",
+                       metavar="rank=R,iteration=I[,phase=P][,kind=kill|hang|raise|poison|nan]",
                        help="fail rank R during iteration I (repeatable); phases: forward, "
-                            "backward, allreduce, optimizer, snapshot, recovery")
+                            "backward, allreduce, optimizer, snapshot, recovery, relayout")
     group.add_argument("--elastic-max-step-retries", type=int, default=1,
                        help="times an iteration that fails with no rank failing (an error of "
                             "its own, not a peer's death) is re-run from its snapshot before the "

@@ -41,7 +41,7 @@ from megatron_elaswave.faults import FaultInjector, InjectedSlowdown, slow_down
 from megatron_elaswave.keys import FINISHED_KEY, RECORDS_WRITTEN_KEY, done_key, saved_key
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter
-from megatron_elaswave.monitor import FailureDetected, FailureMonitor
+from megatron_elaswave.monitor import FailureMonitor
 from megatron_elaswave.patches.gpt_model import transformer_layers
 from megatron_elaswave.planner.cost import CostModel
 from megatron_elaswave.planner.frequency import ClockPlan
@@ -198,7 +198,7 @@ class ElasticTrainer(Trainer):
                 joined=joined)
             elif self.detector is not None:
                 self._follow_stragglers(*stage_times)
-        except (RuntimeError, FailureDetected) as error:
+        except Exception as error:
             self.recover(error)
 
     def _follow_stragglers(self, pipeline_s: torch.Tensor, forward_s: torch.Tensor,
@@ -233,7 +233,7 @@ class ElasticTrainer(Trainer):
 
     def ensure_initial_snapshot(self) -> None:
         """Snapshot the state before the first step of this rank, if not held yet."""
-        if (self.rank, self.iteration) not in self.snapshots.store.held():
+        if not any(tag[:2] == (self.rank, self.iteration) for tag in self.snapshots.store.held()):
             self._snapshot_now()
 
     def _snapshot_now(self) -> None:
@@ -243,7 +243,9 @@ class ElasticTrainer(Trainer):
 
     def advance(self) -> StepResult | None:
         """Try the next iteration; on a failure, recover (which may roll back) instead. The
-        step's result, or ``None`` if a recovery ran."""
+        step's result, or ``None`` if a recovery ran. Any exception the step raises, whatever its
+        class (a peer's death, or a bad sample's ``ValueError``), goes to the recovery, which
+        bounds the re-runs of an iteration that fails with no rank failing."""
         try:
             self.monitor.raise_if_failed()
             result = self.train_step()
@@ -251,7 +253,7 @@ class ElasticTrainer(Trainer):
             # even when another has already reported it.
             if math.isfinite(result.lm_loss):
                 self.monitor.raise_if_failed()
-        except (RuntimeError, FailureDetected) as error:
+        except Exception as error:
             self.recover(error)
             return None
         if not math.isfinite(result.lm_loss):
@@ -382,7 +384,8 @@ class ElasticTrainer(Trainer):
         if self.is_logger:
             layout, clocks = plan()
             members = tuple(sorted(set(self.monitor.members) | joined))
-            decision = Decision(generation + 1, members, (), tuple(sorted(joined)))
+            decision = Decision(generation + 1, members, (), tuple(sorted(joined)),
+                                relayout=True)
             relayout.commit(self.store, LayoutChange(decision, layout, self.state_layout,
                                                      self.iteration, clocks, time.time(),
                                                      reason, predicted_gain))
@@ -395,12 +398,14 @@ class ElasticTrainer(Trainer):
         """A member's part in a layout change: the next generation's groups (all of them anew
         when ranks join, else only those that change), then the common part."""
         self.monitor.advance(plan.decision)
+        relayout.pause_for_tests()
         if plan.decision.joined:
             self.registry.grow(plan.layout, plan.decision.generation,
                                abort=self.monitor.failure_detected)
         else:
             self.registry.edit((), plan.layout, EditMode.INPLACE,
-                               generation=plan.decision.generation)
+                               generation=plan.decision.generation,
+                               abort=self.monitor.failure_detected)
         self.complete_change(plan)
 
     def complete_change(self, plan: LayoutChange) -> None:
@@ -430,20 +435,19 @@ class ElasticTrainer(Trainer):
             timedelta(seconds=self.monitor.config.agreement_timeout_s),
             self.monitor.failure_detected)
         self.snapshots.discard()
-        iteration = restore.rollback_iteration(self.snapshots.store.held(),
-                                               self.state_layout.active_ranks())
+        iteration = restore.rollback_iteration(self.snapshots.store.held(), self.lost)
         self.snapshots.store.forget_after(iteration)
         # This rank serves every snapshot of that iteration it holds: its own and its replicas
         # of others, whatever layout took them. Pieces are named globally and the state of an
-        # iteration is the same in every layout, so an older layout's replica covers what a
-        # newer snapshot, not yet replicated when its rank failed, took with it.
+        # iteration is the same in every layout, so an older layout's set covers what a newer
+        # one, not yet taken or replicated everywhere when a rank failed, lacks.
         held: dict[str, torch.Tensor] = {}
         state = None
-        for rank, snapshot_iteration in self.snapshots.store.held():
-            if snapshot_iteration == iteration:
-                tensors, snapshot_state = self.snapshots.store.restore(rank, iteration)
+        for tag in self.snapshots.store.held():
+            if tag.iteration == iteration:
+                tensors, snapshot_state = self.snapshots.store.restore(*tag[:3])
                 held.update(tensors)
-                state = snapshot_state if rank == self.rank or state is None else state
+                state = snapshot_state if tag.rank == self.rank or state is None else state
         active = self.rank in layout.active_ranks()
         state, self._unwritten = restore.share_state(state, self._unwritten, self.state_layout,
                                                      layout, self.lost)
@@ -474,12 +478,13 @@ class ElasticTrainer(Trainer):
             restore_rng_states(state["rng"])
         restore.commit()
         self.state_layout, self.lost = layout, set()
+        self.injector.at("relayout", self.iteration + 1)
         if active:
             # The snapshots held so far stay: named globally, they serve any later layout, and a
             # failure before the new ones are replicated still finds its state in them.
             self.snapshots = StepSnapshots(layout, self.rank, self.snapshots.store.config,
                                            group=self.registry.host_group(Role.WORLD),
-                                           store=self.snapshots.store)
+                                           store=self.snapshots.store, version=generation)
             self._snapshot_now()
         times.migrated_at = time.time()
         if self.is_logger and self.metrics.path is None:
@@ -512,7 +517,7 @@ def run_elastic(trainer: ElasticTrainer) -> None:
             try:
                 trainer.follow_change(outcome)
                 continue
-            except (RuntimeError, FailureDetected) as error:
+            except Exception as error:
                 outcome = error
         trainer.recover(outcome)
 

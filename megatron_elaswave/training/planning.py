@@ -68,8 +68,8 @@ def plan_without(base: Layout, failed: set[int], cost: CostModel,
                  policy: str) -> tuple[Layout, ClockPlan]:
     """The layout (and clocks) that continues ``base`` without ``failed`` under ``policy``
     (``--elastic-policy``). Raises :class:`~megatron_elaswave.planner.replan.PlanError` when no
-    layout of the rest holds the model, and
-    :class:`~megatron_elaswave.planner.zero.StateLostError` when state is gone."""
+    layout of the rest holds the model. Whether their state survives is for the restore to
+    find, from the snapshots the survivors hold."""
     # Plans start from a deal of the micro-batches fixed by the replicas alone: a failure in the
     # all-reduce of the step that re-dealt them may leave ranks on either deal.
     total = base.global_num_microbatches
@@ -78,7 +78,7 @@ def plan_without(base: Layout, failed: set[int], cost: CostModel,
         r.keeping_chunks(r.stages, tuple(range(k, total, count)))
         for k, r in enumerate(base.replicas)), base.spares)
     if policy == "elaswave":
-        plan = plan_recovery(old, failed, cost, PlanOptions(dvfs=True))
+        plan = plan_recovery(old, failed, cost, PlanOptions(dvfs=True, migration=False))
         return plan.layout, plan.clocks
     layout = plan_replica_drop(old, failed, keep_global_batch=policy == "reroute")
     return layout, nominal_clock_plan(cost, layout, len(layout.spares), PowerModel())

@@ -26,9 +26,7 @@ from typing import TYPE_CHECKING
 
 from megatron_elaswave.agreement import agree
 from megatron_elaswave.communicator import EditMode, group_specs, member_lists
-from megatron_elaswave.monitor import FailureDetected
 from megatron_elaswave.planner.replan import PlanError
-from megatron_elaswave.planner.zero import StateLostError
 from megatron_elaswave.store import STORE_ADDR_ENV, STORE_PORT_ENV
 
 from . import relayout
@@ -148,7 +146,7 @@ class Recovery:
             try:
                 self._recover_once(error, raised_at)
                 return
-            except (RuntimeError, FailureDetected) as again:
+            except Exception as again:
                 if isinstance(again, (CannotContinue, StepFailed)):
                     raise
                 if not monitor.explains(again):  # would fail the same way every time
@@ -165,7 +163,7 @@ class Recovery:
         times = self.pending = self.pending or RecoveryTimes(
             failure_at=min(raised_at, monitor.failure.time), noticed_at=noticed)
         decision = agree(trainer.store, monitor)
-        if decision.joined:  # a grow was committed before the failure: it is the next one's
+        if decision.relayout:  # a layout change came first: the failure is the next one's
             if not times.failed_ranks:
                 self.pending = None
             timeout = timedelta(seconds=monitor.config.agreement_timeout_s)
@@ -199,8 +197,6 @@ class Recovery:
         except PlanError as plan_error:
             self._stop_with_checkpoint(str(plan_error), failed, ungrouped, decision, old_lists,
                                        times)
-        except StateLostError as lost:
-            raise CannotContinue(str(lost)) from None
         times.planned_at = time.time()
         trainer.registry.edit(failed - ungrouped, new_layout, EditMode.INPLACE, broken=old_lists,
                               generation=decision.generation, abort=monitor.failure_detected)

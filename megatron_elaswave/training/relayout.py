@@ -48,6 +48,18 @@ if TYPE_CHECKING:
 
 _POLL_INTERVAL_S = 0.05
 
+RELAYOUT_DELAY_ENV = "ELASWAVE_RELAYOUT_DELAY_S"
+"""Fault injection for tests: every member pauses this many seconds once a change is committed
+(``rt/gen<g>/change`` is in the store), before it edits its groups, so that a test can fail a
+rank while the layout changes."""
+
+
+def pause_for_tests() -> None:
+    """The pause :data:`RELAYOUT_DELAY_ENV` asks for (none by default)."""
+    delay_s = float(os.environ.get(RELAYOUT_DELAY_ENV, "0"))
+    if delay_s > 0:
+        time.sleep(delay_s)
+
 
 class JobFinished(Exception):
     """The job ended before this replacement could join."""

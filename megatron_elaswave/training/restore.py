@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from megatron_elaswave.keys import restore_prefix
 from megatron_elaswave.layout import Layout
+from megatron_elaswave.snapshot import SnapshotTag, newest_whole_iteration
 from megatron_elaswave.store import WaitInterrupted, key_poll_pauses, wait_for_keys
 
 from .recovery import CannotContinue
@@ -50,24 +51,25 @@ class RestoreRound:
     def prefix(self) -> str:
         return restore_prefix(self.generation)
 
-    def rollback_iteration(self, held: list[tuple[int, int]], holders: set[int]) -> int:
-        """The newest iteration whose state survives whole: every surviving stage holder (of
-        ``holders``, the ranks whose snapshots the state is in) has its own snapshot of it and
-        every failed one has a replica on some member. ``held`` is this rank's ``(rank,
-        iteration)`` snapshots. Raises :class:`~.recovery.CannotContinue` if there is none."""
-        self.store.set(f"{self.prefix}/held/{self.rank}", json.dumps(held))
-        everything = {member: {tuple(x) for x in json.loads(raw)}
-                      for member, raw in zip(self.members, self._wait_and_get("held"))}
-        candidates = None
-        for rank in holders:
-            mine = ({i for r, i in everything[rank] if r == rank} if rank in everything
-                    else {i for by in everything.values() for r, i in by if r == rank})
-            candidates = mine if candidates is None else candidates & mine
-        if not candidates:
-            failed = sorted(set(holders) - set(self.members))
-            raise CannotContinue("no iteration has a complete set of surviving snapshots after "
-                            f"ranks {failed} failed")
-        return max(candidates)
+    def rollback_iteration(self, held: list[SnapshotTag], lost: set[int]) -> int:
+        """The newest iteration whose state survives whole: some layout's set of snapshots of it
+        is held complete by the members together
+        (:func:`~megatron_elaswave.snapshot.newest_whole_iteration`). ``held`` is this rank's
+        snapshots, ``lost`` the ranks failed since the state was last restored. Raises
+        :class:`~.recovery.CannotContinue` if there is none."""
+        self.store.set(f"{self.prefix}/held/{self.rank}", json.dumps([list(tag) for tag in held]))
+        everything = [SnapshotTag(*tag) for raw in self._wait_and_get("held")
+                      for tag in json.loads(raw)]
+        iteration = newest_whole_iteration(everything)
+        if iteration is None:
+            newest = max((tag.iteration for tag in everything), default=0)
+            kept = {tag.rank for tag in everything if tag.iteration == newest}
+            gone = sorted(lost - kept)
+            raise CannotContinue(
+                f"no survivor holds a snapshot of ranks {gone}, which failed together with every "
+                "rank that held a copy (--elastic-snapshot-replicas sets how many ranks do)"
+                if gone else "no iteration has a complete set of surviving snapshots")
+        return iteration
 
     def share_state(self, state: dict | None, records: list[dict], old: Layout, new: Layout,
                     lost: set[int]) -> tuple[dict | None, list[dict]]:

@@ -82,12 +82,16 @@ class StepSnapshots:
 
     def __init__(self, layout: Layout, rank: int, config: SnapshotConfig,
                  group: dist.ProcessGroup | None = None,
-                 store: SnapshotStore | None = None) -> None:
+                 store: SnapshotStore | None = None, version: int = 0) -> None:
         """``group`` carries the replicas: the group of the layout's stage holders in launch-rank
         order, or the default group (``None``) while it still numbers ranks as launched.
-        ``store`` keeps the snapshots held so far (those of an earlier layout); default: none."""
+        ``store`` keeps the snapshots held so far (those of an earlier layout); default: none.
+        ``version`` tells this layout's snapshots from those of the others
+        (:class:`~megatron_elaswave.snapshot.SnapshotTag`): the generation that formed it."""
         self.store = SnapshotStore(rank, config) if store is None else store
         self.group = group
+        self.version = version
+        self.owners = len(layout.active_ranks())
         members = [r for replica in layout.replicas for stage in replica.stages for r in stage.ranks]
         holds_stage = layout.position(rank) is not None
         copies, per_node = config.replicas, config.ranks_per_node
@@ -110,7 +114,8 @@ class StepSnapshots:
                  "scheduler": scheduler.state_dict(), "rng": rng_states(), **extra_state}
         tensors = main_params_and_states(optimizer) if tensors is None else tensors
         assert self._pending is None, "the previous snapshot was neither settled nor discarded"
-        self._pending = self.store.start_capture(iteration, tensors, state)
+        self._pending = self.store.start_capture(iteration, tensors, state, self.version,
+                                                 self.owners)
         if not self.store.config.overlap:
             self.settle()
         elif self.send_to or self.receive_from:
