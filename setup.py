@@ -34,10 +34,14 @@ setup(
         "numpy>=1.26",
         # dist_checkpointing's async writer needs psutil but megatron-core does not declare it.
         "psutil>=5.9",
+        # Each worker's process title names its rank and script (megatron_elaswave/proctitle.py).
+        "setproctitle>=1.3",
     ],
     extras_require={
         # matplotlib: the plots of scripts/reproduce.py, whose --smoke run is part of CI.
         "test": ["pytest>=8", "hypothesis>=6", "matplotlib>=3.8"],
+        # --tensorboard-dir and --wandb-project (W&B's offline mode needs no account).
+        "logging": ["tensorboard>=2.14", "wandb>=0.16"],
         # torchft 0.2 publishes wheels for Linux x86_64 only (elsewhere pip builds it from
         # source, which needs Rust and protoc); scripts/bench/torchft_mttr.py uses 0.2's API.
         "bench": ["matplotlib>=3.8", "torchft>=0.2,<0.3"],

@@ -65,6 +65,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 
 from megatron_elaswave.decisions import Decision
+from megatron_elaswave.proctitle import MEGATRON_LM_RUNNER
 from megatron_elaswave.silence import HeartbeatSilence
 from megatron_elaswave.spawn import (
     DEFAULT_PRELOAD,
@@ -132,10 +133,6 @@ class UsageError(LaunchError):
     """The command line asks for something impossible, or the job store's port is taken."""
 
     exit_status = 2
-
-
-MEGATRON_LM_RUNNER = "megatron_elaswave.run_megatron_lm"
-"""Runs a Megatron-LM training script with the adaptor (and ``--elastic``) in place."""
 
 
 def is_megatron_lm_script(path: str) -> bool:

@@ -12,8 +12,10 @@ and forks each worker from there. It guarantees:
   (``PR_SET_PDEATHSIG``).
 * **It runs as** ``python -u script args`` **(or** ``-m module`` **) would**: its own
   environment, ``sys.argv``, ``sys.path[0]`` and ``__main__``; stdin from ``/dev/null``, stdout
-  and stderr to its log; default signal handlers; and the interpreter's ordinary exit (atexit
-  handlers, the status of ``SystemExit``, a traceback and status 1 for an exception). Modules
+  and stderr to its log; a process title naming its rank and script (``elaswave rank 5/8
+  pretrain_gpt.py``, :mod:`megatron_elaswave.proctitle`), where ``ps`` would show the
+  server's; default signal handlers; and the interpreter's ordinary exit (atexit handlers, the
+  status of ``SystemExit``, a traceback and status 1 for an exception). Modules
   that were preloaded are not imported again, so they read the environment the agent started
   with, not the worker's rank variables.
 * **Waiting for the preload never blocks supervision**: :meth:`ForkServer.ready` answers at
@@ -42,6 +44,8 @@ import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
+
+from megatron_elaswave.proctitle import name_worker, prepare_titles
 
 DEFAULT_PRELOAD = (
     "torch",
@@ -305,6 +309,7 @@ def _become_worker(request: _Request, agent_pid: int, server_fds: Sequence[int])
     os.environ.clear()
     os.environ.update(request.env)
     os.chdir(request.cwd)
+    name_worker(request.env, request.argv)  # else ps shows the server's command line
     if request.argv[0] == "-m":
         module, *args = request.argv[1:]
         sys.argv = [module, *args]
@@ -320,6 +325,7 @@ def _main(argv: Sequence[str]) -> None:
     agent_pid, requests, responses = (int(value) for value in argv[:3])
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)  # the agent forwards them to the workers
+    prepare_titles()
     failure = _preload(argv[3:])
     answer = {"error": failure} if failure else {"ready": True}
     os.write(responses, (json.dumps(answer) + "\n").encode())

@@ -50,6 +50,6 @@ python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 if [ "${1:-}" = "--torch-only" ]; then
   exit 0
 fi
-python -m pip install --quiet --disable-pip-version-check -e ".[test]" \
+python -m pip install --quiet --disable-pip-version-check -e ".[test,logging]" \
   ${megatron_core:+"megatron-core==$megatron_core"}
 python -c "import megatron_elaswave.patches as p; p.check_torch(); p.check_megatron_core_version()"

@@ -21,6 +21,7 @@ import pytest
 from harness import free_port, is_gone, launch, wait_until, worker_script
 
 from megatron_elaswave.launcher import LaunchConfig, accepts_connections, job_exit_status
+from megatron_elaswave.proctitle import worker_title
 from megatron_elaswave.run import parse_config
 from megatron_elaswave.keys import death_key, worker_key
 from megatron_elaswave.store import WorkerDeath, read_deaths, read_exit, record_death
@@ -168,6 +169,9 @@ def test_workers_get_the_launch_environment(tmp_path, preload):
         assert seen["TORCH_CPP_LOG_LEVEL"] == os.environ.get("TORCH_CPP_LOG_LEVEL")
         assert seen["ppid"] == job.pid
         assert seen["argv"] == ["--extra", "x"]
+        # ps tells the workers apart: a forked one by its title, an executed one by its command.
+        assert seen["title"] == (f"elaswave rank {rank}/2 dump_env.py" if preload != "none"
+                                 else f"{sys.executable} -u {script} {tmp_path} --extra x")
         assert f"hello from rank {rank}" in (logs / f"rank{rank}.log").read_text()
     assert "hello" not in output
 
@@ -510,3 +514,14 @@ def test_a_missing_store_host_times_out_with_one_line():
 def _listens_on(pid: int, port: int) -> bool:
     connections = psutil.Process(pid).net_connections(kind="tcp")
     return any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in connections)
+
+
+@pytest.mark.parametrize("argv, title", [
+    (["/path/to/pretrain_gpt.py", "--elastic"], "elaswave rank 5/8 pretrain_gpt.py"),
+    (["-m", "pkg.train", "--lr", "1"], "elaswave rank 5/8 -m pkg.train"),
+    (["-m", "megatron_elaswave.run_megatron_lm", "/ckpt/Megatron-LM/pretrain_gpt.py", "--lr", "1"],
+     "elaswave rank 5/8 pretrain_gpt.py"),
+])
+def test_a_workers_title_names_its_rank_and_script(argv, title):
+    assert worker_title({"RANK": "5", "WORLD_SIZE": "8"}, argv) == title
+    assert worker_title({}, argv) is None  # not a launched worker: its title is left alone

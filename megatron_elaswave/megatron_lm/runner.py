@@ -9,6 +9,8 @@ import os
 import runpy
 import sys
 
+from megatron_elaswave.proctitle import MEGATRON_LM_RUNNER, name_worker
+
 
 def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1].startswith("-"):
@@ -19,6 +21,7 @@ def main() -> None:
         sys.exit(f"megatron_elaswave.run_megatron_lm: no such script: {sys.argv[1]}")
     # As `python SCRIPT` would: the script's directory first (a checkout's root holds `megatron`).
     sys.path.insert(0, os.path.dirname(script))
+    name_worker(os.environ, ["-m", MEGATRON_LM_RUNNER, *sys.argv[1:]])  # ps shows its rank
     importlib.import_module("megatron_elaswave.megatron_lm.adaptor")  # adapts on import, once
 
     sys.argv = [script, *sys.argv[2:]]

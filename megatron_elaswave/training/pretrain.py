@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from megatron_elaswave.device import DeviceUnavailableError, resolve_device_backend
+from megatron_elaswave.proctitle import name_worker
 from megatron_elaswave.spawn import IMPORT_NOTICES
 
 from . import exit_status
@@ -115,4 +116,5 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
 def main() -> None:
     # ``kill -USR1 <pid>`` prints every thread's stack: what a rank is waiting for, live.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    name_worker(os.environ, sys.argv)  # a worker executed afresh: ps shows its rank
     sys.exit(pretrain(sys.argv[1:]))
