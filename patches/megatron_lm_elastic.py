@@ -96,30 +96,73 @@ def model_provider_of(arguments: dict[str, Any]) -> Callable | None:
 
 def forward_step_on_current_layout(forward_step_func: Callable) -> Callable:
     """The script's ``forward_step``, called where this rank's replica has a single stage with
-    ``args.pipeline_model_parallel_size`` 1.
+    ``args.pipeline_model_parallel_size`` 1, and where it runs without virtual stages with
+    ``parallel_state``'s virtual pipeline size unset.
 
     ``get_batch_on_this_tp_rank`` (``megatron.training.utils`` in core_v0.16.1; megatron-core's,
     given the flag by ``pretrain_gpt.py``, in core_v0.19) keeps every field of a micro-batch only
     where that size is 1, and otherwise those of ``parallel_state``'s first or last stage
     (core_v0.19 drops the labels on the first stage even on the rank that read them). After a
-    recovery a replica may have fewer stages than the flag says: one stage is both.
+    recovery a replica may have fewer stages than the flag says: one stage is both. A replica
+    that a recovery re-partitions runs 1F1B: its stage has no ``vp_stage``, which
+    ``is_pipeline_first_stage`` would otherwise require.
     """
 
     @functools.wraps(forward_step_func)
-    def forward_step(*args, **kwargs):
+    def forward_step(data_iterator, model, *args, **kwargs):
         from megatron.core import parallel_state
         from megatron.training import get_args
 
         margs = get_args()
         launched = margs.pipeline_model_parallel_size
+        virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
         if parallel_state.get_pipeline_model_parallel_world_size() == 1:
             margs.pipeline_model_parallel_size = 1
+        if getattr(model, "vp_stage", None) is None:
+            parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
         try:
-            return forward_step_func(*args, **kwargs)
+            return forward_step_func(data_iterator, model, *args, **kwargs)
         finally:
             margs.pipeline_model_parallel_size = launched
+            parallel_state.set_virtual_pipeline_model_parallel_world_size(virtual)
 
     return forward_step
+
+
+def global_batch_size_at(consumed_samples: int) -> int:
+    """The global batch size of the iteration after ``consumed_samples``, on Megatron's schedule:
+    constant, or growing by ``--rampup-batch-size`` (core_v0.16.1) or
+    ``--step-batch-size-schedule`` (core_v0.19). ``train()`` sets the same before every
+    ``train_step`` from ``args.consumed_train_samples``."""
+    from megatron.core.num_microbatches_calculator import (
+        get_current_global_batch_size,
+        update_num_microbatches,
+    )
+
+    update_num_microbatches(consumed_samples, consistency_check=False)
+    return get_current_global_batch_size()
+
+
+def lr_schedule_from_flags(get_optimizer_param_scheduler: Callable,
+                           args: argparse.Namespace) -> Callable:
+    """Megatron-LM's ``get_optimizer_param_scheduler`` as Megatron-LM builds it, whenever the job
+    builds one (again after a recovery, to load the snapshot's state into).
+
+    It tells iteration-based from sample-based training (``--train-samples``, ``--lr-*-samples``)
+    by ``args.train_iters`` being unset; the elastic job sets it from ``--train-samples`` before
+    building the first scheduler (``update_train_iters``), so it is hidden while one is built."""
+
+    @functools.wraps(get_optimizer_param_scheduler)
+    def build(optimizer):
+        iterations = args.train_iters
+        if args.train_samples:
+            args.train_iters = None
+        try:
+            return get_optimizer_param_scheduler(optimizer)
+        finally:
+            args.train_iters = iterations
+
+    return build
 
 
 def logs_over_pg_collection(training_log: Callable) -> bool:
@@ -128,24 +171,21 @@ def logs_over_pg_collection(training_log: Callable) -> bool:
     return "pg_collection" in inspect.signature(training_log).parameters
 
 
-_VIRTUAL_STAGES = ("virtual pipeline stages (the interleaved schedule runs in megatron-elaswave's "
-                   "scripts/pretrain_gpt.py)")
 _UNSUPPORTED = (
     ("load", "--load (resume an elastic run with megatron-elaswave's scripts/pretrain_gpt.py)"),
     ("save", "--save (the survivors keep in-memory snapshots; a final checkpoint is not "
              "written from Megatron-LM's loop)"),
-    ("overlap_grad_reduce", "--overlap-grad-reduce"),
-    ("overlap_param_gather", "--overlap-param-gather"),
-    ("rampup_batch_size", "--rampup-batch-size (the global batch is fixed)"),
-    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers"),
-    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers"),
-    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout"),
-    ("num_layers_per_virtual_pipeline_stage", _VIRTUAL_STAGES),
-    ("virtual_pipeline_model_parallel_size", _VIRTUAL_STAGES),
-    ("num_experts", "--num-experts"),
-    ("use_legacy_models", "--use-legacy-models"),
-    ("sft", "--sft"),
-    ("fim_data", "--fim-data"),
+    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers (the elastic "
+     "layout splits the layers evenly over the stages; drop it)"),
+    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers (the elastic layout "
+     "splits the layers evenly over the stages; drop it)"),
+    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout (the elastic layout "
+     "splits the layers evenly over the stages; drop it)"),
+    ("num_experts", "--num-experts: MoE layers and their expert-parallel groups are not "
+                    "resharded after a failure; train a dense model, or MoE without --elastic"),
+    ("use_legacy_models", "--use-legacy-models (it trains megatron-core's GPTModel: drop it)"),
+    ("sft", "--sft (it trains GPT pretraining data)"),
+    ("fim_data", "--fim-data (it trains GPT pretraining data)"),
     ("mtp_num_layers", "--mtp-num-layers (multi-token prediction layers would share the "
                        "layout-invariant dropout seeds of layer 0)"),
     # A hybrid model (HybridModel, MambaModel): the layer groups know GPTModel's layers.
@@ -192,9 +232,11 @@ class ElasticRuntime(Protocol):
 
     def start(self, args: argparse.Namespace, *, tokenizer: Any,
               transformer_config: Callable[[], Any], model_provider: Callable,
-              scheduler: Callable, forward_step_func: Callable) -> tuple[list, Any, Any]:
+              scheduler: Callable, forward_step_func: Callable,
+              global_batch_size_at: Callable[[int], int]) -> tuple[list, Any, Any]:
         """Start the elastic job (collective); the chunks, optimizer and LR schedule of
-        ``train()``."""
+        ``train()``. ``global_batch_size_at(consumed_samples)`` is Megatron's batch size
+        schedule."""
 
     def evaluation_splits(self) -> tuple[Any, Any]:
         """The placeholders of ``train()``'s validation and test iterators (None: no split)."""
@@ -318,6 +360,7 @@ class _ElasticLoop:
             margs = get_args()
             if not margs.elastic:
                 return setup(*args, **kwargs)
+            sys.modules[TRAINING].update_train_iters(margs)  # --train-samples: the iterations
             self._check(margs)
             model_provider = model_provider_of(signature.bind(*args, **kwargs).arguments)
             if model_provider is None:
@@ -330,8 +373,10 @@ class _ElasticLoop:
                 margs, tokenizer=get_tokenizer(),
                 transformer_config=lambda: core_transformer_config_from_args(margs),
                 model_provider=model_provider,
-                scheduler=sys.modules[TRAINING].get_optimizer_param_scheduler,
-                forward_step_func=forward_step_on_current_layout(self.forward_step_func))
+                scheduler=lr_schedule_from_flags(
+                    sys.modules[TRAINING].get_optimizer_param_scheduler, margs),
+                forward_step_func=forward_step_on_current_layout(self.forward_step_func),
+                global_batch_size_at=global_batch_size_at)
             margs.iteration = margs.num_floating_point_operations_so_far = 0  # no --load
             return objects
 
@@ -343,9 +388,13 @@ class _ElasticLoop:
             if getattr(args, name, None):
                 self.runtime.refuse(f"--elastic in Megatron-LM's loop does not support {flag}")
         if args.context_parallel_size > 1:
-            self.runtime.refuse("--elastic does not support --context-parallel-size > 1")
-        if args.data_path and len(args.data_path) > 1:
-            self.runtime.refuse("--elastic takes one --data-path prefix (no blends)")
+            self.runtime.refuse("--elastic in Megatron-LM's loop does not support "
+                                "--context-parallel-size > 1: a failed rank's sequence shards "
+                                "are not resharded; use --tensor-model-parallel-size or "
+                                "--pipeline-model-parallel-size for the memory instead")
+        if args.sequence_parallel and self.backend.name != "cuda":
+            self.runtime.refuse(f"--sequence-parallel needs Transformer Engine or Apex norms, "
+                                f"which run on CUDA only; on {self.backend.name} drop it")
         if args.elastic_device not in (None, "auto", self.backend.name):
             self.runtime.refuse(f"--elastic-device {args.elastic_device}: this run is on "
                                 f"{self.backend.name}")

@@ -2,8 +2,9 @@
 megatron-core wheels ship from 0.19 on, for the adaptor's tests where no Megatron-LM checkout
 is at hand.
 
-It does what core_r0.19.0's ``pretrain_gpt.py`` does on the path the tests take (mock data, no
-packed sequences, context parallelism, multi-token prediction or ModelOpt): arguments parsed
+It does what core_r0.19.0's ``pretrain_gpt.py`` does on the path the tests take (mock data or
+Megatron's indexed data, blended by ``--data-path`` weights; no packed sequences, context
+parallelism, multi-token prediction or ModelOpt): arguments parsed
 by ``parse_and_validate_args``, the model built by ``pretrain`` from the config container, each
 micro-batch read on tensor-parallel rank 0 of a first or last stage and broadcast to the others,
 the loss summed over unmasked tokens and reported with their count.
@@ -14,14 +15,14 @@ from functools import partial
 import torch
 from megatron.core import mpu
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
 from megatron.core.utils import get_batch_on_this_tp_rank
 from megatron.training import get_args, pretrain, print_rank_0
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args
-from megatron.training.utils import is_first_or_last_pipeline_stage
+from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 MODEL_INPUTS = ("tokens", "position_ids", "attention_mask", "labels", "loss_mask")
 
@@ -74,15 +75,17 @@ def is_dataset_built_on_rank(vp_stage=None):
 
 def train_valid_test_datasets_provider(train_valid_test_num_samples, vp_stage=None):
     args = get_args()
+    blend, blend_per_split = get_blend_and_blend_per_split(args)
     config = GPTDatasetConfig(
-        random_seed=args.seed, sequence_length=args.seq_length, blend=None,
-        blend_per_split=None, split=args.split, path_to_cache=args.data_cache_path,
+        random_seed=args.seed, sequence_length=args.seq_length, blend=blend,
+        blend_per_split=blend_per_split, split=args.split, path_to_cache=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
         tokenizer=build_tokenizer(args), reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader)
-    print_rank_0("> building mock train, validation, and test datasets for GPT ...")
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
     return BlendedMegatronDatasetBuilder(
-        MockGPTDataset, train_valid_test_num_samples,
+        MockGPTDataset if args.mock_data else GPTDataset, train_valid_test_num_samples,
         partial(is_dataset_built_on_rank, vp_stage=vp_stage), config).build()
 
 

@@ -67,8 +67,8 @@ class ElasticHooks:
     # -- the job -------------------------------------------------------------------------------
 
     def start(self, args: argparse.Namespace, *, tokenizer, transformer_config: Callable,
-              model_provider: Callable, scheduler: Callable,
-              forward_step_func: Callable) -> tuple[list, object, object]:
+              model_provider: Callable, scheduler: Callable, forward_step_func: Callable,
+              global_batch_size_at: Callable[[int], int]) -> tuple[list, object, object]:
         """Start this rank's job (:meth:`.MegatronLMJob.start`, whose arguments Megatron-LM's
         side provides), with the layout-invariant dropout RNG if asked for; the objects of
         ``train()``."""
@@ -84,7 +84,7 @@ class ElasticHooks:
                 args, self.backend, rank=dist.get_rank(), world_size=dist.get_world_size(),
                 tokenizer=tokenizer, transformer_config=transformer_config,
                 model_provider=model_provider, scheduler=scheduler,
-                forward_step_func=forward_step_func)
+                forward_step_func=forward_step_func, global_batch_size_at=global_batch_size_at)
         except UnsupportedModel as error:  # every rank builds its first chunk, and refuses it
             self.refuse(str(error))
         return self.job.objects()

@@ -33,7 +33,7 @@ from torch.distributed import ProcessGroup
 from megatron_elaswave import dropout_rng
 from megatron_elaswave.communicator import Role
 from megatron_elaswave.device import DeviceBackend
-from megatron_elaswave.training.data import MicrobatchSource, gpt_datasets
+from megatron_elaswave.training.data import MicrobatchSource, gpt_datasets, train_samples
 from megatron_elaswave.training.elastic import ElasticTrainer, run_elastic
 from megatron_elaswave.training.elastic_setup import build_elastic_trainer
 from megatron_elaswave.training.layer_groups import ModelFactory
@@ -102,12 +102,14 @@ class MegatronLMJob:
     def start(cls, args: argparse.Namespace, backend: DeviceBackend, *, rank: int, world_size: int,
               tokenizer, transformer_config: Callable[[], TransformerConfig],
               model_provider: Callable, scheduler: Callable[[ChainedOptimizer], OptimizerParamScheduler],
-              forward_step_func: Callable) -> MegatronLMJob:
+              forward_step_func: Callable,
+              global_batch_size_at: Callable[[int], int]) -> MegatronLMJob:
         """Build this rank's stage of the failure-free layout and start the failure monitor.
 
         ``model_provider(pre_process=..., post_process=..., config=..., pg_collection=...)`` is the
         script's (Megatron-LM's ``model_provider`` with its builder), ``scheduler(optimizer)``
-        Megatron-LM's LR schedule, ``forward_step_func`` the script's ``forward_step``.
+        Megatron-LM's LR schedule, ``forward_step_func`` the script's ``forward_step``,
+        ``global_batch_size_at(consumed_samples)`` Megatron's batch size schedule (a ramp-up).
         Collective over the job.
         """
         gbs = args.global_batch_size
@@ -115,7 +117,7 @@ class MegatronLMJob:
         evaluations = args.train_iters // args.eval_interval + 1 if args.eval_interval else 1
         train, valid, test = gpt_datasets(
             args, tokenizer,
-            [args.train_iters * gbs, evaluations * eval_samples or None, eval_samples or None])
+            [train_samples(args), evaluations * eval_samples or None, eval_samples or None])
 
         def source(dataset):
             return MicrobatchSource(dataset, args.micro_batch_size) if dataset is not None else None
@@ -125,7 +127,8 @@ class MegatronLMJob:
         trainer = build_elastic_trainer(
             args, backend, rank, world_size, args.padded_vocab_size, source(train), source(valid),
             model_factory=factory, forward_step_func=feeding(forward_step_func),
-            log_iterations=False)
+            log_iterations=False,
+            microbatches_at=lambda consumed: global_batch_size_at(consumed) // args.micro_batch_size)
         trainer.monitor.start()
         trainer.ensure_initial_snapshot()
         return cls(trainer, {VALIDATION: source(valid), TEST: source(test)})
@@ -158,10 +161,19 @@ class MegatronLMJob:
 
     def swap_into(self, model: list, optimizer: ChainedOptimizer,
                   scheduler: OptimizerParamScheduler) -> None:
-        """Make the objects ``train()`` holds the current ones, in place."""
+        """Make the objects ``train()`` holds the current ones, in place. New chunks take the
+        forward pre-hooks (``--overlap-param-gather``) as ``train()`` left the old ones, which
+        it turns on and off itself; a spare's list empties, so that ``train()`` syncs no
+        parameters over groups that are gone."""
         objects = self.trainer.objects
         if objects is None:  # a spare holds no stage
+            model[:] = []
             return
+        if model and model[0] is not objects.model[0]:
+            hooked = bool(getattr(model[0], "remove_forward_pre_hook_handles", None))
+            for chunk in objects.model:
+                if bool(getattr(chunk, "remove_forward_pre_hook_handles", None)) and not hooked:
+                    chunk.disable_forward_pre_hook(param_sync=False)
         model[:] = objects.model
         for held, current in ((optimizer, objects.optimizer), (scheduler, objects.scheduler)):
             if held is not current:

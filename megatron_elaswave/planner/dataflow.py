@@ -100,3 +100,26 @@ def assign_microbatch_ids(
         ids = kept[replica] + [next(pool) for _ in range(counts[replica] - len(kept[replica]))]
         result[replica] = tuple(sorted(ids))
     return result
+
+
+def resize_deal(counts: Mapping[int, int], total: int) -> dict[int, tuple[int, ...]]:
+    """Global micro-batch ids per replica for a global batch of ``total`` micro-batches (a batch
+    size ramp-up), dealt in the proportions of ``counts`` (each replica's current share).
+
+    New counts are proportional to ``counts`` (largest remainders, ties to the lower replica
+    index); the ids ``0..total-1`` go out one at a time to the replica furthest below its count,
+    so equal counts deal round-robin, as Megatron-LM's sampler does."""
+    if total < 0 or not counts or sum(counts.values()) <= 0:
+        raise ValueError("a global batch needs replicas with micro-batches and total >= 0")
+    whole = sum(counts.values())
+    order = sorted(counts)
+    exact = {r: counts[r] * total / whole for r in order}
+    new = {r: int(exact[r]) for r in order}
+    for r in sorted(order, key=lambda r: (-(exact[r] - new[r]), r))[: total - sum(new.values())]:
+        new[r] += 1
+    dealt: dict[int, list[int]] = {r: [] for r in order}
+    for i in range(total):
+        replica = min((r for r in order if len(dealt[r]) < new[r]),
+                      key=lambda r: (len(dealt[r]) / new[r], r))
+        dealt[replica].append(i)
+    return {r: tuple(ids) for r, ids in dealt.items()}

@@ -6,8 +6,9 @@ counts the samples of all earlier iterations. A replica runs whichever micro-bat
 layout gives it, so the samples of a step do not depend on how many replicas there are or how
 they are split. (The failure-free layout deals them round-robin, as Megatron-LM's sampler does.)
 
-Datasets are megatron-core's ``GPTDataset`` on Megatron's indexed ``.bin``/``.idx`` format, or
-``MockGPTDataset`` for ``--mock-data``.
+Datasets are megatron-core's ``GPTDataset`` on Megatron's indexed ``.bin``/``.idx`` format (one
+prefix, or a blend: ``--data-path W1 P1 W2 P2 ...`` as in Megatron-LM, megatron-core's
+``BlendedDataset`` over them), or ``MockGPTDataset`` for ``--mock-data``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.utils import get_blend_from_list
 
 from megatron_elaswave.tokenizer import build_tokenizer
 
@@ -34,19 +36,30 @@ class DataError(ValueError):
     """Data that cannot serve the run; the message is one line."""
 
 
+def data_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
+    """The prefixes and weights of ``--data-path``: one prefix, or ``W1 P1 W2 P2 ...`` (Megatron-LM's
+    blend; the weights are normalised by megatron-core). Raises :class:`DataError`."""
+    try:
+        return get_blend_from_list(data_path)
+    except (ValueError, AssertionError):
+        raise DataError(f"--data-path {' '.join(data_path)}: give one prefix, or weights and "
+                        "prefixes in pairs (W1 P1 W2 P2 ...)") from None
+
+
 def _require_documents(config: GPTDatasetConfig, sizes: list[int | None], split: str) -> None:
     """Megatron's sampler loops forever on a split without documents: refuse it up front."""
-    prefix = config.blend[0][0]
-    documents = IndexedDataset(prefix).document_indices.shape[0] - 1
-    for name, bounds, size in zip(("training", "validation", "test"), config.split_matrix, sizes):
-        if bounds is None or not size:
-            continue
-        first, end = (int(round(bound * documents)) for bound in bounds)
-        if end <= first:
-            raise DataError(
-                f"--split {split} leaves the {name} set of {prefix} ({documents} documents) "
-                "empty; give it a larger share or add data"
-            )
+    for prefix in config.blend[0]:
+        documents = IndexedDataset(prefix, mmap=config.mmap_bin_files).document_indices.shape[0] - 1
+        for name, bounds, size in zip(("training", "validation", "test"), config.split_matrix,
+                                      sizes):
+            if bounds is None or not size:
+                continue
+            first, end = (int(round(bound * documents)) for bound in bounds)
+            if end <= first:
+                raise DataError(
+                    f"--split {split} leaves the {name} set of {prefix} ({documents} documents) "
+                    "empty; give it a larger share or add data"
+                )
 
 
 def build_datasets(args: argparse.Namespace, tokenizer) -> tuple[GPTDataset, GPTDataset | None]:
@@ -54,8 +67,14 @@ def build_datasets(args: argparse.Namespace, tokenizer) -> tuple[GPTDataset, GPT
     gbs = args.global_batch_size
     evaluations = args.train_iters // args.eval_interval
     train, valid, _ = gpt_datasets(
-        args, tokenizer, [args.train_iters * gbs, evaluations * args.eval_iters * gbs or None, None])
+        args, tokenizer, [train_samples(args), evaluations * args.eval_iters * gbs or None, None])
     return train, valid
+
+
+def train_samples(args: argparse.Namespace) -> int:
+    """Samples the whole run trains on: ``--train-samples``, else ``--train-iters`` global batches
+    (an upper bound while a batch-size ramp-up grows the batch)."""
+    return getattr(args, "train_samples", None) or args.train_iters * args.global_batch_size
 
 
 def gpt_datasets(args: argparse.Namespace, tokenizer, sizes: list[int | None]):
@@ -63,9 +82,10 @@ def gpt_datasets(args: argparse.Namespace, tokenizer, sizes: list[int | None]):
     config = GPTDatasetConfig(
         random_seed=args.seed,
         sequence_length=args.seq_length,
-        blend=(args.data_path, None) if args.data_path else None,
+        blend=data_blend(args.data_path) if args.data_path else None,
         split=args.split,
         path_to_cache=args.data_cache_path,
+        mmap_bin_files=getattr(args, "mmap_bin_files", True),
         tokenizer=tokenizer,
         reset_position_ids=getattr(args, "reset_position_ids", False),
         reset_attention_mask=getattr(args, "reset_attention_mask", False),

@@ -25,6 +25,7 @@ failure-free layout again. :mod:`.elastic_setup` builds the trainer.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import time
@@ -44,6 +45,7 @@ from megatron_elaswave.metrics import MetricsWriter
 from megatron_elaswave.monitor import FailureMonitor
 from megatron_elaswave.patches.gpt_model import transformer_layers
 from megatron_elaswave.planner.cost import CostModel
+from megatron_elaswave.planner.dataflow import resize_deal
 from megatron_elaswave.planner.frequency import ClockPlan
 from megatron_elaswave.world import release_retired
 
@@ -81,6 +83,9 @@ class ElasticTrainer(Trainer):
     slowdowns: tuple[InjectedSlowdown, ...] = ()
     detector: StragglerDetector | None = None
     """``None``: micro-batches are not re-dealt to follow stragglers."""
+    microbatches_at: Callable[[int], int] | None = None
+    """The global batch's micro-batch count after a number of consumed samples, on Megatron's
+    batch size schedule (a ramp-up); ``None``: the layout's count throughout."""
 
     def __post_init__(self) -> None:
         self._step_started = self._pipeline_done = 0.0
@@ -224,6 +229,24 @@ class ElasticTrainer(Trainer):
                      reason=decision.reason, predicted_gain=decision.predicted_gain,
                      announce=self.is_logger)
 
+    def _follow_batch_schedule(self) -> None:
+        """Deal the next iteration's global batch at its size on the batch size schedule, in the
+        replicas' current proportions: the same on every stage holder, from the consumed samples
+        they share (a rollback deals the re-run iterations at their own sizes again)."""
+        if self.microbatches_at is None:
+            return
+        total = self.microbatches_at(self.consumed_samples)
+        if total == self.layout.global_num_microbatches:
+            return
+        ids = resize_deal({r.index: r.num_microbatches for r in self.layout.replicas}, total)
+        self.layout = Layout(self.layout.num_layers,
+                             tuple(dataclasses.replace(r, microbatch_ids=ids[r.index])
+                                   for r in self.layout.replicas), self.layout.spares)
+        self.layout.validate()
+        self.replica = self.layout.replica_by_index()[self.layout.position(self.rank)[0]]
+        if self.detector is not None:  # its timings were of the other batch size
+            self.detector.reset()
+
     # -- the loop ------------------------------------------------------------------------------
 
     @property
@@ -248,6 +271,7 @@ class ElasticTrainer(Trainer):
         bounds the re-runs of an iteration that fails with no rank failing."""
         try:
             self.monitor.raise_if_failed()
+            self._follow_batch_schedule()
             result = self.train_step()
             # A non-finite loss is the same on every rank: each takes it as its own error below,
             # even when another has already reported it.

@@ -34,6 +34,7 @@ the layer groups are the stages and every object is the one Megatron builds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 from dataclasses import dataclass
 from typing import Callable
@@ -248,16 +249,58 @@ def _chunk_config(factory: ModelFactory, ranges: list[ChunkRange]) -> Transforme
     return config
 
 
+def chunk_ddp_config(args: argparse.Namespace, *,
+                     holds_tied_copy: bool) -> DistributedDataParallelConfig:
+    """The DDP config of one chunk: Megatron's distributed optimizer with fp32 gradient
+    reduction, overlapped with the backward pass and the next forward where the flags ask for it
+    (``--overlap-grad-reduce``, ``--overlap-param-gather``, ``--ddp-bucket-size``; Megatron-LM's
+    names).
+
+    A chunk that holds a copy of a tied embedding reduces its gradients at the step, never
+    overlapped: each replica sums the two copies' gradients before the data-parallel reduction
+    (:func:`sum_tied_embedding_grads`), which an overlapped reduction would already have begun.
+    Every holder of a layer group decides alike, so a group's reduction is one collective."""
+    overlap = bool(getattr(args, "overlap_grad_reduce", False)) and not holds_tied_copy
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap,
+        overlap_param_gather=bool(getattr(args, "overlap_param_gather", False)),
+        use_distributed_optimizer=True,
+        bucket_size=getattr(args, "ddp_bucket_size", None) if overlap else None)
+
+
+def schedule_no_sync(stages: list[torch.nn.Module]) -> Callable | list[Callable] | None:
+    """What the schedule takes as ``config.no_sync_func`` for ``stages`` (one per virtual stage):
+    a context that holds back the overlapped gradient reduction of every chunk of a stage until
+    its last micro-batch; ``None`` where no chunk overlaps it."""
+    chunks_of = [list(stage.chunks) if isinstance(stage, ChunkSequence) else [stage]
+                 for stage in stages]
+    if not any(chunk.ddp_config.overlap_grad_reduce for chunks in chunks_of for chunk in chunks):
+        return None
+
+    def no_sync_of(chunks):
+        def no_sync():
+            stack = contextlib.ExitStack()
+            for chunk in chunks:
+                stack.enter_context(chunk.no_sync())
+            return stack
+
+        return no_sync
+
+    funcs = [no_sync_of(chunks) for chunks in chunks_of]
+    return funcs[0] if len(funcs) == 1 else funcs
+
+
 def tied_embedding_copies(chunks: list[DistributedDataParallel]) -> list[torch.nn.Parameter]:
     """The copies of a tied embedding that this rank's chunks hold as parameters of their own:
     the first chunk's word embedding and the last chunk's output weight, when the model ties
     them and they are in different chunks (in one chunk they are one parameter)."""
-    copies = []
-    for ddp in chunks:
-        chunk = ddp.module
-        if chunk.share_embeddings_and_output_weights and chunk.pre_process != chunk.post_process:
-            copies.append(chunk.shared_embedding_or_output_weight())
-    return copies
+    return [ddp.module.shared_embedding_or_output_weight() for ddp in chunks
+            if holds_tied_copy(ddp.module)]
+
+
+def holds_tied_copy(chunk: GPTModel) -> bool:
+    """Whether ``chunk`` holds one of the two copies of a tied embedding."""
+    return chunk.share_embeddings_and_output_weights and chunk.pre_process != chunk.post_process
 
 
 @torch.no_grad()
@@ -296,8 +339,6 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
     tp, pp, world = registry.group(Role.TP), registry.group(Role.PP), registry.group(Role.WORLD)
     cp = registry.group(Role.CP)
     install_process_groups(registry.process_group_collection(ranges[held[0]].layer_group))
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=True)
     opt_config = optimizer_config(args)
     chunks, chunk_groups, optimizers = [], [], []
     for c in held:
@@ -305,6 +346,7 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
         model_groups = process_group_collection(tp=tp, cp=cp, pp=LayerGroupStage(c, len(ranges)),
                                               embd=None, pos_embd=None)
         chunk = factory.build_chunk(config, c == 0, c == len(ranges) - 1, model_groups)
+        ddp_config = chunk_ddp_config(args, holds_tied_copy=holds_tied_copy(chunk))
         place_chunk(chunk, config, device)
         if initialize:
             layout_invariant_init(chunk, config, args.seed, tp_rank, tp.size())
@@ -323,7 +365,8 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
         chunks.append(ddp)
         chunk_groups.append(groups_of_chunk)
     # ``finalize`` syncs the chunks' gradients, and the chained optimizer steps them, in order.
-    share_bucket_groups(chunks)
+    if not any(chunk.ddp_config.overlap_grad_reduce for chunk in chunks):
+        share_bucket_groups(chunks)
     optimizer = ChainedOptimizer(optimizers)
     # A host tensor: the world's gloo twin where the device backend is not gloo.
     agree_grad_norm_groups(optimizer, registry.host_group(Role.WORLD))

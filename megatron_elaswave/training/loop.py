@@ -27,6 +27,7 @@ from megatron_elaswave.patches.schedules import forward_backward_on
 from megatron_elaswave.simulator.schedule import microbatch_group_size
 
 from .data import MicrobatchIds, MicrobatchSource, StepData
+from .layer_groups import schedule_no_sync
 from .model import TrainingObjects
 from .snapshots import StepSnapshots
 
@@ -137,9 +138,16 @@ class Trainer:
         ]
 
     def _run_schedule(self, data: list[StepData | MicrobatchIds], forward_only: bool):
+        config = self.objects.config
         if len(self.stages) > 1:  # interleaved: the replica's count may have been re-dealt
-            self.objects.config.microbatch_group_size_per_vp_stage = microbatch_group_size(
+            config.microbatch_group_size_per_vp_stage = microbatch_group_size(
                 self.replica.num_microbatches, self.pg_collection.pp.size())
+        no_sync = schedule_no_sync(self.stages)
+        if no_sync is not None:
+            # The stage's own chunks, whatever a caller's loop set on the config before (the
+            # chunks change with the layout); reductions start as gradients are ready, and
+            # parameters are gathered by the chunks' forward pre-hooks.
+            config.no_sync_func, config.grad_sync_func, config.param_sync_func = no_sync, None, None
         iterators = [iter(d) if d is not None else None for d in data]
         return self.forward_backward(
             forward_step_func=self.forward_step_func,
