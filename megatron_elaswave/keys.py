@@ -55,6 +55,8 @@ State restore after a recovery or a layout change (:mod:`~megatron_elaswave.trai
 ``rt/finished``                                the job ends: every member finished (empty) or the
                                                survivors stopped (why)
 ``rt/records/written``                         the last iteration whose record the logger wrote
+``rt/shared/<name>``                           a value a rank shares with the job, e.g. the id of the
+                                               W&B run that a later logging rank resumes
 =============================================  ==========================================================
 
 Start-up (:mod:`~megatron_elaswave.training.startup`):
@@ -174,6 +176,10 @@ FINISHED_KEY = "rt/finished"
 
 RECORDS_WRITTEN_KEY = "rt/records/written"
 """The last iteration whose record the logging rank has written to the metrics file."""
+
+
+def shared_key(name: str) -> str:
+    return f"rt/shared/{name}"
 
 
 # -- start-up ----------------------------------------------------------------------------------

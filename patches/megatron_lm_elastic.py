@@ -47,6 +47,7 @@ import argparse
 import copy
 import functools
 import inspect
+import os
 import sys
 import types
 from typing import Any, Callable, NoReturn, Protocol
@@ -60,6 +61,9 @@ from .registry import PatchRegistry
 
 TRAINING = "megatron.training.training"
 ARGUMENTS = "megatron.training.arguments"
+GLOBAL_VARS = "megatron.training.global_vars"
+WANDB_RUN = "wandb_run_id"
+"""The name under which the first logging rank shares its W&B run's id (:meth:`ElasticRuntime.share`)."""
 
 
 def loop_modules() -> tuple[str, ...]:
@@ -255,21 +259,47 @@ class ElasticRuntime(Protocol):
     def consumed_samples(self) -> int: ...
 
     def evaluate(self, split: Any) -> float | None:
-        """Mean per-token loss on the split a placeholder names (None: nothing to report)."""
+        """Mean per-token loss on the split a placeholder names (None: nothing to report),
+        through failures."""
+
+    def survives(self, error: BaseException) -> bool:
+        """Whether ``error``, raised between steps, comes from a failed rank that the next step
+        recovers from (waits a bounded time for the evidence); ``False``: it is this rank's."""
+
+    @property
+    def logs(self) -> bool:
+        """Whether this rank prints Megatron-LM's log line: the last of the active ranks."""
+
+    def share(self, name: str, value: str | None = None) -> str | None:
+        """Publish ``value`` under ``name`` for every rank of the job (``None``: read what was
+        published, ``None`` if nothing was)."""
 
 
 class DefaultGroupRedirect(types.ModuleType):
     """``torch.distributed`` in which a collective or rank query without a group uses
-    ``world()`` (while it returns a group), and a broadcast's ``src`` is a rank of that group."""
+    ``world()`` (while it returns a group), and a broadcast's ``src`` is a rank of that group.
+
+    A collective that fails where ``survives(error)`` (a peer failed: the next step recovers)
+    returns ``None`` instead of raising, its tensors left as they were: Megatron-LM's timers and
+    log lines between steps go on without the failed rank. Where ``world()`` returns
+    :attr:`OUTSIDE` (a rank that holds no stage), collectives without a group do nothing and
+    the rank queries answer -1, as torch's do for a group the rank is not in."""
+
+    OUTSIDE = object()
+    """What ``world()`` returns on a rank outside the group of the ranks that hold a stage."""
 
     _GROUPED = ("barrier", "all_reduce", "all_gather", "all_gather_into_tensor",
                 "_all_gather_base", "all_gather_object", "get_rank", "get_world_size")
+    _QUERIES = ("get_rank", "get_world_size")
 
-    def __init__(self, world: Callable[[], dist.ProcessGroup | None]) -> None:
+    def __init__(self, world: Callable[[], dist.ProcessGroup | None],
+                 survives: Callable[[BaseException], bool] = lambda error: False) -> None:
         super().__init__("torch.distributed", dist.__doc__)
         self._world = world
+        self._survives = survives
         for name in self._GROUPED:
-            setattr(self, name, self._in_world(getattr(dist, name)))
+            function = self._in_world(getattr(dist, name))
+            setattr(self, name, function if name in self._QUERIES else self._surviving(function))
 
     def __getattr__(self, name: str):
         return getattr(dist, name)
@@ -282,20 +312,38 @@ class DefaultGroupRedirect(types.ModuleType):
 
     def _in_world(self, function: Callable) -> Callable:
         signature = inspect.signature(function)
+        outside = -1 if function.__name__ in self._QUERIES else None
 
         @functools.wraps(function)
         def in_world(*args, **kwargs):
             bound = signature.bind_partial(*args, **kwargs)
             bound.arguments["group"] = self._group(bound.arguments.get("group"))
+            if bound.arguments["group"] is self.OUTSIDE:
+                return outside
             return function(*bound.args, **bound.kwargs)
 
         return in_world
 
+    def _surviving(self, function: Callable) -> Callable:
+        @functools.wraps(function)
+        def surviving(*args, **kwargs):
+            try:
+                return function(*args, **kwargs)
+            except Exception as error:
+                if self._survives(error):
+                    return None
+                raise
+
+        return surviving
+
     def broadcast(self, tensor, src=None, group=None, async_op=False, group_src=None):
         target = self._group(group)
+        if target is self.OUTSIDE:
+            return None
         if target is not group and src is not None:
             src, group_src = None, src
-        return dist.broadcast(tensor, src=src, group=target, async_op=async_op, group_src=group_src)
+        return self._surviving(dist.broadcast)(tensor, src=src, group=target, async_op=async_op,
+                                               group_src=group_src)
 
 
 def torch_with_distributed(base: types.ModuleType, distributed: types.ModuleType) -> types.ModuleType:
@@ -378,6 +426,9 @@ class _ElasticLoop:
                 forward_step_func=forward_step_on_current_layout(self.forward_step_func),
                 global_batch_size_at=global_batch_size_at)
             margs.iteration = margs.num_floating_point_operations_so_far = 0  # no --load
+            wandb_writer = sys.modules[GLOBAL_VARS]._GLOBAL_WANDB_WRITER
+            if wandb_writer is not None:  # a later logging rank goes on with this run
+                self.runtime.share(WANDB_RUN, wandb_writer.run.id)
             return objects
 
         return elastic_setup
@@ -435,6 +486,7 @@ class _ElasticLoop:
                                   iteration=iteration, **kwargs)
             result = self.runtime.train_step(iteration)
             self.runtime.swap_into(model, optimizer, opt_param_scheduler)
+            keep_writers_on_logging_rank(args, self.runtime)
             # args.data_parallel_size stays the micro-batch calculator's: Megatron-LM reports the
             # global batch as its product with the micro-batch size and count.
             args.world_size = self.runtime.num_active_ranks
@@ -449,8 +501,7 @@ class _ElasticLoop:
         return elastic_train_step
 
     def training_log(self, training_log: Callable) -> Callable:
-        if not logs_over_pg_collection(training_log):
-            return training_log
+        over_pg_collection = logs_over_pg_collection(training_log)
         signature = inspect.signature(training_log)
 
         @functools.wraps(training_log)
@@ -460,10 +511,38 @@ class _ElasticLoop:
             if not get_args().elastic:
                 return training_log(*args, **kwargs)
             bound = signature.bind(*args, **kwargs)
-            bound.arguments["pg_collection"] = None  # parallel_state's groups: the current ones
+            if over_pg_collection:
+                bound.arguments["pg_collection"] = None  # parallel_state's: the current groups
             return training_log(*bound.args, **bound.kwargs)
 
         return elastic_training_log
+
+    def between_steps(self, fallback: Callable[[dict[str, Any]], Any]) -> Callable:
+        """A wrapper of one of ``train()``'s steps between iterations (its log line, its
+        evaluation) that survives a failed rank: where the step raises because a peer failed
+        (:meth:`ElasticRuntime.survives`), it returns ``fallback(its bound arguments)`` instead
+        and ``train()`` goes on to the next ``train_step``, which recovers. Without
+        ``--elastic`` it calls through."""
+
+        def wrap(function: Callable) -> Callable:
+            signature = inspect.signature(function)
+
+            @functools.wraps(function)
+            def surviving(*args, **kwargs):
+                from megatron.training import get_args
+
+                if not get_args().elastic:
+                    return function(*args, **kwargs)
+                try:
+                    return function(*args, **kwargs)
+                except Exception as error:
+                    if not self.runtime.survives(error):
+                        raise
+                    return fallback(signature.bind(*args, **kwargs).arguments)
+
+            return surviving
+
+        return wrap
 
     # -- 5. evaluation -------------------------------------------------------------------------
 
@@ -480,6 +559,38 @@ class _ElasticLoop:
         return elastic_evaluate
 
 
+def keep_writers_on_logging_rank(args: argparse.Namespace, runtime: ElasticRuntime) -> None:
+    """Megatron-LM's TensorBoard and W&B writers (``megatron.training.global_vars``), which
+    Megatron-LM opens on the last rank only, live on the rank that prints the log line now:
+    after a failure of the last rank the new last rank opens them (TensorBoard in the same
+    ``--tensorboard-dir``, W&B resuming the same run), and a rank that no longer logs (the
+    replaced rank is back) closes its own."""
+    global_vars = sys.modules[GLOBAL_VARS]
+    logs = runtime.logs
+    writer = global_vars._GLOBAL_TENSORBOARD_WRITER
+    if logs and writer is None and getattr(args, "tensorboard_dir", None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        global_vars._GLOBAL_TENSORBOARD_WRITER = SummaryWriter(
+            log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
+    elif not logs and writer is not None:
+        writer.close()
+        global_vars._GLOBAL_TENSORBOARD_WRITER = None
+    wandb_writer = global_vars._GLOBAL_WANDB_WRITER
+    if logs and wandb_writer is None and getattr(args, "wandb_project", None):
+        import wandb
+
+        save_dir = args.wandb_save_dir or os.path.join(args.save or ".", "wandb")
+        os.makedirs(save_dir, exist_ok=True)
+        wandb.init(dir=save_dir, name=args.wandb_exp_name, project=args.wandb_project,
+                   config=vars(args), id=runtime.share(WANDB_RUN), resume="allow",
+                   **({"entity": args.wandb_entity} if args.wandb_entity else {}))
+        global_vars._GLOBAL_WANDB_WRITER = wandb
+    elif not logs and wandb_writer is not None:
+        wandb_writer.finish()
+        global_vars._GLOBAL_WANDB_WRITER = None
+
+
 def register(registry: PatchRegistry, backend: DeviceBackend, runtime: ElasticRuntime) -> None:
     """Register the hooks, calling into ``runtime``, and, on CUDA, the default-group redirect of
     the loop modules (off CUDA :mod:`.megatron_lm` puts the redirect into its device-mapped
@@ -494,7 +605,11 @@ def register(registry: PatchRegistry, backend: DeviceBackend, runtime: ElasticRu
                               loop.build_data_iterators)
     registry.register_wrapper(f"{TRAINING}.train_step", loop.train_step)
     registry.register_wrapper(f"{TRAINING}.training_log", loop.training_log)
+    registry.register_wrapper(f"{TRAINING}.training_log", loop.between_steps(
+        lambda arguments: arguments["report_memory_flag"]))
     registry.register_wrapper(f"{TRAINING}.evaluate", loop.evaluate)
+    for step in ("evaluate_and_print_results", "disable_forward_pre_hook"):
+        registry.register_wrapper(f"{TRAINING}.{step}", loop.between_steps(lambda arguments: None))
     distributed = runtime.distributed
     if backend.name == "cuda":
         for module in loop_modules():

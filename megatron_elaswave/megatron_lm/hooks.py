@@ -42,7 +42,8 @@ class ElasticHooks:
     def __init__(self, backend: DeviceBackend) -> None:
         self.backend = backend
         self.job: MegatronLMJob | None = None
-        self.distributed = DefaultGroupRedirect(lambda: self.job.world_group if self.job else None)
+        self.distributed = DefaultGroupRedirect(
+            lambda: self.job.world_group if self.job else None, survives=self.survives)
 
     # -- launch and flags ----------------------------------------------------------------------
 
@@ -115,7 +116,24 @@ class ElasticHooks:
         return self.job.consumed_samples
 
     def evaluate(self, split: EvaluationSplit) -> float | None:
-        return self.job.evaluate(split)
+        from megatron_elaswave.training.migration import StateLost
+        from megatron_elaswave.training.recovery import CannotContinue
+
+        try:
+            return self.job.evaluate(split)
+        except (CannotContinue, StateLost) as error:
+            exit_with(exit_status.CANNOT_CONTINUE, f"cannot continue: {error}", every_rank=True,
+                      prefix="")
+
+    def survives(self, error: BaseException) -> bool:
+        return self.job is not None and not self.job.finished and self.job.explains(error)
+
+    @property
+    def logs(self) -> bool:
+        return self.job is not None and self.job.logs_megatron_lm_line
+
+    def share(self, name: str, value: str | None = None) -> str | None:
+        return self.job.share(name, value)
 
 
 def exit_with(code: int, message: str, *, every_rank: bool = False,

@@ -33,6 +33,8 @@ from torch.distributed import ProcessGroup
 from megatron_elaswave import dropout_rng
 from megatron_elaswave.communicator import Role
 from megatron_elaswave.device import DeviceBackend
+from megatron_elaswave.keys import shared_key
+from megatron_elaswave.patches.megatron_lm_elastic import DefaultGroupRedirect
 from megatron_elaswave.training.data import MicrobatchSource, gpt_datasets, train_samples
 from megatron_elaswave.training.elastic import ElasticTrainer, run_elastic
 from megatron_elaswave.training.elastic_setup import build_elastic_trainer
@@ -136,8 +138,11 @@ class MegatronLMJob:
     # -- what Megatron-LM's loop sees ----------------------------------------------------------
 
     @property
-    def world_group(self) -> ProcessGroup:
-        """The ranks that hold a stage, in launch-rank order (edited in place after failures)."""
+    def world_group(self) -> ProcessGroup | object:
+        """The ranks that hold a stage, in launch-rank order (edited in place after failures);
+        on a rank outside them, :attr:`DefaultGroupRedirect.OUTSIDE`."""
+        if not self.trainer.is_active:
+            return DefaultGroupRedirect.OUTSIDE
         return self.trainer.registry.group(Role.WORLD)
 
     @property
@@ -202,12 +207,42 @@ class MegatronLMJob:
         return self.last_result if trainer.is_active else None
 
     def evaluate(self, split: EvaluationSplit) -> float | None:
-        """Mean per-token loss on ``split`` (``None`` on a spare or without that split)."""
+        """Mean per-token loss on ``split`` (``None`` on a spare or without that split), after
+        the iterations done so far, through failures: the survivors recover (which may roll
+        back and re-run iterations) and evaluate again on their layout."""
         source = self.sources.get(split)
-        if source is None or not self.trainer.is_active:
+        trainer, done = self.trainer, self.trainer.iteration
+        while source is not None and trainer.is_active:
+            try:
+                trainer.monitor.raise_if_failed()
+                # Validation moves on one set of batches per --eval-interval; the test set is
+                # read once.
+                return trainer.evaluate(source, None if split is VALIDATION else 0)
+            except Exception as error:  # whatever its class, as in a step (ElasticTrainer.advance)
+                trainer.recover(error)
+            while trainer.is_active and trainer.iteration < done:
+                trainer.advance()
+        return None
+
+    def explains(self, error: BaseException) -> bool:
+        """Whether a failed rank accounts for ``error`` (waits a bounded time for the evidence):
+        the next step recovers from it."""
+        return self.trainer.monitor.explains(error)
+
+    @property
+    def logs_megatron_lm_line(self) -> bool:
+        """Whether this rank prints Megatron-LM's log line: the last of the ranks that hold a
+        stage (Megatron-LM's last rank, over :attr:`world_group`)."""
+        return self.trainer.is_active and self.trainer.rank == max(self.trainer.layout.active_ranks())
+
+    def share(self, name: str, value: str | None = None) -> str | None:
+        """Publish ``value`` under ``name`` in the job store (a value already there stays), or
+        read it (``None``: nothing published)."""
+        key, store = shared_key(name), self.trainer.store
+        if value is not None:
+            store.compare_set(key, "", value)
             return None
-        # Validation moves on one set of batches per --eval-interval; the test set is read once.
-        return self.trainer.evaluate(source, None if split is VALIDATION else 0)
+        return store.get(key).decode() if store.check([key]) else None
 
     def close(self) -> None:
         """Stop the failure monitor and the clock governor; flush the metrics."""
