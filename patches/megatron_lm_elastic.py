@@ -553,6 +553,8 @@ class _ElasticLoop:
 
             if not get_args().elastic:
                 return evaluate(forward_step_func, data_iterator, *args, **kwargs)
+            if isinstance(data_iterator, list):  # one per virtual stage, all the same split
+                data_iterator = data_iterator[0]
             loss = self.runtime.evaluate(data_iterator)
             return ({"lm loss": torch.tensor(loss)} if loss is not None else {}), None, False
 

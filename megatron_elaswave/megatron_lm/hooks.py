@@ -73,6 +73,8 @@ class ElasticHooks:
         """Start this rank's job (:meth:`.MegatronLMJob.start`, whose arguments Megatron-LM's
         side provides), with the layout-invariant dropout RNG if asked for; the objects of
         ``train()``."""
+        from megatron_elaswave.training.data import DataError
+
         from .job import MegatronLMJob, UnsupportedModel
 
         if args.elastic_rng == "invariant":
@@ -86,7 +88,7 @@ class ElasticHooks:
                 tokenizer=tokenizer, transformer_config=transformer_config,
                 model_provider=model_provider, scheduler=scheduler,
                 forward_step_func=forward_step_func, global_batch_size_at=global_batch_size_at)
-        except UnsupportedModel as error:  # every rank builds its first chunk, and refuses it
+        except (UnsupportedModel, DataError) as error:  # every rank refuses it alike
             self.refuse(str(error))
         return self.job.objects()
 

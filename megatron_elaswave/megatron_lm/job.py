@@ -129,7 +129,7 @@ class MegatronLMJob:
         trainer = build_elastic_trainer(
             args, backend, rank, world_size, args.padded_vocab_size, source(train), source(valid),
             model_factory=factory, forward_step_func=feeding(forward_step_func),
-            log_iterations=False,
+            log_iterations=False, first_global_batch_size=global_batch_size_at(0),
             microbatches_at=lambda consumed: global_batch_size_at(consumed) // args.micro_batch_size)
         trainer.monitor.start()
         trainer.ensure_initial_snapshot()

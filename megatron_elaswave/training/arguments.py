@@ -129,7 +129,8 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--elastic-inject-failure", action="append", default=[],
                        metavar="rank=R,iteration=I[,phase=P][,kind=kill|hang|raise|poison|nan]",
                        help="fail rank R during iteration I (repeatable); phases: forward, "
-                            "backward, allreduce, optimizer, snapshot, recovery, relayout")
+                            "backward, allreduce, optimizer, snapshot, recovery, relayout, "
+                            "evaluation (the one after iteration I)")
     group.add_argument("--elastic-max-step-retries", type=int, default=1,
                        help="times an iteration that fails with no rank failing (an error of "
                             "its own, not a peer's death) is re-run from its snapshot before the "

@@ -47,7 +47,8 @@ def data_blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
 
 
 def _require_documents(config: GPTDatasetConfig, sizes: list[int | None], split: str) -> None:
-    """Megatron's sampler loops forever on a split without documents: refuse it up front."""
+    """Megatron's sampler loops forever on a split without documents: refuse it up front, for
+    every prefix of a blend."""
     for prefix in config.blend[0]:
         documents = IndexedDataset(prefix, mmap=config.mmap_bin_files).document_indices.shape[0] - 1
         for name, bounds, size in zip(("training", "validation", "test"), config.split_matrix,

@@ -161,6 +161,10 @@ class ElasticTrainer(Trainer):
         self._nan_output = self.injector.at("forward", self.iteration + 1)
         return super().train_step()
 
+    def evaluate(self, source=None, evaluation: int | None = None) -> float:
+        self.injector.at("evaluation", self.iteration)
+        return super().evaluate(source, evaluation)
+
     def step_report(self, losses: list[dict]) -> torch.Tensor:
         """Blocks of one value per launch rank: the ranks asking to join, the loss sum of each
         loss-reporting rank (so that a non-finite loss names where it arose), then (with a

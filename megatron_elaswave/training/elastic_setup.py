@@ -33,14 +33,16 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
                           world_size: int, vocab_size: int, train_source: MicrobatchSource,
                           valid_source: MicrobatchSource | None, *,
                           model_factory: ModelFactory | None = None,
+                          first_global_batch_size: int | None = None,
                           **trainer_fields) -> ElasticTrainer:
     """Groups from the registry, the stage objects of the failure-free layout, the monitor.
-    ``model_factory`` builds the chunks (default: from the flags); ``trainer_fields`` are passed
-    on to :class:`ElasticTrainer`."""
+    ``model_factory`` builds the chunks (default: from the flags); the layout deals
+    ``first_global_batch_size`` samples (default ``--global-batch-size``); ``trainer_fields``
+    are passed on to :class:`ElasticTrainer`."""
     store = connect_store(timeout=timedelta(minutes=args.distributed_timeout_minutes))
     config = MonitorConfig(heartbeat_timeout_s=args.elastic_heartbeat_timeout)
     timeout = timedelta(seconds=config.collective_timeout_s)
-    layout = failure_free_layout(args)
+    layout = failure_free_layout(args, first_global_batch_size)
     registry = GroupRegistry(layout, rank, store=store, backend=backend.dist_backend, timeout=timeout)
     # Its stage may span several layer groups (virtual stages); the seeds need no DP group.
     seed_random_generators(args.seed,

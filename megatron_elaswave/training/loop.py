@@ -130,10 +130,14 @@ class Trainer:
     # -- one step ------------------------------------------------------------------------------
 
     def _step_data(self, source: MicrobatchSource, consumed: int) -> list[StepData | MicrobatchIds]:
+        """Each virtual stage's micro-batches: the data on the first and last pipeline stage
+        (every virtual stage of it, as Megatron-LM hands each one a data iterator there, since a
+        script's ``get_batch`` may decide by pipeline rank alone), the ids elsewhere."""
+        edge = any(stage_of(stage).pre_process or stage_of(stage).post_process
+                   for stage in self.stages)
         return [
             StepData(source, consumed, self.replica.microbatch_ids, self.backend.device())
-            if stage_of(stage).pre_process or stage_of(stage).post_process
-            else MicrobatchIds(self.replica.microbatch_ids)  # ids only, for dropout_rng
+            if edge else MicrobatchIds(self.replica.microbatch_ids)  # ids only, for dropout_rng
             for stage in self.stages
         ]
 

@@ -31,12 +31,14 @@ CPU_DEVICE = SyntheticDevice(name="CPU core (gloo)", peak_tflops=0.02, model_flo
 """What a CPU rank with one thread roughly does, for plans made without a measured profile."""
 
 
-def failure_free_layout(args: argparse.Namespace) -> Layout:
-    """The layout Megatron builds for the job's flags."""
+def failure_free_layout(args: argparse.Namespace, global_batch_size: int | None = None) -> Layout:
+    """The layout Megatron builds for the job's flags, dealing ``global_batch_size`` samples
+    (default ``--global-batch-size``; a ramp-up's first size)."""
     return Layout.megatron(tp=args.tensor_model_parallel_size,
                            pp=args.pipeline_model_parallel_size, dp=args.data_parallel_size,
                            num_layers=args.num_layers,
-                           num_microbatches=args.global_batch_size // args.micro_batch_size,
+                           num_microbatches=(global_batch_size or args.global_batch_size)
+                           // args.micro_batch_size,
                            virtual_stages=args.virtual_pipeline_model_parallel_size or 1)
 
 
