@@ -222,8 +222,11 @@ class ElasticRuntime(Protocol):
     """The ``torch.distributed`` Megatron-LM's loop modules see (a :class:`DefaultGroupRedirect`
     to the job's active ranks)."""
 
-    def check_launch(self) -> None:
-        """End the process unless this worker can run Megatron-LM's loop."""
+    rejoining: bool
+    """Whether this worker replaces a dead one and joins the running job."""
+
+    def check_rejoin(self, args: argparse.Namespace) -> None:
+        """End a replacement that Megatron-LM's loop cannot take in (one line)."""
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         """Add the ``--elastic*`` flags."""
@@ -238,9 +241,9 @@ class ElasticRuntime(Protocol):
               transformer_config: Callable[[], Any], model_provider: Callable,
               scheduler: Callable, forward_step_func: Callable,
               global_batch_size_at: Callable[[int], int]) -> tuple[list, Any, Any]:
-        """Start the elastic job (collective); the chunks, optimizer and LR schedule of
-        ``train()``. ``global_batch_size_at(consumed_samples)`` is Megatron's batch size
-        schedule."""
+        """Start the elastic job (collective), or join the running one where
+        :attr:`rejoining`; the chunks, optimizer and LR schedule of ``train()``.
+        ``global_batch_size_at(consumed_samples)`` is Megatron's batch size schedule."""
 
     def evaluation_splits(self) -> tuple[Any, Any]:
         """The placeholders of ``train()``'s validation and test iterators (None: no split)."""
@@ -257,6 +260,10 @@ class ElasticRuntime(Protocol):
 
     @property
     def consumed_samples(self) -> int: ...
+
+    @property
+    def iteration(self) -> int:
+        """Iterations the job has done (a replacement joins after some)."""
 
     def evaluate(self, split: Any) -> float | None:
         """Mean per-token loss on the split a placeholder names (None: nothing to report),
@@ -283,7 +290,8 @@ class DefaultGroupRedirect(types.ModuleType):
     returns ``None`` instead of raising, its tensors left as they were: Megatron-LM's timers and
     log lines between steps go on without the failed rank. Where ``world()`` returns
     :attr:`OUTSIDE` (a rank that holds no stage), collectives without a group do nothing and
-    the rank queries answer -1, as torch's do for a group the rank is not in."""
+    the rank queries answer as in a group of this rank alone (rank 0 of 1: Megatron's timers
+    index their gathers by them)."""
 
     OUTSIDE = object()
     """What ``world()`` returns on a rank outside the group of the ranks that hold a stage."""
@@ -312,7 +320,7 @@ class DefaultGroupRedirect(types.ModuleType):
 
     def _in_world(self, function: Callable) -> Callable:
         signature = inspect.signature(function)
-        outside = -1 if function.__name__ in self._QUERIES else None
+        outside = {"get_rank": 0, "get_world_size": 1}.get(function.__name__)
 
         @functools.wraps(function)
         def in_world(*args, **kwargs):
@@ -388,11 +396,35 @@ class _ElasticLoop:
 
         @functools.wraps(pretrain)
         def elastic_pretrain(*args, **kwargs):
-            self.runtime.check_launch()
-            self.forward_step_func = signature.bind(*args, **kwargs).arguments["forward_step_func"]
-            return pretrain(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            self.forward_step_func = bound.arguments["forward_step_func"]
+            if (self.runtime.rejoining and "pg_collection" in signature.parameters
+                    and bound.arguments.get("pg_collection") is None):
+                # core_v0.19 reads parallel_state's groups before setup_model_and_optimizer,
+                # where a replacement has none yet; the elastic job's steps and evaluations
+                # use their own, so train() gets an empty collection to pass along.
+                from megatron.core.process_groups_config import ProcessGroupCollection
+
+                bound.arguments["pg_collection"] = ProcessGroupCollection()
+            return pretrain(*bound.args, **bound.kwargs)
 
         return elastic_pretrain
+
+    def initialize_megatron(self, initialize: Callable) -> Callable:
+        @functools.wraps(initialize)
+        def elastic_initialize(*args, **kwargs):
+            from megatron.training import get_args
+
+            if not self.runtime.rejoining:
+                return initialize(*args, **kwargs)
+            # A replacement forms no first world: it joins the running job's groups when the
+            # job takes it in (setup_model_and_optimizer).
+            kwargs["skip_mpu_initialization"] = True
+            result = initialize(*args, **kwargs)
+            self.runtime.check_rejoin(get_args())
+            return result
+
+        return elastic_initialize
 
     # -- 2. model and optimizer ----------------------------------------------------------------
 
@@ -425,7 +457,10 @@ class _ElasticLoop:
                     sys.modules[TRAINING].get_optimizer_param_scheduler, margs),
                 forward_step_func=forward_step_on_current_layout(self.forward_step_func),
                 global_batch_size_at=global_batch_size_at)
-            margs.iteration = margs.num_floating_point_operations_so_far = 0  # no --load
+            margs.num_floating_point_operations_so_far = 0  # no --load
+            # train() starts where the job is: a replacement joins after some iterations.
+            margs.iteration, margs.consumed_train_samples = (self.runtime.iteration,
+                                                             self.runtime.consumed_samples)
             wandb_writer = sys.modules[GLOBAL_VARS]._GLOBAL_WANDB_WRITER
             if wandb_writer is not None:  # a later logging rank goes on with this run
                 self.runtime.share(WANDB_RUN, wandb_writer.run.id)
@@ -601,6 +636,8 @@ def register(registry: PatchRegistry, backend: DeviceBackend, runtime: ElasticRu
     registry.register_wrapper(f"{ARGUMENTS}.parse_args", loop.parse_args)
     for target in (f"{TRAINING}.pretrain", "megatron.training.pretrain"):
         registry.register_wrapper(target, loop.pretrain)
+    registry.register_wrapper("megatron.training.initialize.initialize_megatron",
+                              loop.initialize_megatron)
     registry.register_wrapper(f"{TRAINING}.setup_model_and_optimizer",
                               loop.setup_model_and_optimizer)
     registry.register_wrapper(f"{TRAINING}.build_train_valid_test_data_iterators",

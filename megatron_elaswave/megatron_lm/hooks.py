@@ -42,23 +42,38 @@ class ElasticHooks:
     def __init__(self, backend: DeviceBackend) -> None:
         self.backend = backend
         self.job: MegatronLMJob | None = None
-        self.distributed = DefaultGroupRedirect(
-            lambda: self.job.world_group if self.job else None, survives=self.survives)
+        self.rejoining = os.environ.get(REJOIN_ENV) == "1"
+        """Whether this worker replaces a dead one (``elaswave-run --rejoin``): it joins the
+        running job instead of forming the first world."""
+        self.distributed = DefaultGroupRedirect(self._world, survives=self.survives)
+
+    def _world(self):
+        if self.job is not None:
+            return self.job.world_group
+        # A replacement is alone until the job takes it in: Megatron-LM's set-up collectives
+        # (its timers and barriers) do nothing on it.
+        return DefaultGroupRedirect.OUTSIDE if self.rejoining else None
 
     # -- launch and flags ----------------------------------------------------------------------
 
-    def check_launch(self) -> None:
-        if os.environ.get(REJOIN_ENV) == "1":
-            exit_with(exit_status.BAD_INPUT, "a replacement worker cannot join a Megatron-LM run "
-                      "(its initialisation is collective over the first world): start the job "
-                      "without --rejoin", every_rank=True)
+    def check_rejoin(self, args: argparse.Namespace) -> None:
+        """End a replacement that Megatron-LM's loop cannot take in, in one line."""
+        if not args.elastic:
+            exit_with(exit_status.BAD_INPUT, "this worker was started again to rejoin the job, "
+                      "but the job does not run with --elastic: its survivors stopped with the "
+                      "failure", every_rank=True)
+        if args.tensor_model_parallel_size > 1:
+            exit_with(exit_status.BAD_INPUT, "a replacement worker joins Megatron-LM's loop with "
+                      "--tensor-model-parallel-size 1 only (its tensor-parallel partners, left "
+                      "without a stage, have left Megatron-LM's loop); the job goes on without "
+                      "it", every_rank=True)
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add_elastic_args(parser)
 
     def check_arguments(self, args: argparse.Namespace) -> None:
         try:
-            validate_elastic(args, dist.get_world_size())
+            validate_elastic(args, args.world_size)
         except ArgumentError as error:
             self.refuse(str(error))
 
@@ -70,10 +85,13 @@ class ElasticHooks:
     def start(self, args: argparse.Namespace, *, tokenizer, transformer_config: Callable,
               model_provider: Callable, scheduler: Callable, forward_step_func: Callable,
               global_batch_size_at: Callable[[int], int]) -> tuple[list, object, object]:
-        """Start this rank's job (:meth:`.MegatronLMJob.start`, whose arguments Megatron-LM's
-        side provides), with the layout-invariant dropout RNG if asked for; the objects of
-        ``train()``."""
+        """Start this rank's job, or join the running one as a replacement
+        (:meth:`.MegatronLMJob.start`, whose arguments Megatron-LM's side provides), with the
+        layout-invariant dropout RNG if asked for; the objects of ``train()``. A replacement
+        that finds the job over ends here: with status 0 if it finished, 3 if its survivors
+        stopped."""
         from megatron_elaswave.training.data import DataError
+        from megatron_elaswave.training.relayout import JobFinished, JobStopped
 
         from .job import MegatronLMJob, UnsupportedModel
 
@@ -84,12 +102,16 @@ class ElasticHooks:
             dropout_rng.set_seed(args.seed)
         try:
             self.job = MegatronLMJob.start(
-                args, self.backend, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                args, self.backend, rank=args.rank, world_size=args.world_size,
                 tokenizer=tokenizer, transformer_config=transformer_config,
                 model_provider=model_provider, scheduler=scheduler,
-                forward_step_func=forward_step_func, global_batch_size_at=global_batch_size_at)
+                forward_step_func=forward_step_func, global_batch_size_at=global_batch_size_at,
+                join=self.rejoining)
         except (UnsupportedModel, DataError) as error:  # every rank refuses it alike
             self.refuse(str(error))
+        except JobFinished as finished:
+            print(f" {finished}; exiting", flush=True)
+            sys.exit(exit_status.CANNOT_CONTINUE if isinstance(finished, JobStopped) else 0)
         return self.job.objects()
 
     def evaluation_splits(self) -> tuple[EvaluationSplit | None, EvaluationSplit | None]:
@@ -116,6 +138,10 @@ class ElasticHooks:
     @property
     def consumed_samples(self) -> int:
         return self.job.consumed_samples
+
+    @property
+    def iteration(self) -> int:
+        return self.job.iteration
 
     def evaluate(self, split: EvaluationSplit) -> float | None:
         from megatron_elaswave.training.migration import StateLost

@@ -37,7 +37,7 @@ from megatron_elaswave.keys import shared_key
 from megatron_elaswave.patches.megatron_lm_elastic import DefaultGroupRedirect
 from megatron_elaswave.training.data import MicrobatchSource, gpt_datasets, train_samples
 from megatron_elaswave.training.elastic import ElasticTrainer, run_elastic
-from megatron_elaswave.training.elastic_setup import build_elastic_trainer
+from megatron_elaswave.training.elastic_setup import build_elastic_trainer, join_elastic_job
 from megatron_elaswave.training.layer_groups import ModelFactory
 from megatron_elaswave.training.loop import StepResult
 
@@ -90,29 +90,36 @@ def feeding(forward_step_func: Callable) -> Callable:
 class MegatronLMJob:
     """One rank's part of an elastic run driven by Megatron-LM's ``train()`` (module docstring)."""
 
-    def __init__(self, trainer: ElasticTrainer, sources: dict[EvaluationSplit, MicrobatchSource | None]):
+    def __init__(self, trainer: ElasticTrainer,
+                 sources: dict[EvaluationSplit, MicrobatchSource | None], *, joined: bool = False):
         self.trainer = trainer
         self.sources = sources
         self.last_result: StepResult | None = None
         self.finished = False
+        self.in_loop = not joined
+        """Whether this rank runs Megatron-LM's loop in step with the others: a replacement
+        does from its first ``train_step`` on, and until then takes no part in the loop's
+        collectives (:attr:`world_group`)."""
         # train() points this config's gradient finalisation at Megatron's own, once, before the
         # first step; the trainer's (the reduction over layer groups) is given back then.
-        self._first_config = trainer.objects.config
-        self._finalize = trainer.objects.config.finalize_model_grads_func
+        self._first_config = trainer.objects.config if trainer.objects is not None else None
+        self._finalize = getattr(self._first_config, "finalize_model_grads_func", None)
 
     @classmethod
     def start(cls, args: argparse.Namespace, backend: DeviceBackend, *, rank: int, world_size: int,
               tokenizer, transformer_config: Callable[[], TransformerConfig],
               model_provider: Callable, scheduler: Callable[[ChainedOptimizer], OptimizerParamScheduler],
-              forward_step_func: Callable,
-              global_batch_size_at: Callable[[int], int]) -> MegatronLMJob:
-        """Build this rank's stage of the failure-free layout and start the failure monitor.
+              forward_step_func: Callable, global_batch_size_at: Callable[[int], int],
+              join: bool = False) -> MegatronLMJob:
+        """Build this rank's stage of the failure-free layout and start the failure monitor
+        (collective over the job); with ``join``, a replacement's: ask to join the running job,
+        wait until it takes this rank in as an iteration starts, and receive the state (raises
+        :class:`~megatron_elaswave.training.relayout.JobFinished` if the job ends first).
 
         ``model_provider(pre_process=..., post_process=..., config=..., pg_collection=...)`` is the
         script's (Megatron-LM's ``model_provider`` with its builder), ``scheduler(optimizer)``
         Megatron-LM's LR schedule, ``forward_step_func`` the script's ``forward_step``,
         ``global_batch_size_at(consumed_samples)`` Megatron's batch size schedule (a ramp-up).
-        Collective over the job.
         """
         gbs = args.global_batch_size
         eval_samples = args.eval_iters * gbs
@@ -126,22 +133,30 @@ class MegatronLMJob:
 
         factory = ModelFactory(config=transformer_config, build_chunk=gpt_chunks(model_provider),
                                scheduler=scheduler)
-        trainer = build_elastic_trainer(
-            args, backend, rank, world_size, args.padded_vocab_size, source(train), source(valid),
+        common = dict(
             model_factory=factory, forward_step_func=feeding(forward_step_func),
-            log_iterations=False, first_global_batch_size=global_batch_size_at(0),
+            log_iterations=False, defer_joins=True,
             microbatches_at=lambda consumed: global_batch_size_at(consumed) // args.micro_batch_size)
-        trainer.monitor.start()
-        trainer.ensure_initial_snapshot()
-        return cls(trainer, {VALIDATION: source(valid), TEST: source(test)})
+        sources = (source(train), source(valid))
+        if join:
+            trainer = join_elastic_job(args, backend, rank, world_size, args.padded_vocab_size,
+                                       *sources, **common)
+        else:
+            trainer = build_elastic_trainer(
+                args, backend, rank, world_size, args.padded_vocab_size, *sources,
+                first_global_batch_size=global_batch_size_at(0), **common)
+            trainer.monitor.start()
+            trainer.ensure_initial_snapshot()
+        return cls(trainer, {VALIDATION: source(valid), TEST: source(test)}, joined=join)
 
     # -- what Megatron-LM's loop sees ----------------------------------------------------------
 
     @property
     def world_group(self) -> ProcessGroup | object:
         """The ranks that hold a stage, in launch-rank order (edited in place after failures);
-        on a rank outside them, :attr:`DefaultGroupRedirect.OUTSIDE`."""
-        if not self.trainer.is_active:
+        on a rank outside them, or not yet in step with Megatron-LM's loop,
+        :attr:`DefaultGroupRedirect.OUTSIDE`."""
+        if not (self.trainer.is_active and self.in_loop):
             return DefaultGroupRedirect.OUTSIDE
         return self.trainer.registry.group(Role.WORLD)
 
@@ -152,6 +167,11 @@ class MegatronLMJob:
     @property
     def consumed_samples(self) -> int:
         return self.trainer.consumed_samples
+
+    @property
+    def iteration(self) -> int:
+        """Iterations done."""
+        return self.trainer.iteration
 
     def evaluation_splits(self) -> tuple[EvaluationSplit | None, EvaluationSplit | None]:
         """What ``train()`` holds for its validation and test iterators (None: no such split)."""
@@ -194,6 +214,7 @@ class MegatronLMJob:
         The step's result; ``None`` on a rank that holds no stage: it has nothing more to do.
         """
         trainer = self.trainer
+        self.in_loop = True
         if trainer.objects is not None and trainer.objects.config is self._first_config:
             self._first_config.finalize_model_grads_func = self._finalize
         while not self.finished and trainer.is_active and trainer.iteration <= iteration:

@@ -86,8 +86,14 @@ class ElasticTrainer(Trainer):
     microbatches_at: Callable[[int], int] | None = None
     """The global batch's micro-batch count after a number of consumed samples, on Megatron's
     batch size schedule (a ramp-up); ``None``: the layout's count throughout."""
+    defer_joins: bool = False
+    """Take ranks that ask to join in as the next iteration starts, not right after the one
+    whose reduction told of them: a loop that runs collectives of its own between iterations
+    (Megatron-LM's) has a newcomer take part in them only from its first iteration on."""
 
     def __post_init__(self) -> None:
+        self._joining: frozenset[int] = frozenset()
+        """With :attr:`defer_joins`: the ranks to take in as the next iteration starts."""
         self._step_started = self._pipeline_done = 0.0
         self._nan_output = False
         self._collected_generation = self.registry.generation
@@ -201,14 +207,20 @@ class ElasticTrainer(Trainer):
         if self.iteration >= self.args.train_iters:
             return
         try:
-            if joined:
-                self._change_layout(
-                lambda: plan_growth(self.args, self.layout, joined, self.cost, self.governor.plan),
-                joined=joined)
+            if joined and self.defer_joins:
+                self._joining = joined
+            elif joined:
+                self._take_in(joined)
             elif self.detector is not None:
                 self._follow_stragglers(*stage_times)
         except Exception as error:
             self.recover(error)
+
+    def _take_in(self, joined: frozenset[int]) -> None:
+        """Grow the job by the ranks ``joined`` at this step boundary (every stage holder alike)."""
+        self._change_layout(
+            lambda: plan_growth(self.args, self.layout, joined, self.cost, self.governor.plan),
+            joined=joined)
 
     def _follow_stragglers(self, pipeline_s: torch.Tensor, forward_s: torch.Tensor,
                            layers_s: torch.Tensor) -> None:
@@ -275,6 +287,9 @@ class ElasticTrainer(Trainer):
         bounds the re-runs of an iteration that fails with no rank failing."""
         try:
             self.monitor.raise_if_failed()
+            if self._joining:
+                joined, self._joining = self._joining, frozenset()
+                self._take_in(joined)
             self._follow_batch_schedule()
             result = self.train_step()
             # A non-finite loss is the same on every rank: each takes it as its own error below,

@@ -91,10 +91,13 @@ def _runtime_parts(args: argparse.Namespace, backend: DeviceBackend, rank: int, 
 
 def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int,
                      world_size: int, vocab_size: int, train_source: MicrobatchSource,
-                     valid_source: MicrobatchSource | None) -> ElasticTrainer:
+                     valid_source: MicrobatchSource | None, *,
+                     model_factory: ModelFactory | None = None,
+                     **trainer_fields) -> ElasticTrainer:
     """A replacement's trainer: ask to join, wait until the job takes this rank in at a step
     boundary, form the grown generation's groups with the members and receive the state.
-    Raises :class:`~.relayout.JobFinished` if the job ends first."""
+    ``model_factory`` and ``trainer_fields`` as for :func:`build_elastic_trainer`. Raises
+    :class:`~.relayout.JobFinished` if the job ends first."""
     store = connect_store(timeout=timedelta(minutes=args.distributed_timeout_minutes))
     config = MonitorConfig(heartbeat_timeout_s=args.elastic_heartbeat_timeout)
     log(f" rank {rank} asks to rejoin the running job")
@@ -119,6 +122,7 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
         snapshots=StepSnapshots(plan.state_layout, rank, snapshot_config(args)),
         registry=registry, monitor=monitor, store=store,
         **_runtime_parts(args, backend, rank, vocab_size, config,
-                         ModelFactory.from_flags(args, vocab_size)))
+                         model_factory or ModelFactory.from_flags(args, vocab_size)),
+        **trainer_fields)
     trainer.complete_change(plan)
     return trainer

@@ -290,6 +290,22 @@ def schedule_no_sync(stages: list[torch.nn.Module]) -> Callable | list[Callable]
     return funcs[0] if len(funcs) == 1 else funcs
 
 
+@contextlib.contextmanager
+def forward_pre_hooks_on(chunks: list[DistributedDataParallel]):
+    """Within: the forward pre-hooks that gather the parameters of chunks with
+    ``--overlap-param-gather`` are on (Megatron-LM's ``train()`` turns them off for its first
+    iteration and its evaluations); after, those that were off are off again, without a sync."""
+    turned_on = [chunk for chunk in chunks if chunk.ddp_config.overlap_param_gather
+                 and not chunk.remove_forward_pre_hook_handles]
+    for chunk in turned_on:
+        chunk.enable_forward_pre_hook()
+    try:
+        yield
+    finally:
+        for chunk in turned_on:
+            chunk.disable_forward_pre_hook(param_sync=False)
+
+
 def tied_embedding_copies(chunks: list[DistributedDataParallel]) -> list[torch.nn.Parameter]:
     """The copies of a tied embedding that this rank's chunks hold as parameters of their own:
     the first chunk's word embedding and the last chunk's output weight, when the model ties

@@ -27,7 +27,7 @@ from megatron_elaswave.patches.schedules import forward_backward_on
 from megatron_elaswave.simulator.schedule import microbatch_group_size
 
 from .data import MicrobatchIds, MicrobatchSource, StepData
-from .layer_groups import schedule_no_sync
+from .layer_groups import forward_pre_hooks_on, schedule_no_sync
 from .model import TrainingObjects
 from .snapshots import StepSnapshots
 
@@ -190,6 +190,12 @@ class Trainer:
         return float(vector[0]), int(vector[1]), ids, vector[2 + 2 * gbs:] if extra else None
 
     def train_step(self) -> StepResult:
+        # Every holder of a chunk gathers its parameters alike in the forward pre-hooks, whatever
+        # a caller's loop turned off (a newcomer's first step among members' rebuilt chunks).
+        with forward_pre_hooks_on(self.objects.model):
+            return self._train_step()
+
+    def _train_step(self) -> StepResult:
         gbs = self.layout.global_num_microbatches * self.args.micro_batch_size
         start = time.perf_counter()
         for chunk in self.objects.model:
