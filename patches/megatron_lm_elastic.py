@@ -39,6 +39,8 @@ Megatron-LM has.
    once, before the loop, and ``training_log`` reduces the learning rate over them each
    iteration; after a recovery those groups are destroyed. With ``--elastic`` it gets none and
    falls back to ``parallel_state``'s, which the job keeps current (:func:`logs_over_pg_collection`).
+   Its "first iteration" (a log line with timer barriers) is the job's first only, not a
+   replacement's first after it joined.
 """
 
 from __future__ import annotations
@@ -548,6 +550,10 @@ class _ElasticLoop:
             bound = signature.bind(*args, **kwargs)
             if over_pg_collection:
                 bound.arguments["pg_collection"] = None  # parallel_state's: the current groups
+            if bound.arguments.get("is_first_iteration"):
+                # core_v0.19 logs (with timer barriers) after train()'s first iteration: the
+                # job's first, not a replacement's first after it joined.
+                bound.arguments["is_first_iteration"] = bound.arguments["iteration"] == 1
             return training_log(*bound.args, **bound.kwargs)
 
         return elastic_training_log

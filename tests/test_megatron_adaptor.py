@@ -249,15 +249,21 @@ def test_megatron_lm_with_elastic_survives_a_sigkilled_rank_on_the_trajectory(tm
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @needs_megatron_lm
-@pytest.mark.parametrize("extra, message", [
-    (["--overlap-grad-reduce"], "does not support --overlap-grad-reduce"),
-    (["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--no-rope-fusion"],
+@pytest.mark.parametrize("tp, extra, message", [
+    (1, ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--no-rope-fusion"],
      "does not support --mtp-num-layers"),
-    (["--hybrid-override-pattern", "*-*-"], "does not support --hybrid-override-pattern"),
-    (["--num-layers-per-virtual-pipeline-stage", "1"], "does not support virtual pipeline stages"),
+    (1, ["--hybrid-override-pattern", "*-*-"], "does not support --hybrid-override-pattern"),
+    (1, ["--num-experts", "2"], "does not support --num-experts: MoE layers and their "
+     "expert-parallel groups are not resharded after a failure; train a dense model, or MoE "
+     "without --elastic"),
+    (1, ["--context-parallel-size", "2"], "does not support --context-parallel-size > 1: a "
+     "failed rank's sequence shards are not resharded"),
+    (2, ["--sequence-parallel"], "--sequence-parallel needs Transformer Engine or Apex norms, "
+     "which run on CUDA only; on cpu drop it"),
 ])
-def test_megatron_lm_with_elastic_refuses_what_it_cannot_do_in_one_line(tmp_path, extra, message):
-    flags = megatron_lm_flags(1, 2, 4) + ["--elastic", *extra]
+def test_megatron_lm_with_elastic_refuses_what_it_cannot_do_in_one_line(tmp_path, tp, extra,
+                                                                        message):
+    flags = megatron_lm_flags(tp, 2 if tp == 1 else 1, 4) + ["--elastic", *extra]
     returncode, output = run_megatron_lm(tmp_path, "refused", flags)
     assert returncode != 0
     errors = [line for line in output.splitlines() if "pretrain_gpt.py: error:" in line]

@@ -141,6 +141,16 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
     (["--vocab-size", "64"], 1, "give exactly one of --mock-data and --data-path"),
     (["--mock-data"], 1, "NullTokenizer needs --vocab-size"),
     (["--mock-data", "--vocab-size", "64", "--bf16"], 1, "--bf16 needs a CUDA or NPU device"),
+    (["--mock-data", "--vocab-size", "64", "--train-samples", "8"], 1,
+     "give exactly one of --train-iters and --train-samples"),
+    (["--mock-data", "--vocab-size", "64", "--lr-decay-samples", "8"], 1,
+     "--lr-decay-samples and --lr-warmup-samples need --train-samples"),
+    (["--mock-data", "--vocab-size", "64", "--lr-warmup-iters", "1", "--lr-warmup-fraction",
+      "0.1"], 1, "give one of --lr-warmup-fraction, --lr-warmup-iters and --lr-warmup-samples"),
+    (["--data-path", "0.5", "/nonexistent/a", "/nonexistent/b"], 1,
+     "give one prefix, or weights and prefixes in pairs (W1 P1 W2 P2 ...)"),
+    (["--mock-data", "--vocab-size", "64", "--wandb-project", "p"], 1,
+     "--wandb-project needs --wandb-exp-name"),
 ])
 def test_bad_input_is_a_one_line_error(flags, world_size, message):
     result = run_single(BASE + flags, env={"WORLD_SIZE": str(world_size), "RANK": "0"})
@@ -172,3 +182,61 @@ def test_load_from_a_directory_without_checkpoint(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert "no latest_checkpointed_iteration.txt" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_blends_samples_and_writers_as_megatron_lm_means_them(text_data, tmp_path):
+    """A blend of two prefixes with ``--data-cache-path``, ``--train-samples`` with the
+    ``--lr-*-samples`` schedule, ``--log-throughput``, TensorBoard and W&B (offline), under
+    ``--elastic`` on TP1 x PP2 x DP2: rank 0, the logging rank that writes the metrics file,
+    TensorBoard and W&B, is SIGKILLed after iteration 3. The run follows the failure-free run
+    of the same schedule given in iterations (same samples, loss, learning rates), and the new
+    logging rank writes on: every iteration's scalars in the same TensorBoard directory, the
+    same W&B run resumed."""
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator",
+        reason="tensorboard is not installed (pip install -e .[logging])")
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install -e .[logging])")
+    common = model_flags(text_data, train_iters=8, global_batch_size=8, micro_batch_size=1,
+                         seq_length=32, lr_warmup_iters=2, lr_decay_style="cosine",
+                         min_lr=3e-4, split="90,10,0")
+    at = common.index("--data-path")  # the one prefix becomes a blend
+    common[at:at + 2] = ["--data-path", "0.3", text_data, "0.7", text_data]
+    elastic = ["--pipeline-model-parallel-size", "2", "--use-distributed-optimizer",
+               "--elastic", "--data-cache-path", str(tmp_path / "cache")]
+    iterations = train(tmp_path, "iterations", 4, common + elastic)
+    in_samples = list(common)
+    for flag, value in (("--train-iters", "--train-samples"), ("--lr-warmup-iters",
+                                                               "--lr-warmup-samples")):
+        at = in_samples.index(flag)
+        in_samples[at:at + 2] = [value, str(int(in_samples[at + 1]) * 8)]
+    writers = ["--log-throughput", "--tensorboard-dir", str(tmp_path / "tb"),
+               "--wandb-project", "own", "--wandb-exp-name", "samples",
+               "--wandb-save-dir", str(tmp_path / "wandb")]
+    metrics = tmp_path / "samples.jsonl"
+    with launch([PRETRAIN, *in_samples, *elastic, *writers, "--elastic-metrics-file",
+                 str(metrics)], 4, master_port=free_port(), env={"WANDB_MODE": "offline"},
+                log_path=tmp_path / "samples.log") as job:
+        job.wait_for(lambda: "iteration        3/" in job.output(), 240, "iteration 3")
+        job.kill_worker(0)
+        returncode, output = job.wait(240)
+    assert returncode == 0, output[-4000:]
+    assert "throughput per GPU (TFLOP/s/GPU)" in output
+    samples = read_metrics(str(metrics), "iteration")
+    assert_same_trajectory(iterations, samples)
+    [recovery] = read_metrics(str(metrics), "recovery")
+    assert recovery["failed_ranks"] == [0]
+    accumulator = event_accumulator.EventAccumulator(str(tmp_path / "tb"),
+                                                     size_guidance={"scalars": 0})
+    accumulator.Reload()
+    losses = {e.step: e.value for e in accumulator.Scalars("lm loss")}
+    assert sorted(losses) == list(range(1, 9))
+    for record in samples:
+        assert losses[record["iteration"]] == pytest.approx(record["lm_loss"], rel=1e-6)
+    for tag in ("learning-rate", "grad-norm", "batch-size", "throughput"):
+        assert sorted(e.step for e in accumulator.Scalars(tag))[-1] == 8, tag
+    assert {e.value for e in accumulator.Scalars("batch-size")} == {8}
+    assert len(list((tmp_path / "tb").glob("events.out.tfevents.*"))) == 2
+    runs = sorted((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and len({path.name.rsplit("-", 1)[1] for path in runs}) == 1, runs

@@ -7,6 +7,7 @@ wrong combination is reported as one line (:class:`ArgumentError`) before any ra
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from typing import Sequence
 
@@ -58,7 +59,10 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--micro-batch-size", type=int, required=True)
     group.add_argument("--global-batch-size", type=int, default=None,
                        help="default: micro batch size x data-parallel size")
-    group.add_argument("--train-iters", type=int, required=True)
+    group.add_argument("--train-iters", type=int, default=None,
+                       help="iterations to train (or --train-samples)")
+    group.add_argument("--train-samples", type=int, default=None,
+                       help="samples to train: --train-samples / global batch size iterations")
     group.add_argument("--seed", type=int, default=1234)
     group.add_argument("--bf16", action="store_true")
     group.add_argument("--fp16", action="store_true")
@@ -68,7 +72,13 @@ def _add_training_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--min-lr", type=float, default=0.0)
     group.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="linear")
     group.add_argument("--lr-decay-iters", type=int, default=None, help="default: train iters")
+    group.add_argument("--lr-decay-samples", type=int, default=None,
+                       help="with --train-samples (default: train samples)")
     group.add_argument("--lr-warmup-iters", type=int, default=0)
+    group.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples")
+    group.add_argument("--lr-warmup-fraction", type=float, default=None,
+                       help="warm-up as a fraction of the decay (instead of --lr-warmup-iters "
+                            "or --lr-warmup-samples)")
     group.add_argument("--lr-warmup-init", type=float, default=0.0)
     group.add_argument("--weight-decay", type=float, default=0.01)
     group.add_argument("--clip-grad", type=float, default=1.0)
@@ -88,6 +98,19 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--data-cache-path", default=None)
     group = parser.add_argument_group("logging and checkpoints")
     group.add_argument("--log-interval", type=int, default=100)
+    group.add_argument("--log-throughput", action="store_true",
+                       help="add the model's TFLOP/s per rank to the log line")
+    group.add_argument("--tensorboard-dir", default=None,
+                       help="write TensorBoard scalars here from the logging rank: lm loss, "
+                            "learning rate, grad norm, batch size, throughput")
+    group.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    group.add_argument("--wandb-project", default="",
+                       help="log the same scalars to this W&B project (WANDB_MODE=offline: "
+                            "to disk only)")
+    group.add_argument("--wandb-exp-name", default="", help="the W&B run's name")
+    group.add_argument("--wandb-save-dir", default="",
+                       help="where W&B keeps its files (default: --save's wandb/, else ./wandb)")
+    group.add_argument("--wandb-entity", default="")
     group.add_argument("--eval-interval", type=int, default=1000)
     group.add_argument("--eval-iters", type=int, default=100)
     group.add_argument("--save", default=None)
@@ -197,8 +220,11 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     ``elastic_rng``; ``padded_vocab_size`` is left to the tokenizer; raises :class:`ArgumentError`.
     """
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _fail_unless((args.train_iters is None) != (args.train_samples is None),
+                 "give exactly one of --train-iters and --train-samples")
     for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                 "micro_batch_size", "train_iters", "tensor_model_parallel_size",
+                 "micro_batch_size", "train_iters" if args.train_iters is not None
+                 else "train_samples", "tensor_model_parallel_size",
                  "pipeline_model_parallel_size"):
         value = getattr(args, name)
         _fail_unless(value > 0, f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -221,8 +247,8 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     _validate_batch(args)
     _validate_data(args)
     _fail_unless(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
-    _fail_unless(args.lr_warmup_iters >= 0, "--lr-warmup-iters must not be negative")
-    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    _validate_schedule(args)
+    _validate_writers(args)
     _fail_unless(args.save_interval is None or args.save_interval > 0,
                  "--save-interval must be positive")
     validate_elastic(args, world_size)
@@ -282,6 +308,46 @@ def validate_elastic(args: argparse.Namespace, world_size: int) -> None:
                      f"--train-iters {args.train_iters}")
 
 
+def _validate_schedule(args: argparse.Namespace) -> None:
+    """Megatron-LM's iteration- or sample-based training and LR schedule: sets ``train_iters``
+    (from ``--train-samples``), and ``lr_warmup_samples`` and ``lr_decay_samples``, the schedule
+    in samples, whichever way it was given."""
+    gbs = args.global_batch_size
+    _fail_unless(args.lr_warmup_iters >= 0 and args.lr_warmup_samples >= 0,
+                 "--lr-warmup-iters and --lr-warmup-samples must not be negative")
+    _fail_unless(args.lr_warmup_fraction is None
+                 or not (args.lr_warmup_iters or args.lr_warmup_samples),
+                 "give one of --lr-warmup-fraction, --lr-warmup-iters and --lr-warmup-samples")
+    _fail_unless(args.lr_warmup_fraction is None or 0 <= args.lr_warmup_fraction <= 1,
+                 "--lr-warmup-fraction must be between 0 and 1")
+    if args.train_samples is not None:
+        _fail_unless(args.lr_decay_iters is None and args.lr_warmup_iters == 0,
+                     "--train-samples takes the --lr-*-samples schedule, not --lr-*-iters")
+        _fail_unless(args.train_samples >= gbs, f"--train-samples {args.train_samples} is less "
+                     f"than one global batch ({gbs})")
+        args.train_iters = args.train_samples // gbs
+        args.lr_decay_samples = args.lr_decay_samples or args.train_samples
+    else:
+        _fail_unless(args.lr_decay_samples is None and args.lr_warmup_samples == 0,
+                     "--lr-decay-samples and --lr-warmup-samples need --train-samples")
+        args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+        args.lr_decay_samples = args.lr_decay_iters * gbs
+        args.lr_warmup_samples = args.lr_warmup_iters * gbs
+    if args.lr_warmup_fraction is not None:
+        args.lr_warmup_samples = int(args.lr_warmup_fraction * args.lr_decay_samples)
+
+
+def _validate_writers(args: argparse.Namespace) -> None:
+    """TensorBoard and W&B need their packages (the ``logging`` extra) and W&B a run name."""
+    for flag, given, package in (("--tensorboard-dir", args.tensorboard_dir, "tensorboard"),
+                                 ("--wandb-project", args.wandb_project, "wandb")):
+        _fail_unless(not given or importlib.util.find_spec(package) is not None,
+                     f"{flag} needs the {package} package: pip install "
+                     "'megatron-elaswave[logging]'")
+    _fail_unless(not args.wandb_project or args.wandb_exp_name,
+                 "--wandb-project needs --wandb-exp-name (the run's name)")
+
+
 def _validate_pipeline(args: argparse.Namespace) -> None:
     pp = args.pipeline_model_parallel_size
     _fail_unless(args.num_layers % pp == 0,
@@ -323,12 +389,20 @@ def _validate_data(args: argparse.Namespace) -> None:
     _fail_unless(bool(args.mock_data) != bool(args.data_path),
                  "give exactly one of --mock-data and --data-path")
     if args.data_path:
-        _fail_unless(len(args.data_path) == 1, "--data-path takes one prefix (blends are not supported)")
-        prefix = args.data_path[0]
-        for suffix in (".bin", ".idx"):
-            _fail_unless(os.path.isfile(prefix + suffix),
-                         f"--data-path {prefix}: {prefix + suffix} does not exist "
-                         "(create it with scripts/preprocess_data.py)")
+        prefixes = args.data_path
+        if len(args.data_path) > 1:  # a blend: W1 P1 W2 P2 ...
+            weights, prefixes = args.data_path[0::2], args.data_path[1::2]
+            try:
+                valid = len(weights) == len(prefixes) and all(float(w) >= 0 for w in weights)
+            except ValueError:
+                valid = False
+            _fail_unless(valid, f"--data-path {' '.join(args.data_path)}: give one prefix, or "
+                         "weights and prefixes in pairs (W1 P1 W2 P2 ...)")
+        for prefix in prefixes:
+            for suffix in (".bin", ".idx"):
+                _fail_unless(os.path.isfile(prefix + suffix),
+                             f"--data-path {prefix}: {prefix + suffix} does not exist "
+                             "(create it with scripts/preprocess_data.py)")
         args.tokenizer_type = args.tokenizer_type or "ByteLevelTokenizer"
     else:
         args.tokenizer_type = args.tokenizer_type or "NullTokenizer"

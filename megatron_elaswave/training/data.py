@@ -95,6 +95,8 @@ def gpt_datasets(args: argparse.Namespace, tokenizer, sizes: list[int | None]):
     )
     if args.data_path:
         _require_documents(config, sizes, args.split)
+        if config.blend[1] is not None:  # megatron-core builds a weighted blend for every split
+            sizes = [size or 0 for size in sizes]
     dataset_class = MockGPTDataset if args.mock_data else GPTDataset
     datasets = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
     return tuple(dataset if size else None for dataset, size in zip(datasets, sizes))

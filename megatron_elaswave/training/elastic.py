@@ -67,6 +67,7 @@ from .relayout import LayoutChange
 from .restore import RestoreRound
 from .snapshots import StepSnapshots, restore_rng_states
 from .stragglers import ForwardTimer, StageCompute, StragglerDetector
+from .writers import ScalarWriters
 
 
 @dataclass
@@ -334,6 +335,16 @@ class ElasticTrainer(Trainer):
             self._collected_generation = self.registry.generation
             gc.collect()
 
+    def _writers_follow_logger(self) -> None:
+        """The TensorBoard and W&B writers of this loop's own log (not Megatron-LM's, which
+        keeps its own) are open on the logging rank alone: the same directory and W&B run go
+        on from whichever rank logs now."""
+        if self.is_logger and self.writers is None and self.log_iterations:
+            self.writers = ScalarWriters.for_logging_rank(self.args, self.store)
+        elif not self.is_logger and self.writers is not None:
+            self.writers.close()
+            self.writers = None
+
     def write_records(self, up_to: int | None = None) -> None:
         """The logger writes the held-back records it has not written yet and says so in the
         store; every other rank keeps those it may not have written (:func:`split_held_records`)."""
@@ -537,6 +548,7 @@ class ElasticTrainer(Trainer):
         elif not self.is_logger and self.metrics.path is not None:  # another rank logs now
             self.metrics.close()
             self.metrics = MetricsWriter(None)
+        self._writers_follow_logger()
         # The logger of the new layout writes the records held back that are not yet written.
         self.write_records(up_to=iteration)
 

@@ -37,6 +37,7 @@ from .profiling import CostProfiler, device_description, write_profile
 from .recovery import CannotContinue, StepFailed
 from .snapshots import StepSnapshots, snapshot_config
 from .startup import StartupWatch
+from .writers import ScalarWriters
 
 
 class CannotRejoin(RuntimeError):
@@ -51,6 +52,7 @@ def build_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int, t
     seed_random_generators(args.seed, pg_collection)
     config = transformer_config(args, batched_p2p_is_safe(args, backend.dist_backend))
     vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, tp)
+    args.padded_vocab_size = vocab_size  # as Megatron-LM's: the throughput counts its FLOPs
     chunks = build_model_chunks(args, config, vocab_size, pg_collection, backend.device())
     objects = wrap_and_optimize(args, config, chunks, pg_collection)
     train_set, valid_set = build_datasets(args, tokenizer)
@@ -71,6 +73,7 @@ def build_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int, t
         metrics=MetricsWriter(args.elastic_metrics_file if rank == 0 else None),
         rank=rank,
         snapshots=snapshots,
+        writers=ScalarWriters.for_logging_rank(args, None) if rank == 0 else None,
     )
 
 
@@ -90,6 +93,7 @@ def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: in
     first snapshot: from then on a failure is recovered from."""
     vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
                                    args.tensor_model_parallel_size)
+    args.padded_vocab_size = vocab_size
     train_set, valid_set = build_datasets(args, tokenizer)
     sources = (MicrobatchSource(train_set, args.micro_batch_size),
                MicrobatchSource(valid_set, args.micro_batch_size) if valid_set else None)
@@ -103,6 +107,8 @@ def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: in
             return
     else:
         trainer = build_elastic_trainer(args, backend, rank, world_size, vocab_size, *sources)
+        if rank == 0:
+            trainer.writers = ScalarWriters.for_logging_rank(args, trainer.store)
         if args.load:
             resume(trainer, args.load)
         trainer.ensure_initial_snapshot()
@@ -116,6 +122,8 @@ def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: in
             raise
         finally:
             trainer.governor.backend.close()
+            if trainer.writers is not None:
+                trainer.writers.close()
     trainer.metrics.close()
 
 
@@ -203,6 +211,8 @@ def train_without_elastic(args: argparse.Namespace, backend: DeviceBackend, rank
         if args.save and not (args.save_interval and trainer.iteration % args.save_interval == 0):
             save()
         trainer.metrics.close()
+        if trainer.writers is not None:
+            trainer.writers.close()
     finally:
         if trainer is not None and trainer.snapshots is not None:
             trainer.snapshots.discard()  # no exchange of replicas in flight as the groups go

@@ -30,6 +30,7 @@ from .data import MicrobatchIds, MicrobatchSource, StepData
 from .layer_groups import forward_pre_hooks_on, schedule_no_sync
 from .model import TrainingObjects
 from .snapshots import StepSnapshots
+from .writers import ScalarWriters, gpt_training_flops
 
 
 def log(message: str) -> None:
@@ -97,6 +98,8 @@ class Trainer:
     micro-batches (:class:`StepData`)."""
     log_iterations: bool = True
     """Print Megatron-LM's iteration log line every ``--log-interval`` iterations."""
+    writers: ScalarWriters | None = None
+    """The TensorBoard and W&B scalars this rank writes while it logs."""
     reduce_group: dist.ProcessGroup | None = None
     """The group over which step results are reduced (every rank that holds a stage)."""
     iteration: int = 0
@@ -268,15 +271,25 @@ class Trainer:
             **extra,
         )
         self._interval_times.append(result.step_time_s)
+        lr = self.objects.optimizer.param_groups[0]["lr"]
+        if self.writers is not None and self.is_logger:
+            scalars = {"lm loss": result.lm_loss, "learning-rate": lr, "batch-size": gbs}
+            if result.grad_norm is not None:
+                scalars["grad-norm"] = result.grad_norm
+            if self.args.log_throughput:
+                scalars["throughput"] = self._tflops_per_rank(gbs, result.step_time_s)
+            self.writers.write(self.iteration, scalars)
         if self.log_iterations and self.iteration % self.args.log_interval == 0 and self.is_logger:
             elapsed_ms = 1000 * sum(self._interval_times) / len(self._interval_times)
             tokens_per_s = gbs * self.args.seq_length / (elapsed_ms / 1000)
-            lr = self.objects.optimizer.param_groups[0]["lr"]
             grad_norm = f"{result.grad_norm:.3f}" if result.grad_norm is not None else "n/a"
+            throughput = (f"throughput per GPU (TFLOP/s/GPU): "
+                          f"{self._tflops_per_rank(gbs, elapsed_ms / 1000):.3f} | "
+                          if self.args.log_throughput else "")
             log(
                 f" [{datetime.now():%Y-%m-%d %H:%M:%S}] iteration {self.iteration:8d}/"
                 f"{self.args.train_iters:8d} | consumed samples: {self.consumed_samples:12d} | "
-                f"elapsed time per iteration (ms): {elapsed_ms:.1f} | "
+                f"elapsed time per iteration (ms): {elapsed_ms:.1f} | {throughput}"
                 f"throughput (tokens/s): {tokens_per_s:.0f} | learning rate: {lr:.6E} | "
                 f"global batch size: {gbs:5d} | lm loss: {result.lm_loss:.6E} | "
                 f"grad norm: {grad_norm} | number of skipped iterations: {int(result.skipped):3d} |"
@@ -287,6 +300,12 @@ class Trainer:
         self._unwritten.append(fields)
         if not self.holds_record():
             self.write_records()
+
+    def _tflops_per_rank(self, samples: int, seconds: float) -> float:
+        """``--log-throughput``: the model's training TFLOP/s per rank that holds a stage, as
+        Megatron-LM counts them (:func:`.writers.gpt_training_flops`)."""
+        ranks = len(self.layout.active_ranks())
+        return gpt_training_flops(self.args, samples) / (max(seconds, 1e-9) * ranks * 1e12)
 
     def holds_record(self) -> bool:
         """Whether the record of the iteration just done waits for the next step: here while
@@ -323,6 +342,8 @@ class Trainer:
         for model in self.objects.model:
             model.train()
         loss = loss_sum / max(num_tokens, 1)
+        if self.writers is not None and self.is_logger:
+            self.writers.write(self.iteration, {"lm loss validation": loss})
         if self.log_iterations and self.is_logger:
             log(f" validation loss at iteration {self.iteration} | lm loss value: {loss:.6E} | "
                 f"lm loss PPL: {math.exp(min(loss, 20)):.6E} |")

@@ -215,19 +215,19 @@ def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
 
 
 def build_scheduler(args: argparse.Namespace, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:
-    """Megatron-LM's LR and weight-decay schedule, stepped in samples."""
-    gbs = args.global_batch_size
+    """Megatron-LM's LR and weight-decay schedule, stepped in samples (the flags'
+    iterations or samples, resolved to samples by ``arguments.validate``)."""
     return OptimizerParamScheduler(
         optimizer,
         init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs,
-        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_warmup_steps=args.lr_warmup_samples,
+        lr_decay_steps=args.lr_decay_samples,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_steps=args.train_samples or args.train_iters * args.global_batch_size,
         wd_incr_style="constant",
     )
 
