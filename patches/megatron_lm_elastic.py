@@ -1,9 +1,14 @@
 """``--elastic`` in Megatron-LM's training loop: the hooks in ``megatron.training.training``.
 
 Checked against Megatron-LM core_v0.16.1 and core_v0.19.x (``megatron/training/arguments.py``:
-``parse_args``; ``megatron/training/training.py``: ``pretrain``, ``setup_model_and_optimizer``,
-``build_train_valid_test_data_iterators``, ``train_step``, ``training_log``, ``train`` and
-``evaluate``; ``megatron/core/timers.py``). Each hook is looked up by ``pretrain`` or ``train()``
+``parse_args``; ``megatron/training/initialize.py``: ``initialize_megatron``;
+``megatron/training/training.py``: ``pretrain``, ``setup_model_and_optimizer``,
+``get_optimizer_param_scheduler``, ``update_train_iters``,
+``build_train_valid_test_data_iterators``, ``train_step``, ``training_log``, ``train``,
+``evaluate``, ``evaluate_and_print_results`` and ``disable_forward_pre_hook``;
+``megatron/training/global_vars.py``: the TensorBoard and W&B writers;
+``megatron/core/timers.py``; ``megatron/core/num_microbatches_calculator.py``); the 0.19 line was
+run, core_v0.16.1 read. Each hook is looked up by ``pretrain`` or ``train()``
 as a module global at call time. Without ``--elastic`` every hook calls through. With it, the
 hooks call into the elastic run only through the :class:`ElasticRuntime` handed to
 :func:`register` (built by the runtime's Megatron-LM wing, ``megatron_elaswave.megatron_lm``).
@@ -14,12 +19,19 @@ Megatron-LM has.
    ``extra_args_provider``). core_v0.16.1 parses inside ``pretrain`` (``initialize_megatron``),
    core_v0.19's ``pretrain_gpt.py`` before it (``parse_and_validate_args``); both call
    ``parse_args``. ``pretrain`` keeps the script's ``forward_step`` for the elastic job.
+   ``initialize_megatron``: a replacement worker (``elaswave-run --rejoin``) skips its collective
+   parts (``skip_mpu_initialization``); core_v0.19's ``pretrain`` then gets an empty
+   ``pg_collection`` instead of reading ``parallel_state``'s groups, which it has none of yet.
 2. ``setup_model_and_optimizer``: with ``--elastic`` the flags are checked, the elastic job starts
+   (a replacement joins the running one instead, and ``train()`` starts at its iteration)
    (its chunks built by the script's own model provider, or, where core_v0.19's script passes
    none, by the builder of its config container's model: :func:`model_provider_of`) and
    ``train()`` gets its list of chunks, ``ChainedOptimizer`` and LR schedule. Megatron-LM's rerun
    state machine is disabled: the job re-runs broken iterations itself, and the machine's re-runs
-   replay Megatron-LM's data iterators and agree over the first world.
+   replay Megatron-LM's data iterators and agree over the first world. ``--train-samples`` sets
+   the iterations (``update_train_iters``) and the LR schedule is built sample-based whenever
+   the job builds one (:func:`lr_schedule_from_flags`); the global batch follows megatron-core's
+   micro-batch calculator, a ramp-up included (:func:`global_batch_size_at`).
 3. ``build_train_valid_test_data_iterators``: the job deals each global batch itself, so
    ``train()`` gets placeholders and ``do_train``/``do_valid``/``do_test`` from the job's splits.
 4. ``train_step``: one more iteration of the job, through failures. Then ``train()``'s locals
@@ -29,12 +41,17 @@ Megatron-LM has.
    calculator is never changed: ``train()`` asserts its count never goes down. A rank left
    without a stage returns ``should_exit`` once the job is done. core_v0.19's keyword arguments
    (``pg_collection``, ``p2p_communicator``) pass through without ``--elastic``.
-5. ``evaluate``: the job's evaluation of the split the placeholder names.
+5. ``evaluate``: the job's evaluation of the split the placeholder names, through failures.
 6. Megatron-LM's own collectives on the default group (timer barriers and gathers, the last
    rank's log line, ``print_datetime``) would wait for failed ranks: the ``torch.distributed``
    that ``megatron.training.training``, ``megatron.training.utils`` (core_v0.19: its
    ``common_utils`` and ``log_utils``) and ``megatron.core.timers`` see sends them, and rank
-   queries, to the job's group of active ranks instead.
+   queries, to the job's group of active ranks instead; one that fails because a peer failed
+   returns without its result (:class:`DefaultGroupRedirect`), and ``training_log``,
+   ``evaluate_and_print_results`` and ``disable_forward_pre_hook`` return as if done
+   (:meth:`_ElasticLoop.between_steps`): the next ``train_step`` recovers. After each
+   ``train_step`` the TensorBoard and W&B writers move to the rank that logs
+   (:func:`keep_writers_on_logging_rank`).
 7. ``training_log``: core_v0.19's ``train()`` reads the model-parallel groups of its first chunk
    once, before the loop, and ``training_log`` reduces the learning rate over them each
    iteration; after a recovery those groups are destroyed. With ``--elastic`` it gets none and
