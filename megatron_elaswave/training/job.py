@@ -127,6 +127,8 @@ def train_job(args: argparse.Namespace, backend: DeviceBackend, rank: int, local
     dropout_rng.set_seed(args.seed)
     tokenizer = load_tokenizer(args)
     rejoining = os.environ.get(REJOIN_ENV) == "1"
+    if args.elastic and (overridden := backend.keep_survivors_alive()) and rank == 0:
+        log(f" note: {overridden}")
     if rejoining and not args.elastic:
         raise CannotRejoin("this worker was started again to rejoin the job, but the job does "
                            "not run with --elastic: its survivors stopped with the failure")
