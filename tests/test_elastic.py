@@ -304,8 +304,8 @@ def small_reference(text_data, tmp_path_factory):  # noqa: F811
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("phase, rolled_back_to", [
-    ("forward", (3, 4)), ("backward", (3, 4)), ("allreduce", (3, 4)), ("optimizer", (4,)),
-    ("snapshot", (4, 5))])
+    ("forward", (3, 4)), ("backward", (3, 4)), ("allreduce", (3, 4)),
+    pytest.param("optimizer", (4,), marks=pytest.mark.quick), ("snapshot", (4, 5))])
 def test_an_injected_kill_in_any_phase_is_survived(text_data, small_reference, tmp_path,  # noqa: F811
                                                    phase, rolled_back_to):
     """Iteration 4's snapshot is finished in iteration 5, just before its optimizer step, its

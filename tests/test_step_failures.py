@@ -140,6 +140,7 @@ def test_a_loss_that_is_not_finite_again_stops_like_megatron(text_data, tmp_path
     assert "Traceback" not in output
 
 
+@pytest.mark.quick
 @pytest.mark.timeout(300)
 def test_a_bad_sample_stops_the_job_in_one_line_whatever_the_error(text_data, tmp_path):  # noqa: F811
     """A corpus whose token ids lie beyond the vocabulary: embedding them raises ``IndexError``

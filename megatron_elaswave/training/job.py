@@ -112,7 +112,8 @@ def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: in
         try:
             run_elastic(trainer)
         except (CannotContinue, StateLost, StepFailed) as stopped:
-            trainer.store.set(FINISHED_KEY, str(stopped) or type(stopped).__name__)
+            with contextlib.suppress(RuntimeError):  # a lost job store is what stopped it
+                trainer.store.set(FINISHED_KEY, str(stopped) or type(stopped).__name__)
             raise
         finally:
             trainer.governor.backend.close()
