@@ -118,7 +118,8 @@ def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: in
         try:
             run_elastic(trainer)
         except (CannotContinue, StateLost, StepFailed) as stopped:
-            trainer.store.set(FINISHED_KEY, str(stopped) or type(stopped).__name__)
+            with contextlib.suppress(RuntimeError):  # a lost job store is what stopped it
+                trainer.store.set(FINISHED_KEY, str(stopped) or type(stopped).__name__)
             raise
         finally:
             trainer.governor.backend.close()
@@ -135,6 +136,8 @@ def train_job(args: argparse.Namespace, backend: DeviceBackend, rank: int, local
     dropout_rng.set_seed(args.seed)
     tokenizer = load_tokenizer(args)
     rejoining = os.environ.get(REJOIN_ENV) == "1"
+    if args.elastic and (overridden := backend.keep_survivors_alive()) and rank == 0:
+        log(f" note: {overridden}")
     if rejoining and not args.elastic:
         raise CannotRejoin("this worker was started again to rejoin the job, but the job does "
                            "not run with --elastic: its survivors stopped with the failure")
