@@ -11,6 +11,7 @@ from megatron_elaswave.planner.dataflow import (
     assign_microbatch_ids,
     balance_microbatches,
     pipeline_speed,
+    resize_deal,
 )
 
 speeds_strategy = st.lists(st.tuples(st.integers(0, 50), st.integers(1, 30)), min_size=1, max_size=4).map(
@@ -89,3 +90,20 @@ def test_bad_inputs_are_rejected():
         assign_microbatch_ids({0: 2}, {0: [0, 0]}, 2)
     with pytest.raises(ValueError):
         balance_microbatches([], 4)
+
+
+def test_a_resized_batch_is_dealt_round_robin_where_the_shares_are_equal():
+    """A batch size ramp-up deals the ids as Megatron-LM's sampler does on equal replicas."""
+    assert resize_deal({0: 2, 1: 2}, 8) == {0: (0, 2, 4, 6), 1: (1, 3, 5, 7)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.integers(0, 5), st.integers(1, 8), min_size=1, max_size=4),
+       st.integers(0, 64))
+def test_a_resized_batch_keeps_the_replicas_proportions(counts, total):
+    """Every id once; each replica's new count within one of its exact share."""
+    dealt = resize_deal(counts, total)
+    assert sorted(i for ids in dealt.values() for i in ids) == list(range(total))
+    whole = sum(counts.values())
+    for replica, ids in dealt.items():
+        assert abs(len(ids) - counts[replica] * total / whole) < 1
