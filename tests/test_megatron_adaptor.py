@@ -269,3 +269,38 @@ def test_megatron_lm_with_elastic_refuses_what_it_cannot_do_in_one_line(tmp_path
     errors = [line for line in output.splitlines() if "pretrain_gpt.py: error:" in line]
     assert len(errors) == 1 and message in errors[0], output[-4000:]
     assert "Traceback" not in output
+
+
+def test_megatron_lms_collectives_survive_a_failed_peer_and_do_nothing_outside_the_job():
+    """The ``torch.distributed`` Megatron-LM's loop sees with ``--elastic``: a collective that
+    fails where the job says a peer failed returns without its result (the next step
+    recovers), any other failure raises; on a rank outside the ranks that hold a stage (a spare,
+    a replacement before its first iteration) collectives do nothing and the rank queries
+    answer as in a group of that rank alone."""
+    from megatron_elaswave.patches.megatron_lm_elastic import DefaultGroupRedirect
+
+    tensor = torch.ones(2)
+    failed_peer = DefaultGroupRedirect(lambda: None, survives=lambda error: True)
+    assert failed_peer.all_reduce(tensor) is None and failed_peer.barrier() is None
+    assert tensor.tolist() == [1.0, 1.0]
+    own_error = DefaultGroupRedirect(lambda: None, survives=lambda error: False)
+    with pytest.raises((ValueError, RuntimeError)):  # no default group in this process
+        own_error.barrier()
+    outside = DefaultGroupRedirect(lambda: DefaultGroupRedirect.OUTSIDE)
+    assert outside.all_reduce(tensor) is None and outside.barrier() is None
+    assert outside.broadcast(tensor, src=0) is None
+    assert (outside.get_rank(), outside.get_world_size()) == (0, 1)
+
+
+def test_megatron_lms_lr_schedule_is_built_from_samples_with_train_samples():
+    """Megatron-LM tells a sample-based schedule by ``args.train_iters`` being unset; the elastic
+    job has set it from ``--train-samples``, and hides it whenever it builds a scheduler."""
+    import argparse
+
+    from megatron_elaswave.patches.megatron_lm_elastic import lr_schedule_from_flags
+
+    args = argparse.Namespace(train_iters=8, train_samples=64)
+    seen = lr_schedule_from_flags(lambda optimizer: args.train_iters, args)(None)
+    assert seen is None and args.train_iters == 8
+    args.train_samples = None
+    assert lr_schedule_from_flags(lambda optimizer: args.train_iters, args)(None) == 8
