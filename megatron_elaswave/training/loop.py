@@ -149,12 +149,11 @@ class Trainer:
         if len(self.stages) > 1:  # interleaved: the replica's count may have been re-dealt
             config.microbatch_group_size_per_vp_stage = microbatch_group_size(
                 self.replica.num_microbatches, self.pg_collection.pp.size())
-        no_sync = schedule_no_sync(self.stages)
-        if no_sync is not None:
-            # The stage's own chunks, whatever a caller's loop set on the config before (the
-            # chunks change with the layout); reductions start as gradients are ready, and
-            # parameters are gathered by the chunks' forward pre-hooks.
-            config.no_sync_func, config.grad_sync_func, config.param_sync_func = no_sync, None, None
+        # The stage's own chunks, whatever a caller's loop set on the config for the chunks it
+        # started with (Megatron-LM's train(), with --overlap-grad-reduce): reductions start as
+        # gradients are ready, and parameters are gathered by the chunks' forward pre-hooks.
+        config.no_sync_func = schedule_no_sync(self.stages)
+        config.grad_sync_func = config.param_sync_func = None
         iterators = [iter(d) if d is not None else None for d in data]
         return self.forward_backward(
             forward_step_func=self.forward_step_func,
