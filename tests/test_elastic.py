@@ -113,10 +113,11 @@ def test_sigkilled_workers_leave_the_trajectory_unchanged(text_data, reference, 
     are kept by the other replica, which then carries the whole global batch. With ``overlap``
     on (the default), each snapshot's exchange with its buddy runs on a thread while the next
     step trains, and a kill lands whenever it lands relative to it; off, it is settled in its
-    own step."""
+    own step. One snapshot copy, so a failed rank's state is not held by whoever takes its
+    place and must travel (``bytes_moved``)."""
     flags = [*elastic_flags(text_data, tensor_model_parallel_size=2,
                             pipeline_model_parallel_size=2),
-             "--elastic-snapshot-overlap", overlap]
+             "--elastic-snapshot-overlap", overlap, "--elastic-snapshot-replicas", "1"]
     iterations, recoveries, output = run(tmp_path, "killed", flags, kills=victims)
     assert_on_trajectory(reference, iterations)
     assert sorted(r for rec in recoveries for r in rec["failed_ranks"]) == \
@@ -136,9 +137,11 @@ def test_sigkilled_workers_leave_the_trajectory_unchanged(text_data, reference, 
 def test_with_host_state_on_gloo_twins_of_the_device_groups_two_failures_stay_on_trajectory(
         text_data, reference, tmp_path, monkeypatch):  # noqa: F811
     """The groups of an NCCL job (snapshots and migrated state on gloo twins of the device
-    groups), gloo for both: two ranks SIGKILLed one after the other."""
+    groups), gloo for both: two ranks SIGKILLed one after the other. One snapshot copy, so the
+    lost state travels over the twins."""
     monkeypatch.setenv(SEPARATE_HOST_GROUPS_ENV, "1")
-    flags = elastic_flags(text_data, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    flags = [*elastic_flags(text_data, tensor_model_parallel_size=2,
+                            pipeline_model_parallel_size=2), "--elastic-snapshot-replicas", "1"]
     iterations, recoveries, output = run(tmp_path, "twins", flags, kills=[(5, 3), (2, 8)])
     assert_on_trajectory(reference, iterations)
     assert [r["failed_ranks"] for r in recoveries] == [[5], [2]], output[-6000:]
