@@ -20,7 +20,9 @@ first micro-batch's forward), ``backward`` (the first micro-batch's backward), `
 optimizer step), ``snapshot`` (between capturing the snapshot and replicating it),
 ``recovery`` (on entering a recovery during iteration ``I``), ``relayout`` (when the layout has
 just changed before iteration ``I``, by a recovery, a layer move or a grow: once every rank has
-restored its state into the new layout, before this rank snapshots it there).
+restored its state into the new layout, before this rank snapshots it there), ``checkpoint``
+(on the rank's checkpoint writer thread, once it has written its part of the durable checkpoint
+of iteration ``I`` and before it reports it: the save is left incomplete).
 
 ``--elastic-inject-slowdown rank=R,factor=F[,iteration=I]`` makes rank ``R`` a straggler from
 iteration ``I`` on: after each transformer layer's forward it sleeps ``(F - 1)`` times that
@@ -40,7 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-PHASES = ("forward", "backward", "allreduce", "optimizer", "snapshot", "recovery", "relayout")
+PHASES = ("forward", "backward", "allreduce", "optimizer", "snapshot", "recovery", "relayout",
+          "checkpoint")
 KINDS = ("kill", "hang", "raise", "poison", "nan")
 
 
