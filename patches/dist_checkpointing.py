@@ -332,6 +332,24 @@ def optimizer_common_state(chained_optimizer) -> dict:
             "param_state_sharding_type": SHARDED_METADATA["distrib_optim_sharding_type"]}
 
 
+def is_fully_reshardable(content_metadata: Mapping) -> bool:
+    """Whether a checkpoint's distributed optimizer state is keyed by model parameter (loads
+    into any layout) rather than by Megatron's gradient buckets (``dp_reshardable``: only into
+    the tensor- and pipeline-parallel layout that saved it)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return (content_metadata.get("distrib_optim_sharding_type")
+            in DistributedOptimizer.checkpoint_fully_reshardable_formats)
+
+
+def name_buckets_as_megatron_lm(chained_optimizer, model_parallel_rank: int) -> None:
+    """Key the bucket-space state of ``chained_optimizer``'s only optimizer as Megatron-LM's
+    would be on this rank: by its rank in the tensor x pipeline-parallel group
+    (``dp_group_idx_<rank>``), which a layer group's optimizer does not know by itself."""
+    [optimizer] = chained_optimizer.chained_optimizers
+    optimizer.data_parallel_group_idx = model_parallel_rank
+
+
 def load_chained_optimizer(chained_optimizer, loaded: Mapping) -> None:
     """Load the optimizer part of a checkpoint loaded with a template of
     ``chained_optimizer.sharded_state_dict(..., metadata=SHARDED_METADATA)`` into each optimizer

@@ -2,8 +2,10 @@
 
 Checked against Megatron-LM core_v0.16.1 and core_v0.19.x (``megatron/training/arguments.py``:
 ``parse_args``; ``megatron/training/training.py``: ``pretrain``, ``setup_model_and_optimizer``,
-``build_train_valid_test_data_iterators``, ``train_step``, ``training_log``, ``train`` and
-``evaluate``; ``megatron/core/timers.py``). Each hook is looked up by ``pretrain`` or ``train()``
+``build_train_valid_test_data_iterators``, ``train_step``, ``training_log``, ``train``,
+``evaluate``, ``save_checkpoint_and_time``, ``checkpoint_and_decide_exit`` and the calls of
+``save_checkpoint`` and ``maybe_finalize_async_save``; ``megatron/core/timers.py``;
+``megatron/training/dist_signal_handler.py``). Each hook is looked up by ``pretrain`` or ``train()``
 as a module global at call time. Without ``--elastic`` every hook calls through. With it, the
 hooks call into the elastic run only through the :class:`ElasticRuntime` handed to
 :func:`register` (built by the runtime's Megatron-LM wing, ``megatron_elaswave.megatron_lm``).
@@ -35,6 +37,13 @@ Megatron-LM has.
    that ``megatron.training.training``, ``megatron.training.utils`` (core_v0.19: its
    ``common_utils`` and ``log_utils``) and ``megatron.core.timers`` see sends them, and rank
    queries, to the job's group of active ranks instead.
+8. ``save_checkpoint`` (as ``megatron.training.training`` calls it: every ``--save-interval``,
+   on ``--exit-signal-handler``'s SIGTERM, at ``--exit-duration-in-mins`` and at the end): the
+   job saves the iteration from its snapshots in the background; ``maybe_finalize_async_save``
+   with ``blocking`` (before ``train()`` exits, and at the end of ``pretrain``) waits for those
+   saves. ``--load`` is the job's too (``setup_model_and_optimizer`` above), and the
+   ``torch.distributed`` of ``megatron.training.dist_signal_handler`` is redirected like the loop
+   modules', so that the SIGTERM flags are gathered over the active ranks.
 7. ``training_log``: core_v0.19's ``train()`` reads the model-parallel groups of its first chunk
    once, before the loop, and ``training_log`` reduces the learning rate over them each
    iteration; after a recovery those groups are destroyed. With ``--elastic`` it gets none and
@@ -60,6 +69,7 @@ from .registry import PatchRegistry
 
 TRAINING = "megatron.training.training"
 ARGUMENTS = "megatron.training.arguments"
+SIGNAL_HANDLER = "megatron.training.dist_signal_handler"
 
 
 def loop_modules() -> tuple[str, ...]:
@@ -131,9 +141,6 @@ def logs_over_pg_collection(training_log: Callable) -> bool:
 _VIRTUAL_STAGES = ("virtual pipeline stages (the interleaved schedule runs in megatron-elaswave's "
                    "scripts/pretrain_gpt.py)")
 _UNSUPPORTED = (
-    ("load", "--load (resume an elastic run with megatron-elaswave's scripts/pretrain_gpt.py)"),
-    ("save", "--save (the survivors keep in-memory snapshots; a final checkpoint is not "
-             "written from Megatron-LM's loop)"),
     ("overlap_grad_reduce", "--overlap-grad-reduce"),
     ("overlap_param_gather", "--overlap-param-gather"),
     ("rampup_batch_size", "--rampup-batch-size (the global batch is fixed)"),
@@ -155,6 +162,16 @@ _UNSUPPORTED = (
     ("hybrid_mlp_ratio", "--hybrid-mlp-ratio (it trains GPTModel)"),
 )
 """Megatron-LM flags an elastic run does not support: (attribute, what to tell the user)."""
+
+_UNSUPPORTED_CHECKPOINTING = (
+    ("no_save_optim", "--no-save-optim (a checkpoint of an elastic run holds the optimizer)"),
+    ("no_load_optim", "--no-load-optim (it loads the whole checkpoint)"),
+    ("finetune", "--finetune (it loads the whole checkpoint)"),
+    ("non_persistent_save_interval", "--non-persistent-save-interval"),
+)
+"""Megatron-LM's checkpoint flags an elastic run does not support (``--save``, ``--load``,
+``--save-interval``, ``--async-save``, ``--exit-signal-handler`` and
+``--exit-duration-in-mins`` it does)."""
 
 
 class StepResult(Protocol):
@@ -214,6 +231,16 @@ class ElasticRuntime(Protocol):
 
     def evaluate(self, split: Any) -> float | None:
         """Mean per-token loss on the split a placeholder names (None: nothing to report)."""
+
+    def resumed_at(self) -> tuple[int, int, float]:
+        """The iteration, consumed samples and floating-point operations of the checkpoint
+        ``--load`` resumed (zeros without one)."""
+
+    def save_checkpoint(self, iteration: int, floating_point_operations: float) -> None:
+        """Save the state after ``iteration`` under ``--save``, in the background."""
+
+    def finish_saves(self) -> None:
+        """Return once this rank's saves are written (and committed, where it commits them)."""
 
 
 class DefaultGroupRedirect(types.ModuleType):
@@ -332,16 +359,20 @@ class _ElasticLoop:
                 model_provider=model_provider,
                 scheduler=sys.modules[TRAINING].get_optimizer_param_scheduler,
                 forward_step_func=forward_step_on_current_layout(self.forward_step_func))
-            margs.iteration = margs.num_floating_point_operations_so_far = 0  # no --load
+            (margs.iteration, margs.consumed_train_samples,
+             margs.num_floating_point_operations_so_far) = self.runtime.resumed_at()
             return objects
 
         return elastic_setup
 
     def _check(self, args) -> None:
         self.runtime.check_arguments(args)
-        for name, flag in _UNSUPPORTED:
+        for name, flag in _UNSUPPORTED + _UNSUPPORTED_CHECKPOINTING:
             if getattr(args, name, None):
                 self.runtime.refuse(f"--elastic in Megatron-LM's loop does not support {flag}")
+        if args.save and getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+            self.runtime.refuse(f"--elastic saves in the torch_dist format, not --ckpt-format "
+                                f"{args.ckpt_format}")
         if args.context_parallel_size > 1:
             self.runtime.refuse("--elastic does not support --context-parallel-size > 1")
         if args.data_path and len(args.data_path) > 1:
@@ -416,6 +447,37 @@ class _ElasticLoop:
 
         return elastic_training_log
 
+    # -- 8. checkpoints -------------------------------------------------------------------------
+
+    def save_checkpoint(self, save_checkpoint: Callable) -> Callable:
+        signature = inspect.signature(save_checkpoint)
+
+        @functools.wraps(save_checkpoint)
+        def elastic_save_checkpoint(*args, **kwargs):
+            from megatron.training import get_args
+
+            if not get_args().elastic:
+                return save_checkpoint(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs).arguments
+            self.runtime.save_checkpoint(bound["iteration"],
+                                         bound["num_floating_point_operations_so_far"])
+            return None
+
+        return elastic_save_checkpoint
+
+    def maybe_finalize_async_save(self, finalize: Callable) -> Callable:
+        @functools.wraps(finalize)
+        def elastic_finalize(*args, blocking: bool = False, **kwargs):
+            from megatron.training import get_args
+
+            if not get_args().elastic:
+                return finalize(*args, blocking=blocking, **kwargs)
+            if blocking:  # before an exit: the saves in flight are written
+                self.runtime.finish_saves()
+            return None
+
+        return elastic_finalize
+
     # -- 5. evaluation -------------------------------------------------------------------------
 
     def evaluate(self, evaluate: Callable) -> Callable:
@@ -446,10 +508,14 @@ def register(registry: PatchRegistry, backend: DeviceBackend, runtime: ElasticRu
     registry.register_wrapper(f"{TRAINING}.train_step", loop.train_step)
     registry.register_wrapper(f"{TRAINING}.training_log", loop.training_log)
     registry.register_wrapper(f"{TRAINING}.evaluate", loop.evaluate)
+    registry.register_wrapper(f"{TRAINING}.save_checkpoint", loop.save_checkpoint)
+    registry.register_wrapper(f"{TRAINING}.maybe_finalize_async_save",
+                              loop.maybe_finalize_async_save)
     distributed = runtime.distributed
     if backend.name == "cuda":
         for module in loop_modules():
             registry.register(f"{module}.torch", torch_with_distributed(torch, distributed))
     registry.register("megatron.core.timers.torch", torch_with_distributed(torch, distributed))
+    registry.register(f"{SIGNAL_HANDLER}.torch", torch_with_distributed(torch, distributed))
     registry.register("megatron.core.timers.dist_all_gather_func",
                       distributed.all_gather_into_tensor)

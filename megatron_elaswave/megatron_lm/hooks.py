@@ -72,6 +72,8 @@ class ElasticHooks:
         """Start this rank's job (:meth:`.MegatronLMJob.start`, whose arguments Megatron-LM's
         side provides), with the layout-invariant dropout RNG if asked for; the objects of
         ``train()``."""
+        from megatron_elaswave.training.checkpoint import CheckpointError
+
         from .job import MegatronLMJob, UnsupportedModel
 
         if args.elastic_rng == "invariant":
@@ -85,7 +87,7 @@ class ElasticHooks:
                 tokenizer=tokenizer, transformer_config=transformer_config,
                 model_provider=model_provider, scheduler=scheduler,
                 forward_step_func=forward_step_func)
-        except UnsupportedModel as error:  # every rank builds its first chunk, and refuses it
+        except (UnsupportedModel, CheckpointError) as error:  # every rank refuses alike
             self.refuse(str(error))
         return self.job.objects()
 
@@ -94,13 +96,14 @@ class ElasticHooks:
 
     def train_step(self, iteration: int) -> StepResult | None:
         from megatron_elaswave.training.migration import StateLost
-        from megatron_elaswave.training.recovery import CannotContinue
+        from megatron_elaswave.training.recovery import CannotContinue, cannot_continue_line
 
         try:
             return self.job.train_step(iteration)
         except (CannotContinue, StateLost) as error:
             # Every survivor reaches the same verdict; each says it, since rank 0 may be gone.
-            exit_with(exit_status.CANNOT_CONTINUE, f"cannot continue: {error}", every_rank=True,
+            exit_with(exit_status.CANNOT_CONTINUE,
+                      cannot_continue_line(error, self.job.trainer.args.save), every_rank=True,
                       prefix="")
 
     def swap_into(self, model: list, optimizer: object, scheduler: object) -> None:
@@ -116,6 +119,15 @@ class ElasticHooks:
 
     def evaluate(self, split: EvaluationSplit) -> float | None:
         return self.job.evaluate(split)
+
+    def resumed_at(self) -> tuple[int, int, float]:
+        return self.job.resumed_at
+
+    def save_checkpoint(self, iteration: int, floating_point_operations: float) -> None:
+        self.job.save(iteration, floating_point_operations)
+
+    def finish_saves(self) -> None:
+        self.job.finish_saves()
 
 
 def exit_with(code: int, message: str, *, every_rank: bool = False,

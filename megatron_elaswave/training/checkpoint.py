@@ -21,7 +21,9 @@ from megatron.core import dist_checkpointing
 
 from megatron_elaswave.patches.dist_checkpointing import (
     SHARDED_METADATA,
+    is_fully_reshardable,
     load_chained_optimizer,
+    name_buckets_as_megatron_lm,
     optimizer_common_state,
 )
 
@@ -37,6 +39,19 @@ _LEGACY_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 class CheckpointError(RuntimeError):
     """A ``--load`` directory that holds no usable checkpoint."""
+
+
+@dataclass(frozen=True)
+class MegatronLayout:
+    """How a rank's objects correspond to Megatron-LM's own, for checkpoints whose optimizer
+    state is in Megatron's bucket space (``dp_reshardable``, Megatron-LM's default), which loads
+    only into the tensor- and pipeline-parallel sizes that saved it, one optimizer per rank."""
+
+    tensor_parallel: int
+    pipeline_parallel: int
+    model_parallel_rank: int | None = None
+    """This rank's rank in Megatron-LM's tensor x pipeline-parallel group, where the optimizer
+    does not know it (a layer group's); ``None``: it does."""
 
 
 @dataclass(frozen=True)
@@ -172,25 +187,23 @@ def latest_iteration(root: str) -> int:
     return latest[0]
 
 
-def load_checkpoint(root: str, objects: TrainingObjects) -> TrainingProgress:
+def load_checkpoint(root: str, objects: TrainingObjects,
+                    megatron_layout: MegatronLayout | None = None) -> TrainingProgress:
     """Load the latest checkpoint under ``root`` into ``objects`` (collective), whatever layout
     saved it: this project's jobs, with or without ``--elastic``, or Megatron-LM's loop with its
-    distributed optimizer's state in a fully reshardable form."""
+    distributed optimizer's state in a fully reshardable form. Megatron-LM's default form
+    (``dp_reshardable``) loads where ``megatron_layout`` says the objects are laid out as
+    Megatron-LM's of the same sizes; otherwise, and where the buckets differ, it raises
+    :class:`CheckpointError`."""
     iteration = latest_iteration(root)
     directory = checkpoint_dir(root, iteration)
     metadata = dist_checkpointing.load_content_metadata(directory) or _LEGACY_METADATA
-    sharding = metadata.get("distrib_optim_sharding_type")
-    if sharding != SHARDED_METADATA["distrib_optim_sharding_type"]:
-        raise CheckpointError(
-            f"--load {root}: the optimizer state of {directory} is in Megatron's {sharding!r} "
-            "form, which loads only into the layout that saved it; save it with "
-            "--dist-ckpt-optim-fully-reshardable to load it in any layout")
-    metadata = {**metadata, "chained_optim_avoid_prefix": True}
     allocate_optimizer_state(objects.optimizer.chained_optimizers)
-    template = _model_state(objects, metadata)
-    template["optimizer"] = objects.optimizer.sharded_state_dict(
-        template, is_loading=True, metadata=metadata)
-    loaded = dist_checkpointing.load(template, directory)
+    if is_fully_reshardable(metadata):
+        metadata = {**metadata, "chained_optim_avoid_prefix": True}
+        loaded = _load(directory, objects, metadata)
+    else:
+        loaded = _load_bucket_space(root, directory, objects, metadata, megatron_layout)
     for key, ddp in zip(_model_keys(objects), objects.model):
         ddp.module.load_state_dict(loaded[key])
     with torch.no_grad():
@@ -201,3 +214,35 @@ def load_checkpoint(root: str, objects: TrainingObjects) -> TrainingProgress:
         consumed = getattr(loaded.get("args"), "consumed_train_samples", 0)
     return TrainingProgress(int(loaded["iteration"]), int(consumed),
                             float(loaded.get("num_floating_point_operations_so_far", 0)))
+
+
+def _load(directory: str, objects: TrainingObjects, metadata: dict) -> dict:
+    template = _model_state(objects, metadata)
+    template["optimizer"] = objects.optimizer.sharded_state_dict(
+        template, is_loading=True, metadata=metadata)
+    return dist_checkpointing.load(template, directory)
+
+
+def _load_bucket_space(root: str, directory: str, objects: TrainingObjects, metadata: dict,
+                       layout: MegatronLayout | None) -> dict:
+    """Load a checkpoint whose optimizer state is in Megatron's bucket space: only into the
+    sizes that saved it, with one optimizer per rank, and buckets alike."""
+    sharding = metadata.get("distrib_optim_sharding_type")
+    saved = dist_checkpointing.load_common_state_dict(directory).get("args")
+    sizes = (getattr(saved, "tensor_model_parallel_size", None),
+             getattr(saved, "pipeline_model_parallel_size", None))
+    refusal = (f"--load {root}: the optimizer state of {directory} is in Megatron's {sharding} "
+               f"form, which loads only into the tensor- and pipeline-parallel layout that saved "
+               f"it (TP{sizes[0]} x PP{sizes[1]})")
+    advice = "save it with --dist-ckpt-optim-fully-reshardable to load it in any layout"
+    if layout is None or (layout.tensor_parallel, layout.pipeline_parallel) != sizes:
+        here = (f"TP{layout.tensor_parallel} x PP{layout.pipeline_parallel}" if layout
+                else "heterogeneous or interleaved layer groups")
+        raise CheckpointError(f"{refusal}; this job has {here}: {advice}")
+    if layout.model_parallel_rank is not None:
+        name_buckets_as_megatron_lm(objects.optimizer, layout.model_parallel_rank)
+    try:
+        return _load(directory, objects, metadata)
+    except Exception as error:  # megatron-core asserts on buckets that differ
+        raise CheckpointError(f"{refusal}, with its buckets; this job's differ "
+                              f"({type(error).__name__}: {str(error)[:200]}): {advice}") from None

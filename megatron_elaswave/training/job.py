@@ -18,7 +18,13 @@ from megatron_elaswave.store import REJOIN_ENV, STORE_ADDR_ENV, connect_store
 
 from . import exit_status
 
-from .checkpoint import TrainingProgress, load_checkpoint, resume_hint, save_checkpoint
+from .checkpoint import (
+    MegatronLayout,
+    TrainingProgress,
+    load_checkpoint,
+    resume_hint,
+    save_checkpoint,
+)
 from .data import MicrobatchSource, build_datasets, load_tokenizer, padded_vocab_size
 from .distributed import init_default_group, init_model_parallel, shutdown
 from .elastic import run_elastic
@@ -89,9 +95,23 @@ def build_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int, t
     )
 
 
+def megatron_layout_of(trainer: Trainer) -> MegatronLayout | None:
+    """How the trainer's objects correspond to Megatron-LM's own (:class:`MegatronLayout`):
+    exactly without ``--elastic``; with it, in the failure-free layout of one chunk per stage
+    (no virtual stages, contiguous ZeRO shards), as Megatron-LM's rank of the same position."""
+    args = trainer.args
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if not args.elastic:
+        return MegatronLayout(tp, pp)
+    if args.virtual_pipeline_model_parallel_size or args.elastic_zero != "contiguous":
+        return None
+    _, stage, tp_rank = trainer.layout.position(trainer.rank)
+    return MegatronLayout(tp, pp, model_parallel_rank=stage * tp + tp_rank)
+
+
 def resume(trainer: Trainer, root: str) -> TrainingProgress:
     """Load the latest checkpoint under ``root`` into the trainer (collective)."""
-    progress = load_checkpoint(root, trainer.objects)
+    progress = load_checkpoint(root, trainer.objects, megatron_layout_of(trainer))
     trainer.iteration, trainer.consumed_samples = progress.iteration, progress.consumed_samples
     if trainer.rank == 0:
         log(f" loaded checkpoint from {root} at iteration {progress.iteration}")
