@@ -101,6 +101,7 @@ class ElasticHooks:
         try:
             return self.job.train_step(iteration)
         except (CannotContinue, StateLost) as error:
+            self.job.finish_saves()  # what there is to resume from is known before it is said
             # Every survivor reaches the same verdict; each says it, since rank 0 may be gone.
             exit_with(exit_status.CANNOT_CONTINUE,
                       cannot_continue_line(error, self.job.trainer.args.save), every_rank=True,

@@ -222,8 +222,9 @@ class MegatronLMJob:
         trainer.save_durably(trainer.args.save, floating_point_operations)
 
     def finish_saves(self) -> None:
-        """Return once this rank's saves are written (and committed, where it commits them)."""
-        self.trainer.durable.wait()
+        """Return once this rank's saves are written, and committed or abandoned."""
+        durable = self.trainer.durable
+        durable.finish(durable.config.timeout_s)
 
     def evaluate(self, split: EvaluationSplit) -> float | None:
         """Mean per-token loss on ``split`` (``None`` on a spare or without that split)."""

@@ -152,6 +152,8 @@ class DurableCheckpoints:
         self._queue: queue.Queue[SaveRequest | None] = queue.Queue()
         self._pending: dict[str, SaveRequest] = {}
         """Requests queued or being written, by save id."""
+        self._unresolved: set[str] = set()
+        """Saves this rank took part in whose outcome it has not seen committed or abandoned."""
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
@@ -163,6 +165,7 @@ class DurableCheckpoints:
         self._snapshots.pin(request.snapshot.snapshot)
         with self._lock:
             self._pending[request.save_id] = request
+            self._unresolved.add(request.save_id)
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="elaswave-checkpoint-writer",
                                             daemon=True)
@@ -186,6 +189,24 @@ class DurableCheckpoints:
                     return False
                 self._idle.wait(left)
         return True
+
+    def finish(self, timeout_s: float) -> None:
+        """Return once every save this rank took part in is written here and committed or
+        abandoned by the job (the finaliser commits; a failed writer's saves are abandoned), or
+        after ``timeout_s``: what there is to resume from is then known."""
+        deadline = time.monotonic() + timeout_s
+        self.wait(timeout_s)
+        with self._lock:
+            unresolved = sorted(self._unresolved)
+        for save_id in unresolved:
+            key = checkpoint_key(save_id, "outcome")
+            while time.monotonic() < deadline:
+                if self.store.check([key]) and self.store.get(key).decode() in (COMMITTED,
+                                                                                 ABANDONED):
+                    with self._lock:
+                        self._unresolved.discard(save_id)
+                    break
+                time.sleep(_POLL_S)
 
     def abandon_saves_of(self, failed: set[int] | frozenset[int]) -> None:
         """After a recovery from the failure of ``failed``: abandon every save in progress here
@@ -250,6 +271,9 @@ class DurableCheckpoints:
         deadline = time.monotonic() + self.config.timeout_s
         while not store.check(parts):
             if self._abandoned(store, request):
+                log(f" the checkpoint of iteration {request.iteration} is abandoned: a rank "
+                    f"that wrote it failed")
+                shutil.rmtree(request.directory, ignore_errors=True)
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"not every writer wrote its part within "

@@ -150,11 +150,11 @@ def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: in
             run_elastic(trainer)
         except (CannotContinue, StateLost, StepFailed) as stopped:
             trainer.store.set(FINISHED_KEY, str(stopped) or type(stopped).__name__)
+            trainer.durable.finish(trainer.durable.config.timeout_s)  # known before said
             raise
         finally:
             trainer.governor.backend.close()
-    # This rank's part of the last checkpoints, and their commit on the rank that finalises.
-    trainer.durable.wait()
+    trainer.durable.finish(trainer.durable.config.timeout_s)
     trainer.durable.close()
     trainer.metrics.close()
 
