@@ -350,6 +350,28 @@ def name_buckets_as_megatron_lm(chained_optimizer, model_parallel_rank: int) -> 
     optimizer.data_parallel_group_idx = model_parallel_rank
 
 
+def save_in_background(state: dict, directory: str, content_metadata: dict):
+    """``dist_checkpointing.save`` of ``state`` whose writing is left to an ``AsyncRequest``
+    (returned) for :func:`background_saves` to run, with megatron-core's own writer (0.19 names
+    it ``mcore``; its default needs NVIDIA's resiliency extension)."""
+    import inspect
+
+    from megatron.core import dist_checkpointing
+
+    options = {"async_sharded_save": True, "content_metadata": content_metadata}
+    if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+        options["async_strategy"] = "mcore"
+    return dist_checkpointing.save(state, directory, **options)
+
+
+def background_saves():
+    """megatron-core's queue of saves written in the background (``AsyncCallsQueue``:
+    ``schedule_async_request``, ``maybe_finalize_async_calls``, ``close``)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    return AsyncCallsQueue()
+
+
 def load_chained_optimizer(chained_optimizer, loaded: Mapping) -> None:
     """Load the optimizer part of a checkpoint loaded with a template of
     ``chained_optimizer.sharded_state_dict(..., metadata=SHARDED_METADATA)`` into each optimizer

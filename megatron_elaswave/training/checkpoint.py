@@ -25,6 +25,7 @@ from megatron_elaswave.patches.dist_checkpointing import (
     load_chained_optimizer,
     name_buckets_as_megatron_lm,
     optimizer_common_state,
+    save_in_background,
 )
 
 from .model import TrainingObjects, allocate_optimizer_state
@@ -120,6 +121,7 @@ def checkpoint_args(args: argparse.Namespace, *, world_size: int,
     saved.skipped_train_samples = getattr(args, "skipped_train_samples", 0)
     saved.consumed_valid_samples = getattr(args, "consumed_valid_samples", 0)
     saved.world_size = world_size
+    saved.async_save = False  # a loader would read it with the async strategy it names
     saved.no_save_rng = True
     saved.no_save_optim = False
     saved.use_distributed_optimizer = True
@@ -156,9 +158,12 @@ def _model_state(objects: TrainingObjects, metadata: dict) -> dict:
 
 
 def save_checkpoint(root: str, objects: TrainingObjects, progress: TrainingProgress,
-                    args: argparse.Namespace) -> str:
+                    args: argparse.Namespace, background=None) -> str:
     """Save from the live objects, collectively over the default group (every rank calls this);
-    returns the checkpoint directory. The tracker names it once every rank has written."""
+    returns the checkpoint directory. The tracker names it once every rank has written. With
+    ``background`` (megatron-core's queue of saves: ``--async-save``) the files are written by
+    a process of its own and the tracker once the queue finalises the save, every rank calling
+    ``maybe_finalize_async_calls``."""
     import torch.distributed as dist
 
     directory = checkpoint_dir(root, progress.iteration)
@@ -170,10 +175,19 @@ def save_checkpoint(root: str, objects: TrainingObjects, progress: TrainingProgr
         state, is_loading=False, metadata=SHARDED_METADATA)
     common = checkpoint_common(args, objects, progress, dist.get_world_size())
     state.update({key: value for key, value in common.items() if key != "optimizer"})
+
+    def name_in_tracker() -> None:
+        if dist.get_rank() == 0:
+            write_tracker(root, progress.iteration)
+
+    if background is not None:
+        request = save_in_background(state, directory, dict(SHARDED_METADATA))
+        request.add_finalize_fn(name_in_tracker)
+        background.schedule_async_request(request)
+        return directory
     dist_checkpointing.save(state, directory, content_metadata=dict(SHARDED_METADATA))
     dist.barrier()
-    if dist.get_rank() == 0:
-        write_tracker(root, progress.iteration)
+    name_in_tracker()
     return directory
 
 

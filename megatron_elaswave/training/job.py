@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megatron_elaswave import dropout_rng, patches
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.metrics import MetricsWriter
+from megatron_elaswave.patches.dist_checkpointing import background_saves
 from megatron_elaswave.keys import FINISHED_KEY
 from megatron_elaswave.store import REJOIN_ENV, STORE_ADDR_ENV, connect_store
 
@@ -226,20 +227,24 @@ def train_without_elastic(args: argparse.Namespace, backend: DeviceBackend, rank
                               duration_mins=args.exit_duration_in_mins)
         stop.install()
         saved_at = None
+        background = background_saves() if args.async_save else None
 
         def save() -> None:
             nonlocal saved_at
             progress = TrainingProgress(trainer.iteration, trainer.consumed_samples)
-            directory = save_checkpoint(args.save, objects, progress, args)
+            directory = save_checkpoint(args.save, objects, progress, args, background)
             saved_at = trainer.iteration
             if rank == 0:
-                log(f" saved checkpoint at iteration {trainer.iteration} to {directory}")
+                done = "scheduled" if background is not None else "saved"
+                log(f" {done} checkpoint at iteration {trainer.iteration} to {directory}")
 
         chunks = [ddp.module for ddp in objects.model]
         profiler = CostProfiler(chunks, backend, measure=bool(args.elastic_profile_out))
 
         def after_iteration(trainer: Trainer) -> None:
             profiler.recording = True  # the first iteration is warm-up
+            if background is not None:
+                background.maybe_finalize_async_calls(blocking=False)
             if args.save and args.save_interval and trainer.iteration % args.save_interval == 0:
                 save()
             if stop.armed:
@@ -259,6 +264,8 @@ def train_without_elastic(args: argparse.Namespace, backend: DeviceBackend, rank
                           device_description(backend))
         if args.save and saved_at != trainer.iteration:
             save()
+        if background is not None:
+            background.close()  # finalises the saves in flight first
         trainer.metrics.close()
     finally:
         if trainer is not None and trainer.snapshots is not None:
