@@ -30,7 +30,10 @@ Guarantees:
   Replicas are not verified on receipt: that would checksum every replica each step while only
   the ones restored after a failure are ever read.
 * **Accounting.** :attr:`SnapshotStore.bytes_held` is the host memory the store holds, own
-  snapshots and buddies' replicas together.
+  snapshots and buddies' replicas together, and those pinned.
+* **Pinned snapshots are not reused.** While a durable checkpoint is written from a snapshot
+  (:meth:`SnapshotStore.pin` until :meth:`SnapshotStore.unpin`), its payload is never taken for
+  a later snapshot, even once the snapshot is no longer held.
 
 Capture copies tensors to host memory. From host memory it copies and checksums a block at a time,
 so each block is checksummed while still in cache. From CUDA the device-to-host copies run on a side
