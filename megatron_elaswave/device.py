@@ -28,6 +28,15 @@ import torch
 DEVICE_ENV_VAR = "ELASWAVE_DEVICE"
 BACKEND_NAMES = ("cpu", "cuda", "npu")
 _DIST_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+_ASYNC_ERROR_HANDLING = {
+    # torch's NCCL watchdog tears the process down when a communicator errors (its default, 3):
+    # 2 aborts the communicator only, so the failed operation raises where the runtime recovers.
+    "cuda": ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2", ("0", "2")),
+    # torch_npu's HCCL watchdog ends the process on some errors when it is on (its default, 1).
+    "npu": ("HCCL_ASYNC_ERROR_HANDLING", "0", ("0",)),
+}
+"""Per device: the collective library's error-handling variable, the value that keeps a process
+whose communicator saw a peer fail alive, and the values that already do."""
 
 
 class DeviceUnavailableError(RuntimeError):
@@ -86,6 +95,22 @@ class DeviceBackend:
 
     def synchronize(self) -> None:
         self.module.synchronize()
+
+    def keep_survivors_alive(self) -> str | None:
+        """Make the collective library leave a process alive when one of its communicators sees
+        a peer fail, which it otherwise ends: with ``--elastic`` the survivors must live to
+        recover. Sets the variable of :data:`_ASYNC_ERROR_HANDLING` for this process (and those
+        it starts); call it before the backend's first process group is created. Returns what
+        it overrode, to be said, when the environment asked for a value that ends survivors."""
+        if self.name not in _ASYNC_ERROR_HANDLING:
+            return None
+        variable, value, surviving = _ASYNC_ERROR_HANDLING[self.name]
+        given = os.environ.get(variable)
+        os.environ[variable] = value if given not in surviving else given
+        if given is None or given in surviving:
+            return None
+        return (f"{variable}={given} would end the survivors of a failure; --elastic sets "
+                f"{variable}={value}")
 
     @property
     def generator(self) -> torch.Generator:

@@ -44,7 +44,8 @@ counter, and ``<barrier>/released`` is set by the last member to arrive:
 State restore after a recovery or a layout change (:mod:`~megatron_elaswave.training`):
 
 =============================================  ==========================================================
-``rt/gen<g>/restore/held/<rank>``              the snapshots ``rank`` holds (JSON ``[[rank, iteration]]``)
+``rt/gen<g>/restore/held/<rank>``              the snapshots ``rank`` holds (JSON ``[[rank, iteration,
+                                               version, owners]]``, ``SnapshotTag``)
 ``rt/gen<g>/restore/state/tp<t>``              the small state (pickled) for ranks that held no stage
 ``rt/gen<g>/restore/migrate/holds/<rank>``     the pieces ``rank`` can serve
 ``rt/gen<g>/restore/migrate/needs/<rank>``     the pieces ``rank`` needs
@@ -54,6 +55,7 @@ State restore after a recovery or a layout change (:mod:`~megatron_elaswave.trai
 ``rt/finished``                                the job ends: every member finished (empty) or the
                                                survivors stopped (why)
 ``rt/records/written``                         the last iteration whose record the logger wrote
+``rt/snapshot_copies``                         the copies of each snapshot the job chose at start
 =============================================  ==========================================================
 
 Durable checkpoints (:mod:`~megatron_elaswave.training.durable`):
@@ -208,6 +210,10 @@ def join_key(rank: int) -> str:
 
 def accepted_key(rank: int) -> str:
     return f"rt/join/{rank}/accepted"
+
+
+SNAPSHOT_COPIES_KEY = "rt/snapshot_copies"
+"""The number of copies of each snapshot the job chose at start, for replacements to use."""
 
 
 def change_key(generation: int) -> str:

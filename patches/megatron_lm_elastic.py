@@ -204,6 +204,9 @@ class ElasticRuntime(Protocol):
     def check_arguments(self, args: argparse.Namespace) -> None:
         """Validate the ``--elastic*`` flags."""
 
+    def arguments_parsed(self, args: argparse.Namespace) -> None:
+        """Megatron-LM parsed ``args`` (``--elastic`` given), before it creates a process group."""
+
     def refuse(self, message: str) -> NoReturn:
         """End the process: ``message`` says what Megatron-LM's loop cannot do elastically."""
 
@@ -316,7 +319,10 @@ class _ElasticLoop:
                 return parser
 
             bound.arguments["extra_args_provider"] = extra_args_provider
-            return parse_args(*bound.args, **bound.kwargs)
+            parsed = parse_args(*bound.args, **bound.kwargs)
+            if getattr(parsed, "elastic", False):
+                self.runtime.arguments_parsed(parsed)
+            return parsed
 
         return with_elastic_args
 

@@ -41,6 +41,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "multiprocess: starts processes; fails if any outlives the test"
     )
+    config.addinivalue_line(
+        "markers", "quick: a multi-process test of the fast tier (scripts/test.sh --quick)"
+    )
     if not config.pluginmanager.hasplugin("timeout"):
         config.addinivalue_line("markers", "timeout(seconds): time limit of the test")
 

@@ -1,5 +1,7 @@
 """Device backends, and the CPU compatibility patches kept narrow and reversible."""
 
+import os
+
 import pytest
 import torch
 
@@ -90,3 +92,32 @@ def test_tracker_seeds_each_tensor_parallel_rank_for_real(cpu_compat):
     mp1, dp1 = draws(1)
     assert not torch.equal(mp0, mp1)
     assert torch.equal(dp0, dp1)
+
+
+@pytest.mark.parametrize("name, variable, given, kept, said", [
+    ("cuda", "TORCH_NCCL_ASYNC_ERROR_HANDLING", None, "2", False),
+    ("cuda", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "3", "2", True),   # torch's default tears down
+    ("cuda", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1", "2", True),
+    ("cuda", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "0", "0", False),  # no handling leaves it alive
+    ("npu", "HCCL_ASYNC_ERROR_HANDLING", None, "0", False),
+    ("npu", "HCCL_ASYNC_ERROR_HANDLING", "1", "0", True),
+])
+def test_an_elastic_job_keeps_the_collective_library_from_ending_its_survivors(
+        monkeypatch, name, variable, given, kept, said):
+    """The NCCL (and HCCL) watchdog ends a process whose communicator saw a peer fail unless
+    told otherwise: every survivor of a failure, which must live to recover."""
+    if given is None:
+        monkeypatch.delenv(variable, raising=False)
+    else:
+        monkeypatch.setenv(variable, given)
+    note = DeviceBackend(name).keep_survivors_alive()
+    assert os.environ[variable] == kept
+    assert (note is not None) == said
+    if said:
+        assert note == f"{variable}={given} would end the survivors of a failure; --elastic sets {variable}={kept}"
+
+
+def test_a_cpu_job_has_no_watchdog_to_tell(monkeypatch):
+    monkeypatch.delenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", raising=False)
+    assert DeviceBackend("cpu").keep_survivors_alive() is None
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ

@@ -304,8 +304,8 @@ def small_reference(text_data, tmp_path_factory):  # noqa: F811
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("phase, rolled_back_to", [
-    ("forward", (3, 4)), ("backward", (3, 4)), ("allreduce", (3, 4)), ("optimizer", (4,)),
-    ("snapshot", (4, 5))])
+    ("forward", (3, 4)), ("backward", (3, 4)), ("allreduce", (3, 4)),
+    pytest.param("optimizer", (4,), marks=pytest.mark.quick), ("snapshot", (4, 5))])
 def test_an_injected_kill_in_any_phase_is_survived(text_data, small_reference, tmp_path,  # noqa: F811
                                                    phase, rolled_back_to):
     """Iteration 4's snapshot is finished in iteration 5, just before its optimizer step, its
@@ -525,10 +525,12 @@ def test_state_lost_with_its_only_copy_stops_with_a_message(text_data, tmp_path)
 @pytest.mark.timeout(200)
 def test_a_rank_and_its_snapshot_buddy_lost_together_stop_every_survivor_in_one_line(
         text_data, tmp_path):  # noqa: F811
-    """TP1 x PP2 x DP2: rank 0's snapshot is kept by rank 3 (the other replica's other stage);
-    both are SIGKILLed from outside, so part of the optimizer state is gone with them."""
+    """TP1 x PP2 x DP2 with one copy of each snapshot: rank 0's is kept by rank 3 (the other
+    replica's other stage); both are SIGKILLed from outside, so part of the optimizer state is
+    gone with them."""
     metrics = tmp_path / "lost.jsonl"
-    flags = [PRETRAIN, *small_flags(text_data), "--elastic-metrics-file", str(metrics)]
+    flags = [PRETRAIN, *small_flags(text_data), "--elastic-snapshot-replicas", "1",
+             "--elastic-metrics-file", str(metrics)]
     with launch(flags, 4, master_port=free_port(), log_path=tmp_path / "lost.log") as job:
         job.wait_for(lambda: metrics.exists() and len(read_metrics(str(metrics), "iteration")) >= 3,
                      120, "iteration 3")
@@ -541,6 +543,28 @@ def test_a_rank_and_its_snapshot_buddy_lost_together_stop_every_survivor_in_one_
         assert re.search(rf"worker rank {survivor} \(pid \d+\) exited with code 3", output)
     assert len(lines) == 2, output[-4000:]
     assert all("no survivor holds a snapshot of ranks [0, 3]" in line for line in lines), lines
+
+
+@pytest.mark.timeout(300)
+def test_by_default_a_rank_and_its_first_buddy_lost_together_are_survived(
+        text_data, small_reference, tmp_path):  # noqa: F811
+    """The same pair as above, SIGKILLed together, with the default number of copies: two
+    where host memory allows (as here), so rank 0's snapshot is also on a survivor, and the job
+    ends on the failure-free trajectory."""
+    metrics = tmp_path / "pair.jsonl"
+    with launch([PRETRAIN, *small_flags(text_data), "--elastic-metrics-file", str(metrics)], 4,
+                master_port=free_port(), log_path=tmp_path / "pair.log") as job:
+        job.wait_for(lambda: metrics.exists() and len(read_metrics(str(metrics), "iteration")) >= 3,
+                     120, "iteration 3")
+        job.kill_worker(0)
+        job.kill_worker(3)
+        returncode, output = job.wait(200)
+    assert returncode == 0, output[-4000:]
+    assert "snapshots: 2 copies of each rank's state" in output
+    assert "survives the loss of any one rank and of any two ranks" in output
+    recoveries = read_metrics(str(metrics), "recovery")
+    assert sorted(r for rec in recoveries for r in rec["failed_ranks"]) == [0, 3], output[-4000:]
+    assert_on_trajectory(small_reference, read_metrics(str(metrics), "iteration"))
 
 
 @pytest.mark.timeout(400)

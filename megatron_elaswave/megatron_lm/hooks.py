@@ -55,6 +55,11 @@ class ElasticHooks:
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add_elastic_args(parser)
 
+    def arguments_parsed(self, args: argparse.Namespace) -> None:
+        overridden = self.backend.keep_survivors_alive()
+        if overridden and (not dist.is_initialized() or dist.get_rank() == 0):
+            print(f" note: {overridden}", flush=True)
+
     def check_arguments(self, args: argparse.Namespace) -> None:
         try:
             validate_elastic(args, dist.get_world_size())

@@ -144,6 +144,61 @@ def buddy_rank(layout: Layout, rank: int, ranks_per_node: int | None = None) -> 
     return buddies[0] if buddies else None
 
 
+@dataclass(frozen=True)
+class Survival:
+    """Which losses a layout's snapshot placement survives (:func:`survival`), once every rank's
+    snapshot is replicated: a loss takes state with it when it takes a rank's snapshot and every
+    copy of it."""
+
+    any_rank: bool
+    """The loss of any one rank."""
+    any_node: bool | None
+    """The loss of any one node's ranks; ``None`` when the job has one node."""
+    fatal_pairs: tuple[tuple[int, int], ...]
+    """The pairs of ranks whose loss together takes some rank's snapshot with every copy,
+    sorted; empty when any two ranks may fail."""
+
+    def describe(self) -> str:
+        """One line: what the placement survives and which pairs of ranks it does not."""
+        if not self.any_rank:
+            return "survives no loss of a rank that holds a stage"
+        survived = ["of any one rank"]
+        if self.any_node:
+            survived.append("of any one node")
+        if not self.fatal_pairs:
+            survived.append("of any two ranks")
+        text = "survives the loss " + ", ".join(survived[:-1]) + (
+            " and " if len(survived) > 1 else "") + survived[-1]
+        if self.fatal_pairs:
+            shown = ", ".join(f"{a}+{b}" for a, b in self.fatal_pairs[:4])
+            more = ", ..." if len(self.fatal_pairs) > 4 else ""
+            text += (f"; not of {len(self.fatal_pairs)} pairs of ranks that each hold every "
+                     f"copy of a snapshot ({shown}{more})")
+        if self.any_node is False:
+            text += "; not of every node (one holds every copy of a snapshot)"
+        return text
+
+
+def survival(layout: Layout, copies: int, ranks_per_node: int | None = None) -> Survival:
+    """What the snapshots of ``layout``, each kept by its owner and ``copies`` buddies
+    (:func:`buddy_ranks`), survive. Linear in the number of ranks times ``copies``."""
+    holders = [frozenset({rank, *buddy_ranks(layout, rank, copies, ranks_per_node)})
+               for rank in sorted(layout.active_ranks())]
+    known = sorted(layout.known_ranks())
+    pairs: set[tuple[int, int]] = set()
+    for held in holders:
+        if len(held) == 1:  # the owner alone: any pair with it
+            (owner,) = held
+            pairs.update(tuple(sorted((owner, other))) for other in known if other != owner)
+        elif len(held) == 2:
+            pairs.add(tuple(sorted(held)))
+    any_node = None
+    if ranks_per_node is not None and len({r // ranks_per_node for r in known}) > 1:
+        any_node = all(len({r // ranks_per_node for r in held}) > 1 for held in holders)
+    return Survival(any_rank=all(len(held) > 1 for held in holders), any_node=any_node,
+                    fatal_pairs=tuple(sorted(pairs)))
+
+
 _UNIFORM_OFFSETS_TRIED = 64
 """Offsets :class:`_Placement` tries for one shift that suits every rank, before it picks per
 rank (which may leave some ranks holding more than ``count`` copies)."""

@@ -115,8 +115,10 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> None:
                        help="JSON-lines file of per-iteration (and recovery) records")
     group.add_argument("--elastic-snapshots", action="store_true",
                        help="keep per-step in-memory snapshots (on by default with --elastic)")
-    group.add_argument("--elastic-snapshot-replicas", type=int, default=1,
-                       help="buddy ranks that hold a copy of each rank's snapshot (default 1)")
+    group.add_argument("--elastic-snapshot-replicas", type=int, default=None,
+                       help="buddy ranks that hold a copy of each rank's snapshot (default: 2 "
+                            "where the snapshots fit in half the host memory available, so that "
+                            "any two ranks may fail together, else 1)")
     group.add_argument("--elastic-snapshot-overlap", choices=("on", "off"), default="on",
                        help="finish each step's snapshot in the next step, before its optimizer "
                             "step, so that its device-to-host copies and its exchange with the "
@@ -160,8 +162,8 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> None:
                             "move after a failure)")
     group.add_argument("--elastic-slow-stage-factor", type=float, default=1.5,
                        help="a pipeline stage whose time per transformer layer is this many "
-                            "times the fastest stage's of its replica runs on a slow device: "
-                            "layers move off it (default 1.5)")
+                            "times the median of its replica's other stages, in four iterations "
+                            "of five, runs on a slow device: layers move off it (default 1.5)")
     group.add_argument("--elastic-dvfs", choices=BACKENDS, default="sim",
                        help="how the planner's per-stage clocks are applied: sim (logged, energy "
                             "from the power model; default), nvml (locked GPU clocks), npu "
@@ -244,7 +246,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
 def validate_elastic(args: argparse.Namespace, world_size: int) -> None:
     """Check the ``--elastic*`` flags and what ``--elastic`` needs of the others; resolve
     ``elastic_snapshots`` and ``elastic_rng``. Raises :class:`ArgumentError`."""
-    _fail_unless(args.elastic_snapshot_replicas >= 0,
+    _fail_unless(args.elastic_snapshot_replicas is None or args.elastic_snapshot_replicas >= 0,
                  "--elastic-snapshot-replicas must not be negative")
     args.elastic_snapshots = args.elastic_snapshots or args.elastic
     args.elastic_rng = args.elastic_rng or ("invariant" if args.elastic else "megatron")

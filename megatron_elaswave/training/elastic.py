@@ -49,6 +49,7 @@ from megatron_elaswave.patches.dist_checkpointing import chunk_placements
 from megatron_elaswave.patches.gpt_model import transformer_layers
 from megatron_elaswave.planner.cost import CostModel
 from megatron_elaswave.planner.frequency import ClockPlan
+from megatron_elaswave.planner.zero import survival
 from megatron_elaswave.world import release_retired
 
 from . import relayout
@@ -70,7 +71,7 @@ from .relayout import LayoutChange
 from .restore import RestoreRound
 from .snapshots import StepSnapshots, restore_rng_states
 from .stopping import StopConditions, describe
-from .stragglers import ForwardTimer, StageCompute, StragglerDetector
+from .stragglers import ForwardTimer, StageCompute, StepTimes, StragglerDetector
 
 
 @dataclass
@@ -97,6 +98,8 @@ class ElasticTrainer(Trainer):
 
     def __post_init__(self) -> None:
         self._step_started = self._pipeline_done = 0.0
+        self._last_change_s = 0.0
+        """How long this rank's last layout change at a step boundary took (0 before any)."""
         self._nan_output = False
         self._collected_generation = self.registry.generation
         self._stage_timer = self._layers_timer = None
@@ -176,10 +179,11 @@ class ElasticTrainer(Trainer):
         """Blocks of one value per launch rank: the ranks asking to join, the loss sum of each
         loss-reporting rank (so that a non-finite loss names where it arose), why each rank asks
         the job to stop (:mod:`.stopping`), then (with a straggler detector) each stage's time to
-        the gradient reduction, its forward time and the part of it spent in transformer
-        layers."""
+        the gradient reduction, its forward time, the part of it spent in transformer layers,
+        the time from the reduction to now (the optimizer step included) and how long this
+        rank's last layout change took."""
         size = self.monitor.job_size
-        report = torch.zeros((3 if self.detector is None else 6) * size, dtype=torch.float64)
+        report = torch.zeros((3 if self.detector is None else 8) * size, dtype=torch.float64)
         report[list(self.monitor.waiting_to_join())] = 1.0
         report[2 * size + self.rank] = self.stop_conditions.code()
         if self.is_data_reporter and losses:
@@ -189,6 +193,8 @@ class ElasticTrainer(Trainer):
             report[3 * size + self.rank] = self._pipeline_done - self._step_started
             report[4 * size + self.rank] = self._stage_timer.total_s
             report[5 * size + self.rank] = self._layers_timer.total_s
+            report[6 * size + self.rank] = time.perf_counter() - self._pipeline_done
+            report[7 * size + self.rank] = self._last_change_s
         return report
 
     def _nonfinite_losses(self, report: torch.Tensor) -> str:
@@ -226,14 +232,19 @@ class ElasticTrainer(Trainer):
             self.recover(error)
 
     def _follow_stragglers(self, pipeline_s: torch.Tensor, forward_s: torch.Tensor,
-                           layers_s: torch.Tensor) -> None:
+                           layers_s: torch.Tensor, shared_s: torch.Tensor,
+                           change_s: torch.Tensor) -> None:
         """Re-deal the micro-batches when a replica is persistently slow, or move layers off a
         slow stage where that pays instead (:mod:`.stragglers`)."""
-        leaders = {stage.ranks[0] for r in self.layout.replicas for stage in r.stages}
+        leaders = sorted({stage.ranks[0] for r in self.layout.replicas for stage in r.stages})
         self.detector.observe(
             self.layout, {rank: float(pipeline_s[rank]) for rank in leaders},
             {rank: StageCompute(float(layers_s[rank]), float(forward_s[rank] - layers_s[rank]))
-             for rank in leaders})
+             for rank in leaders},
+            # The last replica to reach the reduction waits least in it: its time from there on
+            # is the part of the step no deal of micro-batches changes.
+            StepTimes(shared_s=min(float(shared_s[rank]) for rank in leaders),
+                      change_s=max(float(change_s[rank]) for rank in leaders)))
         decision = self.detector.proposal(self.layout)
         if decision is None:
             moved = self.detector.layer_proposal(self.layout)
@@ -241,7 +252,7 @@ class ElasticTrainer(Trainer):
                 self._change_layout(lambda: (moved.layout, self.governor.plan),
                                     reason=moved.reason, predicted_gain=moved.predicted_gain)
             return
-        self.detector.reset()
+        self.detector.redealt()
         self.layout = decision.layout
         self.replica = self.layout.replica_by_index()[self.layout.position(self.rank)[0]]
         write_redeal(self.metrics, iteration=self.iteration, layout=self.layout,
@@ -259,6 +270,20 @@ class ElasticTrainer(Trainer):
         """Snapshot the state before the first step of this rank, if not held yet."""
         if not any(tag[:2] == (self.rank, self.iteration) for tag in self.snapshots.store.held()):
             self._snapshot_now()
+            self.say_protection()
+
+    def say_protection(self) -> None:
+        """The logging rank says how many copies each snapshot has and which losses the
+        layout's placement of them survives (at start and after every layout change)."""
+        if not self.is_logger:
+            return
+        config = self.snapshots.store.config
+        own_bytes = sum(t.nbytes for t in self._named_shard.tensors().values())
+        held = survival(self.layout, config.replicas, config.ranks_per_node)
+        copies = "1 copy" if config.replicas == 1 else f"{config.replicas} copies"
+        log(f" snapshots: {copies} of each rank's state ({own_bytes / 1e6:.1f} MB on rank "
+            f"{self.rank}, up to {2 * (1 + config.replicas) * own_bytes / 1e6:.1f} MB held there); "
+            f"the layout {held.describe()}")
 
     def _snapshot_now(self) -> None:
         """Snapshot the current state and settle it at once: the next failure rolls back to it."""
@@ -465,6 +490,7 @@ class ElasticTrainer(Trainer):
         times = RecoveryTimes(failure_at=announced, noticed_at=announced, agreed_at=announced,
                               planned_at=announced, edited_at=time.time())
         self.restore(plan.decision.generation, plan.layout, times)
+        self._last_change_s = times.migrated_at - times.planned_at
         self.governor.apply(plan.clocks, plan.layout)
         if self.detector is not None:  # a grow is planned; moved layers keep the planned counts
             self.detector.reset(planned=plan.layout if plan.decision.joined else None)
@@ -537,6 +563,7 @@ class ElasticTrainer(Trainer):
                                            group=self.registry.host_group(Role.WORLD),
                                            store=self.snapshots.store, version=generation)
             self._snapshot_now()
+            self.say_protection()
         times.migrated_at = time.time()
         if self.is_logger and self.metrics.path is None:
             self.metrics = MetricsWriter(self.args.elastic_metrics_file)

@@ -6,11 +6,16 @@ from __future__ import annotations
 import argparse
 from datetime import timedelta
 
+import psutil
+import torch
+import torch.distributed as dist
+
 from megatron_elaswave.communicator import GroupRegistry, Role
 from megatron_elaswave.decisions import Decision
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.dvfs import DvfsGovernor, clock_backend
 from megatron_elaswave.faults import FaultInjector
+from megatron_elaswave.keys import SNAPSHOT_COPIES_KEY
 from megatron_elaswave.metrics import MetricsWriter
 from megatron_elaswave.monitor import FailureMonitor, MonitorConfig
 from megatron_elaswave.patches import distributed_work
@@ -24,9 +29,10 @@ from .durable import DurableCheckpoints, DurableConfig
 from .elastic import ElasticTrainer
 from .layer_groups import ModelFactory, build_stage_objects
 from .loop import log
+from .migration import NamedShard
 from .model import seed_random_generators
 from .planning import cost_model, failure_free_layout
-from .snapshots import StepSnapshots, snapshot_config
+from .snapshots import StepSnapshots, affordable_copies, ranks_per_node, snapshot_config
 from .stopping import StopConditions
 from .stragglers import RebalanceConfig, StragglerDetector
 
@@ -51,7 +57,11 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
     objects = build_stage_objects(args, layout, registry, model_factory, backend.device())
     monitor = FailureMonitor(store, rank, Decision.initial(world_size), config, job_size=world_size)
     _abandon_waits_on_failure(monitor)
-    snapshots = StepSnapshots(layout, rank, snapshot_config(args),
+    copies = _agree_on_copies(args, objects, layout.position(rank)[2],
+                              registry.host_group(Role.WORLD))
+    if rank == 0:
+        store.set(SNAPSHOT_COPIES_KEY, str(copies))
+    snapshots = StepSnapshots(layout, rank, snapshot_config(args, copies),
                               group=registry.host_group(Role.WORLD))
     parts = _runtime_parts(args, backend, rank, vocab_size, config, model_factory, store,
                            snapshots)
@@ -62,6 +72,21 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
         metrics=MetricsWriter(args.elastic_metrics_file if rank == 0 else None), rank=rank,
         snapshots=snapshots, registry=registry, monitor=monitor, store=store, **parts,
         **trainer_fields)
+
+
+def _agree_on_copies(args: argparse.Namespace, objects, tp_rank: int, group) -> int:
+    """The copies of each snapshot: ``--elastic-snapshot-replicas``, else the most that fit in
+    every node's host memory (:func:`~.snapshots.affordable_copies`), from the largest shard and
+    the least memory of any rank. Collective over ``group``, the ranks that hold a stage."""
+    if args.elastic_snapshot_replicas is not None:
+        return args.elastic_snapshot_replicas
+    shard_bytes = sum(tensor.nbytes for tensor in NamedShard(objects, tp_rank).tensors().values())
+    on_node = ranks_per_node() or 1
+    needs = torch.tensor([shard_bytes, -psutil.virtual_memory().available // on_node],
+                         dtype=torch.float64)
+    dist.all_reduce(needs, op=dist.ReduceOp.MAX, group=group)
+    largest_shard, least_memory = int(needs[0]), int(-needs[1])
+    return affordable_copies(largest_shard, least_memory * on_node, on_node)
 
 
 def _abandon_waits_on_failure(monitor: FailureMonitor) -> None:
@@ -122,7 +147,8 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
     if rank in plan.layout.active_ranks():  # its stage may span several layer groups
         seed_random_generators(args.seed,
                                registry.process_group_collection(registry.layer_groups()[0]))
-    snapshots = StepSnapshots(plan.state_layout, rank, snapshot_config(args))
+    snapshots = StepSnapshots(plan.state_layout, rank,
+                              snapshot_config(args, int(store.get(SNAPSHOT_COPIES_KEY))))
     trainer = ElasticTrainer(
         args=args, objects=None, pg_collection=None, backend=backend, layout=plan.state_layout,
         train_source=train_source, valid_source=valid_source, metrics=MetricsWriter(None),

@@ -150,8 +150,10 @@ def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: in
         try:
             run_elastic(trainer)
         except (CannotContinue, StateLost, StepFailed) as stopped:
-            trainer.store.set(FINISHED_KEY, str(stopped) or type(stopped).__name__)
-            trainer.durable.finish(trainer.durable.config.timeout_s)  # known before said
+            with contextlib.suppress(RuntimeError):  # a lost job store is what stopped it
+                trainer.store.set(FINISHED_KEY, str(stopped) or type(stopped).__name__)
+                # What there is to resume from is known before every survivor says it.
+                trainer.durable.finish(trainer.durable.config.timeout_s)
             raise
         finally:
             trainer.governor.backend.close()
@@ -168,6 +170,8 @@ def train_job(args: argparse.Namespace, backend: DeviceBackend, rank: int, local
     dropout_rng.set_seed(args.seed)
     tokenizer = load_tokenizer(args)
     rejoining = os.environ.get(REJOIN_ENV) == "1"
+    if args.elastic and (overridden := backend.keep_survivors_alive()) and rank == 0:
+        log(f" note: {overridden}")
     if rejoining and not args.elastic:
         raise CannotRejoin("this worker was started again to rejoin the job, but the job does "
                            "not run with --elastic: its survivors stopped with the failure")

@@ -159,14 +159,17 @@ class CostProfiler:
         }
 
 
-def _p2p_latency(group: dist.ProcessGroup, device: torch.device) -> float:
-    """Half the median round trip of a one-element message between group ranks 0 and 1."""
+def _p2p_latency(group: dist.ProcessGroup, backend: DeviceBackend) -> float:
+    """Half the median round trip of a one-element message between group ranks 0 and 1, the
+    device synchronised before each clock is read (the collectives of an accelerator return
+    before they end)."""
     if group.size() < 2 or group.rank() > 1:
         return 0.0
     peer = dist.get_global_rank(group, 1 - group.rank())
-    message = torch.zeros(1, device=device)
+    message = torch.zeros(1, device=backend.device())
     trips = []
     for _ in range(_LINK_REPEATS):
+        backend.synchronize()
         start = time.perf_counter()
         if group.rank() == 0:
             dist.send(message, peer, group=group)
@@ -174,20 +177,24 @@ def _p2p_latency(group: dist.ProcessGroup, device: torch.device) -> float:
         else:
             dist.recv(message, peer, group=group)
             dist.send(message, peer, group=group)
+        backend.synchronize()
         trips.append(time.perf_counter() - start)
     return statistics.median(trips) / 2
 
 
-def _allreduce_bandwidth(group: dist.ProcessGroup, device: torch.device) -> float:
-    """Bus bandwidth of an all-reduce over ``group`` (a local copy's for a one-rank group)."""
-    buffer = torch.ones(_BANDWIDTH_PROBE_BYTES // 4, device=device)
+def _allreduce_bandwidth(group: dist.ProcessGroup, backend: DeviceBackend) -> float:
+    """Bus bandwidth of an all-reduce over ``group`` (a local copy's for a one-rank group), the
+    device synchronised before each clock is read."""
+    buffer = torch.ones(_BANDWIDTH_PROBE_BYTES // 4, device=backend.device())
     times = []
     for _ in range(_LINK_REPEATS):
+        backend.synchronize()
         start = time.perf_counter()
         if group.size() > 1:
             dist.all_reduce(buffer, group=group)
         else:
             buffer.copy_(buffer.flip(0))
+        backend.synchronize()
         times.append(time.perf_counter() - start)
     ranks = group.size()
     traffic = 2 * (ranks - 1) / ranks * _BANDWIDTH_PROBE_BYTES if ranks > 1 else _BANDWIDTH_PROBE_BYTES
@@ -196,9 +203,8 @@ def _allreduce_bandwidth(group: dist.ProcessGroup, device: torch.device) -> floa
 
 def write_profile(path: str, profiler: CostProfiler, pg_collection, args, device_name: str) -> None:
     """Gather every rank's measurements and write the profile from rank 0 (collective)."""
-    device = profiler.backend.device()
-    latency = _p2p_latency(pg_collection.pp, device)
-    bandwidth = _allreduce_bandwidth(pg_collection.dp, device)
+    latency = _p2p_latency(pg_collection.pp, profiler.backend)
+    bandwidth = _allreduce_bandwidth(pg_collection.dp, profiler.backend)
     measured = profiler.local_costs() if (pg_collection.tp.rank() == 0
                                           and pg_collection.dp.rank() == 0) else None
     gathered = [None] * dist.get_world_size()

@@ -65,9 +65,32 @@ def ranks_per_node() -> int | None:
     return int(local_world_size) if local_world_size else None
 
 
-def snapshot_config(args: argparse.Namespace) -> SnapshotConfig:
-    """The snapshots the flags ask for."""
-    return SnapshotConfig(replicas=args.elastic_snapshot_replicas, ranks_per_node=ranks_per_node(),
+AUTOMATIC_COPIES = 2
+"""Copies of each snapshot that ``--elastic-snapshot-replicas`` gives by default where they fit:
+any two ranks may then fail together."""
+
+SNAPSHOT_MEMORY_SHARE = 0.5
+"""The share of a node's available host memory the automatic number of copies may fill."""
+
+
+def affordable_copies(shard_bytes: int, available_bytes: int, ranks_on_node: int) -> int:
+    """The most copies, up to :data:`AUTOMATIC_COPIES` and at least 1, whose snapshots fit in
+    :data:`SNAPSHOT_MEMORY_SHARE` of ``available_bytes``: every one of ``ranks_on_node`` ranks
+    holds two iterations of its own snapshot of ``shard_bytes`` and, as many as it has copies,
+    of its peers'."""
+    for copies in range(AUTOMATIC_COPIES, 1, -1):
+        if ranks_on_node * 2 * (1 + copies) * shard_bytes <= SNAPSHOT_MEMORY_SHARE * available_bytes:
+            return copies
+    return 1
+
+
+def snapshot_config(args: argparse.Namespace, copies: int | None = None) -> SnapshotConfig:
+    """The snapshots the flags ask for; ``copies`` decides an automatic number of replicas
+    (``--elastic-snapshot-replicas`` not given: one without it)."""
+    replicas = args.elastic_snapshot_replicas
+    if replicas is None:
+        replicas = copies if copies is not None else 1
+    return SnapshotConfig(replicas=replicas, ranks_per_node=ranks_per_node(),
                           overlap=args.elastic_snapshot_overlap == "on")
 
 

@@ -9,9 +9,17 @@ soak sends, at random moments (seeded), faults drawn from:
 * ``recovery-kill``: SIGKILL of one worker, then of another of its node 0 to 0.5 s after the
   launcher recorded the first death, while the survivors recover;
 * ``burst``: 2 to 4 workers of one node SIGKILLed within one second;
-* ``node``: node 1's launcher SIGKILLed with its workers; a new launcher takes its place.
+* ``node``: node 1's launcher SIGKILLed with its workers; a new launcher takes its place;
+* ``join-kill``: SIGKILL of one worker, then of another of the job as soon as the first one's
+  replacement asks to join (its request is in the store): a failure while a rank joins;
+* ``grow-kill``: SIGKILL of one worker, then of another as soon as the job records the grow that
+  took its replacement back in (the damaged replica's layers move back at that step boundary):
+  a failure right after a layer move;
+* ``consecutive``: SIGKILL of one worker, then of another as soon as the job records the
+  recovery from the first: failures in consecutive iterations.
 
-Every dead worker is started again (``--rejoin``) and joins at a step boundary. Before the next
+The first faults are every kind once, in a seeded order; the rest are drawn at random. Every
+dead worker is started again (``--rejoin``) and joins at a step boundary. Before the next
 fault the soak waits until the job runs on all eight ranks again, then a random number of
 iterations. After the last fault the job trains a few iterations on every rank and the soak
 stops it; the failure-free run of the same flags, up to the same iteration, is the reference:
@@ -50,12 +58,15 @@ from pathlib import Path
 
 from common import SCRIPTS, free_port
 
+from megatron_elaswave.keys import join_key
 from megatron_elaswave.metrics import MetricsFollower, read_metrics
 from megatron_elaswave.store import WorkerDeath, read_deaths, read_worker
 
 NODES, PER_NODE = 2, 4
 RANKS = NODES * PER_NODE
-KINDS = ("kill", "stop", "recovery-kill", "burst", "node")
+KINDS = ("kill", "stop", "recovery-kill", "burst", "node", "join-kill", "grow-kill", "consecutive")
+SECOND_KILL = {"join-kill", "grow-kill", "consecutive"}
+"""The kinds that SIGKILL a second worker at a moment the first one's handling reports."""
 LOSS_TOLERANCE = 1e-4
 OTHER_LAYOUT = {"--pipeline-model-parallel-size": "1"}
 """The failure-free run that measures how far summation order alone moves the loss: TP2 x PP1 x
@@ -222,12 +233,15 @@ class Soak:
             victims = [self.rng.choice(ranks)]
         elif kind == "recovery-kill":
             victims = self.rng.sample(ranks, 2)
+        elif kind in SECOND_KILL:
+            victims = self.rng.sample(range(RANKS), 2)
         elif kind == "burst":
             victims = self.rng.sample(ranks, self.rng.randint(2, 4))
         else:
             victims = list(range(PER_NODE, 2 * PER_NODE))
         pids = [self.pid(rank) for rank in victims] if kind != "node" else []
         deaths = len(read_deaths(self.store())) if kind == "recovery-kill" else 0
+        records = len(self.records())
         started = time.time()
         if kind in ("kill", "stop"):
             send(pids[0], signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
@@ -235,6 +249,14 @@ class Soak:
             send(pids[0], signal.SIGKILL)
             self.wait(lambda: len(read_deaths(self.store())) > deaths, 10)
             time.sleep(self.rng.uniform(0.0, 0.5))
+            send(pids[1], signal.SIGKILL)
+        elif kind in SECOND_KILL:
+            send(pids[0], signal.SIGKILL)
+            if kind == "join-kill":
+                self.wait(lambda: self.store().check([join_key(victims[0])]), 60)
+            else:
+                event = "grow" if kind == "grow-kill" else "recovery"
+                self.wait(lambda: any(r["event"] == event for r in self.records()[records:]), 120)
             send(pids[1], signal.SIGKILL)
         elif kind == "burst":
             gaps = sorted(self.rng.uniform(0.0, 1.0) for _ in victims)
@@ -270,6 +292,7 @@ def run_soak(faults: int, seed: int, kinds: tuple[str, ...], workdir: Path,
     flags = [*model_flags(train_iters), "--elastic-metrics-file", str(metrics)]
     soak = Soak(workdir, metrics, port, flags, random.Random(seed), rejoin_delay_s)
     soak.nodes = [Node(rank, port, flags, workdir, rejoin_delay_s) for rank in range(NODES)]
+    order = soak.rng.sample(kinds, len(kinds))  # every kind once first, in a seeded order
     injected: list[Fault] = []
     deaths: list[WorkerDeath] = []
     try:
@@ -282,7 +305,8 @@ def run_soak(faults: int, seed: int, kinds: tuple[str, ...], workdir: Path,
             if not soak.wait(lambda: soak.iterations()[-1]["iteration"] >= start + gap, 120):
                 break
             recovered = soak.recoveries()
-            injected.append(soak.inject(soak.rng.choice(kinds)))
+            injected.append(soak.inject(order[len(injected)] if len(injected) < len(order)
+                                        else soak.rng.choice(kinds)))
             # The fault's recovery first: until then the job still looks whole.
             soak.wait(lambda: soak.recoveries() > recovered, 60)
             print(f"  fault {len(injected)}: {injected[-1].kind} of ranks {injected[-1].victims}",
@@ -295,7 +319,7 @@ def run_soak(faults: int, seed: int, kinds: tuple[str, ...], workdir: Path,
             soak.wait(lambda: soak.iterations()[-1]["iteration"] >= end, 120)
         deaths = soak.deaths(deaths)
     finally:
-        for node in soak.nodes:
+        for node in reversed(soak.nodes):  # node 0, which hosts the store, last
             node.stop()
     return injected, read_metrics(str(metrics)), deaths, "".join(
         path.read_text() for path in sorted(workdir.glob("node*.log")))

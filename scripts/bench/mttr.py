@@ -19,6 +19,11 @@ completed again:
   fault tolerant across data-parallel replicas; it does not reshard a TP x PP replica), the
   same global batch (2 sequences per replica), random tokens; the last replica is SIGKILLed
   mid-step. Reported as that script measures it, when torchft is installed.
+* ``elaswave_hang``: the ``elaswave`` arm with the victim SIGSTOPped instead, never resumed,
+  and ``--elastic-heartbeat-timeout`` set to TorchFT's Lighthouse heartbeat timeout
+  (``--hang-heartbeat-s``, 5 s): both then find the failure by a silence of the same length,
+  where a SIGKILL is seen by ElasWave's launcher at once and by TorchFT only through that
+  silence. The like-for-like comparison of the two.
 * ``elaswave_12`` (with ``--scale``): the ``elaswave`` arm on 12 ranks (TP2 x PP2 x DP3, the
   same 8 samples per replica and iteration), to show how recovery grows with the job; the ratio
   12 / 8 ranks is printed.
@@ -135,14 +140,20 @@ class Job:
         self.log.close()
 
 
-def elaswave(data: str, workdir: Path, fail_at: int, fail_rank: int, nproc: int = NPROC) -> dict:
-    job = Job([*model_flags(data, fail_at + 3, nproc), "--elastic"], workdir / "elaswave.jsonl",
-              workdir / "elaswave.log", nproc)
+def elaswave(data: str, workdir: Path, fail_at: int, fail_rank: int, nproc: int = NPROC,
+             hang_heartbeat_s: float | None = None) -> dict:
+    """``hang_heartbeat_s``: SIGSTOP the victim instead of SIGKILL, with that heartbeat timeout."""
+    flags = [*model_flags(data, fail_at + 3, nproc), "--elastic"]
+    if hang_heartbeat_s is not None:
+        flags += ["--elastic-heartbeat-timeout", f"{hang_heartbeat_s:g}"]
+    job = Job(flags, workdir / "elaswave.jsonl", workdir / "elaswave.log", nproc)
     victim = job.worker_pid(fail_rank)
     job.wait_for_iteration(fail_at - 1)
-    os.kill(victim, signal.SIGKILL)
+    os.kill(victim, signal.SIGKILL if hang_heartbeat_s is None else signal.SIGSTOP)
     killed_at = time.time()
     recovery = job.wait_for_record("recovery", "the recovery")
+    if hang_heartbeat_s is not None:
+        os.kill(victim, signal.SIGKILL)  # its launcher would fence it after the exclusion grace
     job.finish()
     return {"mttr_s": recovery["time"] - killed_at, "lost_iterations": 0,
             "breakdown": {k: v for k, v in recovery.items() if k.endswith("_s")}}
@@ -194,6 +205,10 @@ def main() -> None:
     parser.add_argument("--workdir", default="runs/bench-mttr")
     parser.add_argument("--skip-restart", action="store_true")
     parser.add_argument("--skip-torchft", action="store_true")
+    parser.add_argument("--skip-hang", action="store_true",
+                        help="skip the arm that SIGSTOPs the victim (found by its heartbeat)")
+    parser.add_argument("--hang-heartbeat-s", type=float, default=5.0,
+                        help="heartbeat timeout of the SIGSTOP arm: TorchFT's Lighthouse default")
     parser.add_argument("--scale", action="store_true",
                         help="also recover on 12 ranks (DP3) and print the ratio 12 / 8 ranks")
     parser.add_argument("--json", action="store_true")
@@ -204,6 +219,8 @@ def main() -> None:
     workdir = Path(args.workdir)
     data = demo_corpus(workdir)
     runs: dict[str, list[dict]] = {"elaswave": []} if args.skip_restart else {"elaswave": [], "restart": []}
+    if not args.skip_hang:
+        runs["elaswave_hang"] = []
     if args.scale:
         runs["elaswave_12"] = []
     for repetition in range(args.repetitions):
@@ -214,6 +231,9 @@ def main() -> None:
                     result = elaswave(data, Path(scratch), args.fail_at, args.fail_rank)
                 elif arm == "elaswave_12":
                     result = elaswave(data, Path(scratch), args.fail_at, args.fail_rank, 12)
+                elif arm == "elaswave_hang":
+                    result = elaswave(data, Path(scratch), args.fail_at, args.fail_rank,
+                                      hang_heartbeat_s=args.hang_heartbeat_s)
                 else:
                     result = restart(data, Path(scratch), args.fail_at, args.fail_rank,
                                      args.save_interval)
@@ -226,6 +246,7 @@ def main() -> None:
         summary["restart_over_elaswave"] = summary["restart_mttr_s"] / summary["elaswave_mttr_s"]
         summary["restart_lost_iterations"] = statistics.median(r["lost_iterations"]
                                                                for r in runs["restart"])
+    summary["hang_heartbeat_s"] = args.hang_heartbeat_s
     if args.scale:
         summary["elaswave_12_over_8"] = summary["elaswave_12_mttr_s"] / summary["elaswave_mttr_s"]
     breakdowns = [r["breakdown"] for r in runs["elaswave"] if r["breakdown"]]
@@ -249,6 +270,9 @@ def main() -> None:
         print(f"ElasWave on 12 ranks {summary['elaswave_12_mttr_s']:.3f} s, "
               f"{summary['elaswave_12_over_8']:.3f}x the 8-rank MTTR "
               f"({summary['elaswave_mttr_s']:.3f} s)")
+    if "elaswave_hang_mttr_s" in summary:
+        print(f"ElasWave with the victim SIGSTOPped, found by a {args.hang_heartbeat_s:g} s "
+              f"heartbeat timeout: {summary['elaswave_hang_mttr_s']:.2f} s")
     if summary.get("torchft_mttr_s") is not None:
         print(f"TorchFT (torchft package, {NPROC} DDP replicas of the same GPT): "
               f"{summary['torchft_mttr_s']:.2f} s")

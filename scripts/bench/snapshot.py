@@ -1,12 +1,12 @@
 """Step time with and without per-step in-memory snapshots, and the memory they take.
 
-Four arms of ``pretrain_gpt.py`` on the same job, time-sliced (``common.time_sliced``): no
-snapshots; snapshots kept
-locally (``--elastic-snapshot-replicas 0``); snapshots replicated to one buddy (K=1, the
-default), each settled in its own step (``--elastic-snapshot-overlap off``); the same, each
-settled in the next step before its optimizer step (``--elastic-snapshot-overlap on``, the
+Five arms of ``pretrain_gpt.py`` on the same job, time-sliced (``common.time_sliced``): no
+snapshots; snapshots kept locally (``--elastic-snapshot-replicas 0``); snapshots replicated to
+one buddy (K=1), each settled in its own step (``--elastic-snapshot-overlap off``); the same,
+each settled in the next step before its optimizer step (``--elastic-snapshot-overlap on``, the
 default): its exchange with the buddy runs on a thread beside the next step's forward and
-backward, and on CUDA its device-to-host copies too.
+backward, and on CUDA its device-to-host copies too; and two buddies (K=2, the default where
+memory allows: any two ranks may fail together), settled in the next step.
 Prints the median iteration time of each arm, their ratios to the arm without snapshots (the
 median over sets of each set's median over rounds of the windows' ratio within a round; target:
 at most 1.05) with a 95% interval for each over the sets (``common.median_interval``), and the
@@ -54,6 +54,8 @@ def main() -> None:
                        "--elastic-snapshot-overlap", "off"],
         "overlapped": ["--elastic-snapshots", "--elastic-snapshot-replicas", "1",
                        "--elastic-snapshot-overlap", "on"],
+        "two copies": ["--elastic-snapshots", "--elastic-snapshot-replicas", "2",
+                       "--elastic-snapshot-overlap", "on"],
     }
 
     def arm(name: str):
@@ -71,8 +73,9 @@ def main() -> None:
         "ratio_local": times.paired_ratio("local", "none"),
         "ratio_replicated": times.paired_ratio("replicated", "none"),
         "ratio_overlapped": times.paired_ratio("overlapped", "none"),
+        "ratio_two_copies": times.paired_ratio("two copies", "none"),
         "ratio_interval": {name: times.ratio_interval(name, "none")
-                           for name in ("local", "replicated", "overlapped")},
+                           for name in ("local", "replicated", "overlapped", "two copies")},
         "snapshot_bytes_rank0": {k: v for k, v in snapshot_bytes.items() if k != "none"},
         "iterations_per_arm": len(times.pooled("none")),
     }
@@ -84,12 +87,15 @@ def main() -> None:
               f"no snapshots {medians['none'] * 1e3:.1f} ms, local {medians['local'] * 1e3:.1f} ms "
               f"(x{summary['ratio_local']:.3f}), replicated K=1 {medians['replicated'] * 1e3:.1f} ms "
               f"(x{summary['ratio_replicated']:.3f}), settled in the next step "
-              f"{medians['overlapped'] * 1e3:.1f} ms (x{summary['ratio_overlapped']:.3f}); "
+              f"{medians['overlapped'] * 1e3:.1f} ms (x{summary['ratio_overlapped']:.3f}), "
+              f"two copies {medians['two copies'] * 1e3:.1f} ms "
+              f"(x{summary['ratio_two_copies']:.3f}); "
               f"target <= 1.05; 95% intervals: " + ", ".join(
                   f"{name} {low:.3f} to {high:.3f}"
                   for name, (low, high) in summary["ratio_interval"].items())
               + "; bytes held by rank 0: "
-              f"local {snapshot_bytes['local']}, K=1 {snapshot_bytes['replicated']}")
+              f"local {snapshot_bytes['local']}, K=1 {snapshot_bytes['replicated']}, "
+              f"K=2 {snapshot_bytes['two copies']}")
 
 
 if __name__ == "__main__":
