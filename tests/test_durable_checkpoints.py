@@ -168,7 +168,7 @@ def kill_rank_1_mid_save(job, save: Path) -> None:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("kill", ["injected", "external"])
+@pytest.mark.parametrize("kill", [pytest.param("injected", marks=pytest.mark.quick), "external"])
 def test_a_worker_killed_while_a_checkpoint_is_written_never_leaves_the_tracker_on_it(
         text_data, reference, tmp_path, kill):  # noqa: F811
     """Checkpoints every 2 iterations; rank 1 dies in the middle of the save of iteration 4:
