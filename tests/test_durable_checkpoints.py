@@ -14,7 +14,6 @@ import os
 import re
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -73,7 +72,8 @@ class TrackerWatch(threading.Thread):
                 self.named.append(int(text))
             directory = self.root / f"iter_{int(text):07d}"
             if not is_complete(directory):
-                self.incomplete.append(f"{directory}: {sorted(os.listdir(directory)) if directory.is_dir() else 'missing'}")
+                held = sorted(os.listdir(directory)) if directory.is_dir() else "missing"
+                self.incomplete.append(f"{directory}: {held}")
 
     def __enter__(self) -> TrackerWatch:
         self.start()
@@ -94,7 +94,8 @@ def saved_at_least(root: Path, iteration: int) -> bool:
     return latest is not None and latest[0] >= iteration
 
 
-def train(tmp_path: Path, name: str, command: list[str], timeout: float = 240) -> tuple[list[dict], list[dict], str]:
+def train(tmp_path: Path, name: str, command: list[str],
+          timeout: float = 240) -> tuple[list[dict], list[dict], str]:
     """Run to the end (exit status 0); the iteration and recovery records and the log."""
     metrics = tmp_path / f"{name}.jsonl"
     with launch([PRETRAIN, *command, "--elastic-metrics-file", str(metrics)], 4,
@@ -278,7 +279,8 @@ def megatron_lm(tmp_path: Path, name: str, extra: list[str], *,
     return returncode, output, losses
 
 
-def assert_same_log_losses(reference: list[tuple[int, float]], run: list[tuple[int, float]]) -> None:
+def assert_same_log_losses(reference: list[tuple[int, float]],
+                           run: list[tuple[int, float]]) -> None:
     assert [i for i, _ in run] == [i for i, _ in reference]
     for (i, expected), (_, got) in zip(reference, run):
         assert abs(got - expected) <= 1e-5 * abs(expected), (i, expected, got)

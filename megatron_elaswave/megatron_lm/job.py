@@ -97,7 +97,8 @@ def feeding(forward_step_func: Callable) -> Callable:
 class MegatronLMJob:
     """One rank's part of an elastic run driven by Megatron-LM's ``train()`` (module docstring)."""
 
-    def __init__(self, trainer: ElasticTrainer, sources: dict[EvaluationSplit, MicrobatchSource | None],
+    def __init__(self, trainer: ElasticTrainer,
+                 sources: dict[EvaluationSplit, MicrobatchSource | None],
                  resumed_at: tuple[int, int, float] = (0, 0, 0.0)):
         self.trainer = trainer
         self.sources = sources

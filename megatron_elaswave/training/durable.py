@@ -42,7 +42,6 @@ import queue
 import shutil
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -236,11 +235,9 @@ class DurableCheckpoints:
             try:
                 self._write(store, request)
             except Exception as error:  # the job goes on; this save is abandoned
-                outcome = store.compare_set(checkpoint_key(request.save_id, "outcome"), "", ABANDONED)
+                store.compare_set(checkpoint_key(request.save_id, "outcome"), "", ABANDONED)
                 log(f" rank {self.config.rank}: the checkpoint of iteration {request.iteration} "
-                    f"is abandoned ({type(error).__name__}: {error}; outcome {outcome.decode()})")
-                if os.environ.get("ELASWAVE_DEBUG"):
-                    traceback.print_exc()
+                    f"is abandoned ({type(error).__name__}: {error})")
             finally:
                 self._snapshots.unpin(request.snapshot.snapshot)
                 with self._idle:
@@ -286,7 +283,8 @@ class DurableCheckpoints:
         write_index(request.directory, merged)
         _remove_other_parts(request)
         _sync_directory(request.directory)
-        while store.compare_set(CHECKPOINT_LOCK_KEY, "", request.save_id).decode() != request.save_id:
+        lock = request.save_id
+        while store.compare_set(CHECKPOINT_LOCK_KEY, "", lock).decode() != lock:
             if self._abandoned(store, request):
                 return
             if time.monotonic() > deadline:

@@ -7,9 +7,9 @@ edit the groups, restore, re-run). The trainer itself owns the state of the stag
 how that state is restored into a new layout (rollback, share, migrate: :meth:`restore`).
 
 With ``--save`` the trainer queues a durable checkpoint of every ``--save-interval``-th
-iteration, of the last one and of the one after which the job stops early (``--exit-signal-handler``,
-``--exit-duration-in-mins``): each rank writes its own snapshot of it in the background
-(:mod:`.durable`). When no layout of the survivors can hold the model, they gather the state of
+iteration, of the last one and of the one after which the job stops early
+(``--exit-signal-handler``, ``--exit-duration-in-mins``): each rank writes its own snapshot of it
+in the background (:mod:`.durable`). When no layout of the survivors can hold the model, they gather the state of
 the rollback iteration into the checkpoint layout (:mod:`.rescue`), save it the same way to
 ``--save`` (default ``./elaswave-checkpoint``), wait for it and stop with
 :class:`~.recovery.CannotContinue`, naming what is missing and where the checkpoint is;

@@ -40,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import SCRIPTS, Alternated, SlicedJob, median_interval, time_sliced
+from common import SCRIPTS, Alternated, SlicedJob, time_sliced
 
 ELASTIC = ["--elastic", "--elastic-rebalance-window", "0"]
 TARGET = 1.02
