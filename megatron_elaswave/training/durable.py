@@ -151,8 +151,9 @@ class DurableCheckpoints:
         self._queue: queue.Queue[SaveRequest | None] = queue.Queue()
         self._pending: dict[str, SaveRequest] = {}
         """Requests queued or being written, by save id."""
-        self._unresolved: set[str] = set()
-        """Saves this rank took part in whose outcome it has not seen committed or abandoned."""
+        self._unresolved: dict[str, tuple[int, ...]] = {}
+        """The writers of each save this rank took part in whose outcome it has not seen
+        committed or abandoned, by save id."""
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
@@ -164,18 +165,12 @@ class DurableCheckpoints:
         self._snapshots.pin(request.snapshot.snapshot)
         with self._lock:
             self._pending[request.save_id] = request
-            self._unresolved.add(request.save_id)
+            self._unresolved[request.save_id] = request.writers
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="elaswave-checkpoint-writer",
                                             daemon=True)
             self._thread.start()
         self._queue.put(request)
-
-    @property
-    def busy(self) -> bool:
-        """Whether a request is queued or being written."""
-        with self._lock:
-            return bool(self._pending)
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Return once every request submitted so far is done (written, and committed or
@@ -198,27 +193,32 @@ class DurableCheckpoints:
         with self._lock:
             unresolved = sorted(self._unresolved)
         for save_id in unresolved:
-            key = checkpoint_key(save_id, "outcome")
-            while time.monotonic() < deadline:
-                if self.store.check([key]) and self.store.get(key).decode() in (COMMITTED,
-                                                                                 ABANDONED):
-                    with self._lock:
-                        self._unresolved.discard(save_id)
-                    break
+            while time.monotonic() < deadline and not self._resolved(save_id, self.store):
                 time.sleep(_POLL_S)
 
-    def abandon_saves_of(self, failed: set[int] | frozenset[int]) -> None:
-        """After a recovery from the failure of ``failed``: abandon every save in progress here
-        that one of them writes, unless its finaliser already commits it (then every part is on
-        storage). A commit lock a failed finaliser held is released."""
+    def _resolved(self, save_id: str, store) -> bool:
+        """Whether the job committed or abandoned ``save_id`` (then it is forgotten here)."""
+        key = checkpoint_key(save_id, "outcome")
+        if not (store.check([key]) and store.get(key).decode() in (COMMITTED, ABANDONED)):
+            return False
         with self._lock:
-            requests = list(self._pending.values())
-        for request in requests:
-            if failed.isdisjoint(request.writers):
+            self._unresolved.pop(save_id, None)
+        return True
+
+    def abandon_saves_of(self, failed: set[int] | frozenset[int]) -> None:
+        """After a recovery from the failure of ``failed``: abandon every save this rank took
+        part in that one of them writes and that is not resolved yet, unless its finaliser
+        already commits it (then every part is on storage). A commit lock a failed finaliser
+        held is released."""
+        with self._lock:
+            unresolved = dict(self._unresolved)
+        for save_id, writers in unresolved.items():
+            if failed.isdisjoint(writers) or self._resolved(save_id, self.store):
                 continue
-            self.store.compare_set(checkpoint_key(request.save_id, "outcome"), "", ABANDONED)
-            if request.finaliser in failed:
-                self.store.compare_set(CHECKPOINT_LOCK_KEY, request.save_id, "")
+            self.store.compare_set(checkpoint_key(save_id, "outcome"), "", ABANDONED)
+            if min(writers) in failed:
+                self.store.compare_set(CHECKPOINT_LOCK_KEY, save_id, "")
+            self._resolved(save_id, self.store)
 
     def close(self) -> None:
         """Stop the thread once the requests queued are done."""
@@ -243,6 +243,10 @@ class DurableCheckpoints:
                 with self._idle:
                     del self._pending[request.save_id]
                     self._idle.notify_all()
+            with self._lock:  # forget the saves the job has resolved since
+                earlier = [save_id for save_id in self._unresolved if save_id not in self._pending]
+            for save_id in earlier:
+                self._resolved(save_id, store)
 
     def _abandoned(self, store, request: SaveRequest) -> bool:
         key = checkpoint_key(request.save_id, "outcome")
