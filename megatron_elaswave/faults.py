@@ -21,7 +21,9 @@ optimizer step), ``snapshot`` (between capturing the snapshot and replicating it
 ``recovery`` (on entering a recovery during iteration ``I``), ``relayout`` (when the layout has
 just changed before iteration ``I``, by a recovery, a layer move or a grow: once every rank has
 restored its state into the new layout, before this rank snapshots it there), ``evaluation``
-(as the evaluation after iteration ``I`` starts, the others already in it).
+(as the evaluation after iteration ``I`` starts, the others already in it), ``checkpoint``
+(on the rank's checkpoint writer thread, once it has written its part of the durable checkpoint
+of iteration ``I`` and before it reports it: the save is left incomplete).
 
 ``--elastic-inject-slowdown rank=R,factor=F[,iteration=I]`` makes rank ``R`` a straggler from
 iteration ``I`` on: after each transformer layer's forward it sleeps ``(F - 1)`` times that
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "snapshot", "recovery", "relayout",
-          "evaluation")
+          "evaluation", "checkpoint")
 KINDS = ("kill", "hang", "raise", "poison", "nan")
 
 

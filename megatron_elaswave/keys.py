@@ -51,7 +51,6 @@ State restore after a recovery or a layout change (:mod:`~megatron_elaswave.trai
 ``rt/gen<g>/restore/migrate/needs/<rank>``     the pieces ``rank`` needs
 ``rt/gen<g>/restore/restored/<rank>``          ``rank`` restored
 ``rt/gen<g>/restore/outcome``                  ``committed`` (once every member restored) or ``abandoned``
-``rt/gen<g>/saved``                            the directory of the checkpoint saved in ``g``
 ``rt/gen<g>/done/<rank>``                      ``rank`` finished training in ``g``
 ``rt/finished``                                the job ends: every member finished (empty) or the
                                                survivors stopped (why)
@@ -59,6 +58,16 @@ State restore after a recovery or a layout change (:mod:`~megatron_elaswave.trai
 ``rt/shared/<name>``                           a value a rank shares with the job, e.g. the id of the
                                                W&B run that a later logging rank resumes
 ``rt/snapshot_copies``                         the copies of each snapshot the job chose at start
+=============================================  ==========================================================
+
+Durable checkpoints (:mod:`~megatron_elaswave.training.durable`):
+
+=============================================  ==========================================================
+``rt/ckpt/<iteration>-g<g>/part/<rank>``       ``rank`` wrote its part of the save of ``iteration``
+                                               (snapshots of layout ``g``)
+``rt/ckpt/<iteration>-g<g>/outcome``           ``committing``, ``committed`` or ``abandoned``, first
+                                               written with ``compare_set``
+``rt/ckpt/lock``                               the save that commits now (empty when none)
 =============================================  ==========================================================
 
 Start-up (:mod:`~megatron_elaswave.training.startup`):
@@ -165,13 +174,18 @@ def restore_prefix(generation: int) -> str:
     return f"rt/gen{generation}/restore"
 
 
-def saved_key(generation: int) -> str:
-    return f"rt/gen{generation}/saved"
-
-
 def done_key(generation: int, rank: int) -> str:
     return f"rt/gen{generation}/done/{rank}"
 
+
+def checkpoint_key(save: str, what: str) -> str:
+    """Keys of the durable checkpoint ``save`` (``<iteration>-g<generation>``): ``part/<rank>``,
+    ``outcome``."""
+    return f"rt/ckpt/{save}/{what}"
+
+
+CHECKPOINT_LOCK_KEY = "rt/ckpt/lock"
+"""The durable checkpoint that commits now; empty when none does."""
 
 FINISHED_KEY = "rt/finished"
 """Set when the job ends: empty when every member finished, else why the survivors stopped."""

@@ -30,7 +30,10 @@ Guarantees:
   Replicas are not verified on receipt: that would checksum every replica each step while only
   the ones restored after a failure are ever read.
 * **Accounting.** :attr:`SnapshotStore.bytes_held` is the host memory the store holds, own
-  snapshots and buddies' replicas together.
+  snapshots and buddies' replicas together, and those pinned.
+* **Pinned snapshots are not reused.** While a durable checkpoint is written from a snapshot
+  (:meth:`SnapshotStore.pin` until :meth:`SnapshotStore.unpin`), its payload is never taken for
+  a later snapshot, even once the snapshot is no longer held.
 
 Capture copies tensors to host memory. From host memory it copies and checksums a block at a time,
 so each block is checksummed while still in cache. From CUDA the device-to-host copies run on a side
@@ -210,6 +213,9 @@ class Snapshot:
     """:attr:`SnapshotTag.version`."""
     owners: int = 1
     """:attr:`SnapshotTag.owners`."""
+    readers: int = 0
+    """Durable checkpoints being written from it (:meth:`SnapshotStore.pin`): while any is, its
+    payload is not reused for a later snapshot."""
 
     @property
     def tag(self) -> SnapshotTag:
@@ -321,6 +327,8 @@ class SnapshotStore:
         self._checksum_pool: ThreadPoolExecutor | None = None
         self._exchanger: ThreadPoolExecutor | None = None
         """Runs :meth:`replicate_when_captured`."""
+        self._pinned: dict[int, Snapshot] = {}
+        """By ``id``: the snapshots :meth:`pin` keeps, held or not."""
 
     def _payload_buffer(self, rank: int, iteration: int, nbytes: int,
                         pinned: bool = False) -> torch.Tensor:
@@ -329,7 +337,7 @@ class SnapshotStore:
         whose buffer is taken is no longer held."""
         with self._held_lock:
             for key, previous in self._held.items():
-                if (key[0] == rank and key[1] <= iteration - 2
+                if (key[0] == rank and key[1] <= iteration - 2 and not previous.readers
                         and previous.payload.numel() == nbytes
                         and previous.payload.is_pinned() == pinned):
                     del self._held[key]
@@ -404,6 +412,26 @@ class SnapshotStore:
         snapshot.verify()
         return snapshot.tensors, pickle.loads(snapshot.state)
 
+    def own(self, iteration: int, version: int) -> Snapshot | None:
+        """This rank's snapshot of ``iteration`` taken in layout ``version``, if held."""
+        with self._held_lock:
+            return self._held.get((self.rank, iteration, version))
+
+    def pin(self, snapshot: Snapshot) -> None:
+        """Keep ``snapshot``'s payload from being reused until :meth:`unpin`, held or not: a
+        durable checkpoint is being written from it. Its bytes count in :attr:`bytes_held` until
+        then."""
+        with self._held_lock:
+            snapshot.readers += 1
+            self._pinned[id(snapshot)] = snapshot
+
+    def unpin(self, snapshot: Snapshot) -> None:
+        """Undo one :meth:`pin`."""
+        with self._held_lock:
+            snapshot.readers -= 1
+            if not snapshot.readers:
+                del self._pinned[id(snapshot)]
+
     def forget_after(self, iteration: int) -> None:
         """Drop every snapshot, own or replicated, of an iteration after ``iteration``: after a
         rollback to ``iteration`` they belong to steps that are run again, and possibly to a
@@ -419,8 +447,10 @@ class SnapshotStore:
 
     @property
     def bytes_held(self) -> int:
+        """Host bytes of the snapshots held and of those pinned for a checkpoint."""
         with self._held_lock:
-            return sum(s.nbytes for s in self._held.values())
+            held = {id(s): s for s in self._held.values()}
+            return sum(s.nbytes for s in {**held, **self._pinned}.values())
 
     def _keep(self, snapshot: Snapshot) -> None:
         """Hold ``snapshot``, and drop what no rollback can need any more (module docstring):

@@ -5,10 +5,12 @@ Checked against Megatron-LM core_v0.16.1 and core_v0.19.x (``megatron/training/a
 ``megatron/training/training.py``: ``pretrain``, ``setup_model_and_optimizer``,
 ``get_optimizer_param_scheduler``, ``update_train_iters``,
 ``build_train_valid_test_data_iterators``, ``train_step``, ``training_log``, ``train``,
-``evaluate``, ``evaluate_and_print_results`` and ``disable_forward_pre_hook``;
-``megatron/training/global_vars.py``: the TensorBoard and W&B writers;
-``megatron/core/timers.py``; ``megatron/core/num_microbatches_calculator.py``); the 0.19 line was
-run, core_v0.16.1 read. Each hook is looked up by ``pretrain`` or ``train()``
+``evaluate``, ``evaluate_and_print_results``, ``disable_forward_pre_hook``,
+``save_checkpoint_and_time``, ``checkpoint_and_decide_exit`` and the calls of
+``save_checkpoint`` and ``maybe_finalize_async_save``; ``megatron/training/global_vars.py``: the
+TensorBoard and W&B writers; ``megatron/core/timers.py``;
+``megatron/core/num_microbatches_calculator.py``; ``megatron/training/dist_signal_handler.py``);
+the 0.19 line was run, core_v0.16.1 read. Each hook is looked up by ``pretrain`` or ``train()``
 as a module global at call time. Without ``--elastic`` every hook calls through. With it, the
 hooks call into the elastic run only through the :class:`ElasticRuntime` handed to
 :func:`register` (built by the runtime's Megatron-LM wing, ``megatron_elaswave.megatron_lm``).
@@ -58,6 +60,13 @@ Megatron-LM has.
    falls back to ``parallel_state``'s, which the job keeps current (:func:`logs_over_pg_collection`).
    Its "first iteration" (a log line with timer barriers) is the job's first only, not a
    replacement's first after it joined.
+8. ``save_checkpoint`` (as ``megatron.training.training`` calls it: every ``--save-interval``,
+   on ``--exit-signal-handler``'s SIGTERM, at ``--exit-duration-in-mins`` and at the end): the
+   job saves the iteration from its snapshots in the background; ``maybe_finalize_async_save``
+   with ``blocking`` (before ``train()`` exits, and at the end of ``pretrain``) waits for those
+   saves. ``--load`` is the job's too (``setup_model_and_optimizer`` above), and the
+   ``torch.distributed`` of ``megatron.training.dist_signal_handler`` is redirected like the loop
+   modules', so that the SIGTERM flags are gathered over the active ranks.
 """
 
 from __future__ import annotations
@@ -83,6 +92,7 @@ ARGUMENTS = "megatron.training.arguments"
 GLOBAL_VARS = "megatron.training.global_vars"
 WANDB_RUN = "wandb_run_id"
 """The name under which the first logging rank shares its W&B run's id (:meth:`ElasticRuntime.share`)."""
+SIGNAL_HANDLER = "megatron.training.dist_signal_handler"
 
 
 def loop_modules() -> tuple[str, ...]:
@@ -195,9 +205,6 @@ def logs_over_pg_collection(training_log: Callable) -> bool:
 
 
 _UNSUPPORTED = (
-    ("load", "--load (resume an elastic run with megatron-elaswave's scripts/pretrain_gpt.py)"),
-    ("save", "--save (the survivors keep in-memory snapshots; a final checkpoint is not "
-             "written from Megatron-LM's loop)"),
     ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers (the elastic "
      "layout splits the layers evenly over the stages; drop it)"),
     ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers (the elastic layout "
@@ -218,6 +225,16 @@ _UNSUPPORTED = (
     ("hybrid_mlp_ratio", "--hybrid-mlp-ratio (it trains GPTModel)"),
 )
 """Megatron-LM flags an elastic run does not support: (attribute, what to tell the user)."""
+
+_UNSUPPORTED_CHECKPOINTING = (
+    ("no_save_optim", "--no-save-optim (a checkpoint of an elastic run holds the optimizer)"),
+    ("no_load_optim", "--no-load-optim (it loads the whole checkpoint)"),
+    ("finetune", "--finetune (it loads the whole checkpoint)"),
+    ("non_persistent_save_interval", "--non-persistent-save-interval"),
+)
+"""Megatron-LM's checkpoint flags an elastic run does not support (``--save``, ``--load``,
+``--save-interval``, ``--async-save``, ``--exit-signal-handler`` and
+``--exit-duration-in-mins`` it does)."""
 
 
 class StepResult(Protocol):
@@ -302,6 +319,16 @@ class ElasticRuntime(Protocol):
     def share(self, name: str, value: str | None = None) -> str | None:
         """Publish ``value`` under ``name`` for every rank of the job (``None``: read what was
         published, ``None`` if nothing was)."""
+
+    def resumed_at(self) -> tuple[int, int, float]:
+        """The iteration, consumed samples and floating-point operations of the checkpoint
+        ``--load`` resumed (zeros without one)."""
+
+    def save_checkpoint(self, iteration: int, floating_point_operations: float) -> None:
+        """Save the state after ``iteration`` under ``--save``, in the background."""
+
+    def finish_saves(self) -> None:
+        """Return once this rank's saves are written (and committed, where it commits them)."""
 
 
 class DefaultGroupRedirect(types.ModuleType):
@@ -482,10 +509,10 @@ class _ElasticLoop:
                     sys.modules[TRAINING].get_optimizer_param_scheduler, margs),
                 forward_step_func=forward_step_on_current_layout(self.forward_step_func),
                 global_batch_size_at=global_batch_size_at)
-            margs.num_floating_point_operations_so_far = 0  # no --load
-            # train() starts where the job is: a replacement joins after some iterations.
-            margs.iteration, margs.consumed_train_samples = (self.runtime.iteration,
-                                                             self.runtime.consumed_samples)
+            # train() starts where the job is: after a --load, or some iterations in for a
+            # replacement.
+            (margs.iteration, margs.consumed_train_samples,
+             margs.num_floating_point_operations_so_far) = self.runtime.resumed_at()
             wandb_writer = sys.modules[GLOBAL_VARS]._GLOBAL_WANDB_WRITER
             if wandb_writer is not None:  # a later logging rank goes on with this run
                 self.runtime.share(WANDB_RUN, wandb_writer.run.id)
@@ -495,9 +522,12 @@ class _ElasticLoop:
 
     def _check(self, args) -> None:
         self.runtime.check_arguments(args)
-        for name, flag in _UNSUPPORTED:
+        for name, flag in _UNSUPPORTED + _UNSUPPORTED_CHECKPOINTING:
             if getattr(args, name, None):
                 self.runtime.refuse(f"--elastic in Megatron-LM's loop does not support {flag}")
+        if args.save and getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+            self.runtime.refuse(f"--elastic saves in the torch_dist format, not --ckpt-format "
+                                f"{args.ckpt_format}")
         if args.context_parallel_size > 1:
             self.runtime.refuse("--elastic in Megatron-LM's loop does not support "
                                 "--context-parallel-size > 1: a failed rank's sequence shards "
@@ -608,6 +638,37 @@ class _ElasticLoop:
 
         return wrap
 
+    # -- 8. checkpoints -------------------------------------------------------------------------
+
+    def save_checkpoint(self, save_checkpoint: Callable) -> Callable:
+        signature = inspect.signature(save_checkpoint)
+
+        @functools.wraps(save_checkpoint)
+        def elastic_save_checkpoint(*args, **kwargs):
+            from megatron.training import get_args
+
+            if not get_args().elastic:
+                return save_checkpoint(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs).arguments
+            self.runtime.save_checkpoint(bound["iteration"],
+                                         bound["num_floating_point_operations_so_far"])
+            return None
+
+        return elastic_save_checkpoint
+
+    def maybe_finalize_async_save(self, finalize: Callable) -> Callable:
+        @functools.wraps(finalize)
+        def elastic_finalize(*args, blocking: bool = False, **kwargs):
+            from megatron.training import get_args
+
+            if not get_args().elastic:
+                return finalize(*args, blocking=blocking, **kwargs)
+            if blocking:  # before an exit: the saves in flight are written
+                self.runtime.finish_saves()
+            return None
+
+        return elastic_finalize
+
     # -- 5. evaluation -------------------------------------------------------------------------
 
     def evaluate(self, evaluate: Callable) -> Callable:
@@ -678,10 +739,14 @@ def register(registry: PatchRegistry, backend: DeviceBackend, runtime: ElasticRu
     registry.register_wrapper(f"{TRAINING}.evaluate", loop.evaluate)
     for step in ("evaluate_and_print_results", "disable_forward_pre_hook"):
         registry.register_wrapper(f"{TRAINING}.{step}", loop.between_steps(lambda arguments: None))
+    registry.register_wrapper(f"{TRAINING}.save_checkpoint", loop.save_checkpoint)
+    registry.register_wrapper(f"{TRAINING}.maybe_finalize_async_save",
+                              loop.maybe_finalize_async_save)
     distributed = runtime.distributed
     if backend.name == "cuda":
         for module in loop_modules():
             registry.register(f"{module}.torch", torch_with_distributed(torch, distributed))
     registry.register("megatron.core.timers.torch", torch_with_distributed(torch, distributed))
+    registry.register(f"{SIGNAL_HANDLER}.torch", torch_with_distributed(torch, distributed))
     registry.register("megatron.core.timers.dist_all_gather_func",
                       distributed.all_gather_into_tensor)

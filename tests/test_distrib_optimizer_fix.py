@@ -95,3 +95,28 @@ def test_loaded_adam_step_advances_once_per_iteration(one_rank_megatron):
         assert adam_steps(fixed) == [3.0] * len(steps)
     finally:
         fix.remove()
+
+
+def test_a_fresh_optimizers_state_dict_holds_a_step(one_rank_megatron):
+    """Before its first step a distributed optimizer's torch Adam holds no state, and
+    ``state_dict`` (which ``sharded_state_dict``, so every checkpoint load, calls first) asserts
+    one ``step``; with the fix the state is allocated at step 0 and the first step is exact."""
+    fresh, _ = build_and_train(steps=0)
+    with pytest.raises(AssertionError):
+        fresh.chained_optimizers[0].state_dict()
+
+    fix = PatchRegistry()
+    distrib_optimizer.register(fix)
+    fix.apply()
+    try:
+        reference, _ = build_and_train(steps=1)
+        fixed, step = build_and_train(steps=0)
+        groups = fixed.chained_optimizers[0].state_dict()["optimizer"]["param_groups"]
+        assert {group["step"] for group in groups} == {0.0}
+        step()
+        for mine, theirs in zip(fixed.chained_optimizers[0].optimizer.param_groups,
+                                reference.chained_optimizers[0].optimizer.param_groups):
+            for a, b in zip(mine["params"], theirs["params"]):
+                assert torch.equal(a, b)
+    finally:
+        fix.remove()

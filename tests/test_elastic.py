@@ -760,8 +760,8 @@ def test_elastic_refuses_what_it_cannot_do_in_one_line(text_data, tmp_path):  # 
     base = model_flags(text_data, num_layers=8)
     cases = [
         ([*base, "--elastic", "--untie-embeddings-and-output-weights"], "--use-distributed-optimizer"),
-        ([*elastic_flags(text_data), "--save", str(tmp_path / "ckpt"), "--save-interval", "5"],
-         "drop --save-interval"),
+        ([*elastic_flags(text_data), "--save", str(tmp_path / "ckpt"),
+          "--exit-duration-in-mins", "0"], "--exit-duration-in-mins must be positive"),
         ([*base, "--elastic-zero", "interleaved"], "--elastic-zero interleaved needs --elastic"),
     ]
     for flags, message in cases:

@@ -95,6 +95,7 @@ class ElasticHooks:
         layout-invariant dropout RNG if asked for; the objects of ``train()``. A replacement
         that finds the job over ends here: with status 0 if it finished, 3 if its survivors
         stopped."""
+        from megatron_elaswave.training.checkpoint import CheckpointError
         from megatron_elaswave.training.data import DataError
         from megatron_elaswave.training.relayout import JobFinished, JobStopped
 
@@ -112,7 +113,7 @@ class ElasticHooks:
                 model_provider=model_provider, scheduler=scheduler,
                 forward_step_func=forward_step_func, global_batch_size_at=global_batch_size_at,
                 join=self.rejoining)
-        except (UnsupportedModel, DataError) as error:  # every rank refuses it alike
+        except (UnsupportedModel, DataError, CheckpointError) as error:  # every rank refuses it alike
             self.refuse(str(error))
         except JobFinished as finished:
             print(f" {finished}; exiting", flush=True)
@@ -124,13 +125,15 @@ class ElasticHooks:
 
     def train_step(self, iteration: int) -> StepResult | None:
         from megatron_elaswave.training.migration import StateLost
-        from megatron_elaswave.training.recovery import CannotContinue
+        from megatron_elaswave.training.recovery import CannotContinue, cannot_continue_line
 
         try:
             return self.job.train_step(iteration)
         except (CannotContinue, StateLost) as error:
+            self.job.finish_saves()  # what there is to resume from is known before it is said
             # Every survivor reaches the same verdict; each says it, since rank 0 may be gone.
-            exit_with(exit_status.CANNOT_CONTINUE, f"cannot continue: {error}", every_rank=True,
+            exit_with(exit_status.CANNOT_CONTINUE,
+                      cannot_continue_line(error, self.job.trainer.args.save), every_rank=True,
                       prefix="")
 
     def swap_into(self, model: list, optimizer: object, scheduler: object) -> None:
@@ -167,6 +170,15 @@ class ElasticHooks:
 
     def share(self, name: str, value: str | None = None) -> str | None:
         return self.job.share(name, value)
+
+    def resumed_at(self) -> tuple[int, int, float]:
+        return self.job.resumed_at
+
+    def save_checkpoint(self, iteration: int, floating_point_operations: float) -> None:
+        self.job.save(iteration, floating_point_operations)
+
+    def finish_saves(self) -> None:
+        self.job.finish_saves()
 
 
 def exit_with(code: int, message: str, *, every_rank: bool = False,

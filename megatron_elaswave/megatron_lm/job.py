@@ -15,12 +15,17 @@ that
 * :meth:`~MegatronLMJob.swap_into` makes ``train()``'s list of chunks and optimizer the current
   ones in place after a layout change, since ``train()`` never looks them up again;
 * the default process group of Megatron-LM's own collectives (timers, logging) can be pointed at
-  :attr:`~MegatronLMJob.world_group`, the group of the ranks that hold a stage.
+  :attr:`~MegatronLMJob.world_group`, the group of the ranks that hold a stage;
+* ``--load`` resumes the latest checkpoint before the first snapshot, whatever layout saved it
+  (none under ``--load`` yet: training starts from scratch, as in Megatron-LM), and each save
+  Megatron-LM's loop asks for (:meth:`~MegatronLMJob.save`) is written from the snapshots in the
+  background (:mod:`megatron_elaswave.training.durable`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Callable
 
@@ -35,9 +40,13 @@ from megatron_elaswave.communicator import Role
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.keys import shared_key
 from megatron_elaswave.patches.megatron_lm_elastic import DefaultGroupRedirect
+from megatron_elaswave.training.checkpoint import TRACKER_FILE
 from megatron_elaswave.training.data import MicrobatchSource, gpt_datasets, train_samples
 from megatron_elaswave.training.elastic import ElasticTrainer, run_elastic
 from megatron_elaswave.training.elastic_setup import build_elastic_trainer, join_elastic_job
+from megatron_elaswave.training.job import resume
+from megatron_elaswave.training.loop import log
+from megatron_elaswave.training.stopping import StopConditions
 from megatron_elaswave.training.layer_groups import ModelFactory
 from megatron_elaswave.training.loop import StepResult
 
@@ -91,9 +100,12 @@ class MegatronLMJob:
     """One rank's part of an elastic run driven by Megatron-LM's ``train()`` (module docstring)."""
 
     def __init__(self, trainer: ElasticTrainer,
-                 sources: dict[EvaluationSplit, MicrobatchSource | None], *, joined: bool = False):
+                 sources: dict[EvaluationSplit, MicrobatchSource | None],
+                 resumed_at: tuple[int, int, float] = (0, 0, 0.0), *, joined: bool = False):
         self.trainer = trainer
         self.sources = sources
+        self.resumed_at = resumed_at
+        """Iteration, consumed samples and floating-point operations ``--load`` resumed."""
         self.last_result: StepResult | None = None
         self.finished = False
         self.in_loop = not joined
@@ -145,9 +157,21 @@ class MegatronLMJob:
             trainer = build_elastic_trainer(
                 args, backend, rank, world_size, args.padded_vocab_size, *sources,
                 first_global_batch_size=global_batch_size_at(0), **common)
+        # Megatron-LM's loop asks for its saves and stops on its own conditions.
+        trainer.saves_itself, trainer.stop_conditions = False, StopConditions()
+        # A replacement starts train() where the job is.
+        resumed_at = (trainer.iteration, trainer.consumed_samples, 0.0)
+        if not join:
+            if args.load and os.path.isfile(os.path.join(args.load, TRACKER_FILE)):
+                progress = resume(trainer, args.load)
+                resumed_at = (progress.iteration, progress.consumed_samples,
+                              progress.floating_point_operations)
+            elif args.load and rank == 0:
+                log(f" no checkpoint in --load {args.load}: training starts from iteration 0")
             trainer.monitor.start()
             trainer.ensure_initial_snapshot()
-        return cls(trainer, {VALIDATION: source(valid), TEST: source(test)}, joined=join)
+        return cls(trainer, {VALIDATION: source(valid), TEST: source(test)}, resumed_at,
+                   joined=join)
 
     # -- what Megatron-LM's loop sees ----------------------------------------------------------
 
@@ -226,6 +250,22 @@ class MegatronLMJob:
             finally:
                 self.close()
         return self.last_result if trainer.is_active else None
+
+    def save(self, iteration: int, floating_point_operations: float) -> None:
+        """Save the state after ``iteration`` under ``--save`` in the background (every rank
+        calls this after the same iteration; a spare writes nothing)."""
+        trainer = self.trainer
+        if trainer.objects is None or not trainer.is_active:
+            return
+        if trainer.iteration != iteration:
+            raise RuntimeError(f"Megatron-LM's loop saves iteration {iteration}, the job is at "
+                               f"{trainer.iteration}")
+        trainer.save_durably(trainer.args.save, floating_point_operations)
+
+    def finish_saves(self) -> None:
+        """Return once this rank's saves are written, and committed or abandoned."""
+        durable = self.trainer.durable
+        durable.finish(durable.config.timeout_s)
 
     def evaluate(self, split: EvaluationSplit) -> float | None:
         """Mean per-token loss on ``split`` (``None`` on a spare or without that split), after

@@ -116,6 +116,15 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--save", default=None)
     group.add_argument("--load", default=None)
     group.add_argument("--save-interval", type=int, default=None)
+    group.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist",
+                       help="Megatron's torch_dist format (the only one)")
+    group.add_argument("--async-save", action="store_true",
+                       help="write checkpoints in the background (with --elastic they always "
+                            "are, from the snapshots)")
+    group.add_argument("--exit-duration-in-mins", type=float, default=None,
+                       help="save (with --save) and exit with 0 after training this long")
+    group.add_argument("--exit-signal-handler", action="store_true",
+                       help="on SIGTERM, save (with --save) and exit with 0 after the iteration")
 
 
 def add_elastic_args(parser: argparse.ArgumentParser) -> None:
@@ -253,6 +262,8 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     _validate_writers(args)
     _fail_unless(args.save_interval is None or args.save_interval > 0,
                  "--save-interval must be positive")
+    _fail_unless(args.exit_duration_in_mins is None or args.exit_duration_in_mins > 0,
+                 "--exit-duration-in-mins must be positive")
     validate_elastic(args, world_size)
     _fail_unless(args.log_interval > 0 and args.eval_interval > 0,
                  "--log-interval and --eval-interval must be positive")
@@ -293,10 +304,6 @@ def validate_elastic(args: argparse.Namespace, world_size: int) -> None:
     _fail_unless(args.use_distributed_optimizer,
                  "--elastic reshards the distributed optimizer's state: add --use-distributed-optimizer")
     _fail_unless(not args.fp16, "--elastic does not support --fp16 (loss scaling); use --bf16")
-    _fail_unless(args.save_interval is None,
-                 "--elastic keeps a snapshot of every iteration in memory instead of periodic "
-                 "checkpoints: drop --save-interval (--save names where the final checkpoint goes, "
-                 "and the survivors' one if they cannot continue)")
     for slowdown in args.elastic_inject_slowdown:
         _fail_unless(slowdown.rank < world_size,
                      f"--elastic-inject-slowdown rank {slowdown.rank} is not a rank of this "

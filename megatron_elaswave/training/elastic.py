@@ -6,9 +6,12 @@ and a :class:`~.recovery.Recovery` that runs the recovery protocol on a failed s
 edit the groups, restore, re-run). The trainer itself owns the state of the stage it holds and
 how that state is restored into a new layout (rollback, share, migrate: :meth:`restore`).
 
-When no layout of the survivors can hold the model, they gather the state of the rollback
-iteration into the checkpoint layout (:mod:`.rescue`), save it with ``dist_checkpointing`` to
-``--save`` (default ``./elaswave-checkpoint``) and stop with
+With ``--save`` the trainer queues a durable checkpoint of every ``--save-interval``-th
+iteration, of the last one and of the one after which the job stops early
+(``--exit-signal-handler``, ``--exit-duration-in-mins``): each rank writes its own snapshot of it
+in the background (:mod:`.durable`). When no layout of the survivors can hold the model, they gather the state of
+the rollback iteration into the checkpoint layout (:mod:`.rescue`), save it the same way to
+``--save`` (default ``./elaswave-checkpoint``), wait for it and stop with
 :class:`~.recovery.CannotContinue`, naming what is missing and where the checkpoint is;
 ``--load`` resumes from it in any layout.
 
@@ -39,10 +42,11 @@ from megatron_elaswave.communicator import EditMode, GroupRegistry, Role
 from megatron_elaswave.decisions import Decision
 from megatron_elaswave.dvfs import DvfsGovernor
 from megatron_elaswave.faults import FaultInjector, InjectedSlowdown, slow_down
-from megatron_elaswave.keys import FINISHED_KEY, RECORDS_WRITTEN_KEY, done_key, saved_key
+from megatron_elaswave.keys import FINISHED_KEY, RECORDS_WRITTEN_KEY, checkpoint_key, done_key
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter
 from megatron_elaswave.monitor import FailureMonitor
+from megatron_elaswave.patches.dist_checkpointing import chunk_placements
 from megatron_elaswave.patches.gpt_model import transformer_layers
 from megatron_elaswave.planner.cost import CostModel
 from megatron_elaswave.planner.dataflow import resize_deal
@@ -51,7 +55,8 @@ from megatron_elaswave.planner.zero import survival
 from megatron_elaswave.world import release_retired
 
 from . import relayout
-from .checkpoint import TrainingProgress, save_checkpoint
+from .checkpoint import TrainingProgress, checkpoint_common, checkpoint_dir
+from .durable import ABANDONED, COMMITTED, DurableCheckpoints, SaveRequest
 from .layer_groups import ModelFactory, build_stage_objects
 from .loop import StepResult, Trainer, log
 from .migration import NamedShard, StateLost, adam_step, load_pieces, migrate, needed_pieces
@@ -67,6 +72,7 @@ from .recovery import CannotContinue, Recovery
 from .relayout import LayoutChange
 from .restore import RestoreRound
 from .snapshots import StepSnapshots, restore_rng_states
+from .stopping import StopConditions, describe
 from .stragglers import ForwardTimer, StageCompute, StepTimes, StragglerDetector
 from .writers import ScalarWriters
 
@@ -92,6 +98,13 @@ class ElasticTrainer(Trainer):
     """Take ranks that ask to join in as the next iteration starts, not right after the one
     whose reduction told of them: a loop that runs collectives of its own between iterations
     (Megatron-LM's) has a newcomer take part in them only from its first iteration on."""
+    durable: DurableCheckpoints = None
+    """This rank's writer of durable checkpoints (``--save``, and the survivors' last one)."""
+    saves_itself: bool = True
+    """Queue the checkpoints ``--save-interval``, the last iteration and an early stop ask for
+    (:meth:`save_durably`); Megatron-LM's loop asks for them itself instead."""
+    stop_conditions: StopConditions = None
+    """This rank's reasons to stop before ``--train-iters``."""
 
     def __post_init__(self) -> None:
         self._joining: frozenset[int] = frozenset()
@@ -110,6 +123,9 @@ class ElasticTrainer(Trainer):
         """Ranks failed since the state was last restored; their replicas must serve it."""
         self._records_written = 0
         """While this rank logs: the last iteration whose record is in the metrics file."""
+        self.stop_conditions = self.stop_conditions or StopConditions()
+        self.stopping: str | None = None
+        """Why the job stops after the current iteration (every stage holder agrees)."""
         self.recovery = Recovery(self)
         if self.detector is not None:
             self.detector.reset(planned=self.layout)
@@ -177,22 +193,24 @@ class ElasticTrainer(Trainer):
 
     def step_report(self, losses: list[dict]) -> torch.Tensor:
         """Blocks of one value per launch rank: the ranks asking to join, the loss sum of each
-        loss-reporting rank (so that a non-finite loss names where it arose), then (with a
-        straggler detector) each stage's time to the gradient reduction, its forward time, the
-        part of it spent in transformer layers, the time from the reduction to now (the
-        optimizer step included) and how long this rank's last layout change took."""
+        loss-reporting rank (so that a non-finite loss names where it arose), why each rank asks
+        the job to stop (:mod:`.stopping`), then (with a straggler detector) each stage's time to
+        the gradient reduction, its forward time, the part of it spent in transformer layers,
+        the time from the reduction to now (the optimizer step included) and how long this
+        rank's last layout change took."""
         size = self.monitor.job_size
-        report = torch.zeros((2 if self.detector is None else 7) * size, dtype=torch.float64)
+        report = torch.zeros((3 if self.detector is None else 8) * size, dtype=torch.float64)
         report[list(self.monitor.waiting_to_join())] = 1.0
+        report[2 * size + self.rank] = self.stop_conditions.code()
         if self.is_data_reporter and losses:
             local_loss = torch.stack([entry["lm loss"][0] for entry in losses]).sum()
             report[size + self.rank] = local_loss.item()
         if self.detector is not None and self.tp_rank == 0:
-            report[2 * size + self.rank] = self._pipeline_done - self._step_started
-            report[3 * size + self.rank] = self._stage_timer.total_s
-            report[4 * size + self.rank] = self._layers_timer.total_s
-            report[5 * size + self.rank] = time.perf_counter() - self._pipeline_done
-            report[6 * size + self.rank] = self._last_change_s
+            report[3 * size + self.rank] = self._pipeline_done - self._step_started
+            report[4 * size + self.rank] = self._stage_timer.total_s
+            report[5 * size + self.rank] = self._layers_timer.total_s
+            report[6 * size + self.rank] = time.perf_counter() - self._pipeline_done
+            report[7 * size + self.rank] = self._last_change_s
         return report
 
     def _nonfinite_losses(self, report: torch.Tensor) -> str:
@@ -207,11 +225,17 @@ class ElasticTrainer(Trainer):
                              f"{pipeline}")
         return "; ".join(where)
 
+    def _stop_reason(self, report: torch.Tensor) -> str | None:
+        """Why the job stops after this iteration, from the step's summed reports (the lowest
+        rank that asked says), or ``None``."""
+        codes = [int(code) for code in report.view(-1, self.monitor.job_size)[2].tolist() if code]
+        return describe(codes[0], self.args.exit_duration_in_mins) if codes else None
+
     def _follow_report(self, report: torch.Tensor) -> None:
         """Act on the step's summed reports: the same on every stage holder."""
-        joined_flags, _, *stage_times = report.view(-1, self.monitor.job_size)
+        joined_flags, _, _, *stage_times = report.view(-1, self.monitor.job_size)
         joined = frozenset(int(rank) for rank in torch.nonzero(joined_flags).flatten())
-        if self.iteration >= self.args.train_iters:
+        if self.iteration >= self.args.train_iters or self.stopping is not None:
             return
         try:
             if joined and self.defer_joins:
@@ -345,9 +369,52 @@ class ElasticTrainer(Trainer):
         if said is not None and self.is_logger:
             log(f" {said}")
         self._record(result, gbs, energy_j=self.governor.energy_j(result.step_time_s))
+        self.stopping = self._stop_reason(result.reported)
+        if self.saves_itself:
+            self._save_if_due()
+        if self.stopping is not None and self.is_logger:
+            log(f" stopping after iteration {self.iteration}: {self.stopping}")
         self._follow_report(result.reported)
         self._release_past_layouts()
         return result
+
+    def _save_if_due(self) -> None:
+        """Queue the checkpoint of this iteration if ``--save-interval`` asks for one, it is the
+        last, or the job stops after it."""
+        interval = self.args.save_interval
+        if self.args.save and (
+                (interval and self.iteration % interval == 0)
+                or self.iteration >= self.args.train_iters or self.stopping is not None):
+            self.save_durably(self.args.save)
+
+    def save_durably(self, root: str, floating_point_operations: float = 0.0) -> SaveRequest | None:
+        """Queue the durable checkpoint of the iteration this rank's state is at, under
+        ``root``, and return it: every rank that holds a stage calls this at the same step
+        boundary, each writing its own snapshot of the iteration in the background
+        (:mod:`.durable`). A spare writes nothing (``None``)."""
+        if not self.is_active:
+            return None
+        own = self.snapshots.own_snapshot(self.iteration)
+        if own is None:
+            raise RuntimeError(f"rank {self.rank} holds no snapshot of iteration "
+                               f"{self.iteration} to save")
+        segments, objects = {}, {}
+        for ddp in self.objects.model:
+            placements = chunk_placements(ddp.module)
+            segments.update(placements.segments)
+            objects.update(placements.objects)
+        writers = tuple(sorted(self.layout.active_ranks()))
+        common = None
+        if self.rank == writers[0]:
+            progress = TrainingProgress(self.iteration, self.consumed_samples,
+                                        floating_point_operations)
+            common = checkpoint_common(self.args, self.objects, progress, len(writers))
+        request = SaveRequest(root=root, iteration=self.iteration,
+                              generation=self.snapshots.version, writers=writers, snapshot=own,
+                              pieces=self._named_shard.pieces_of(segments), objects=objects,
+                              common=common)
+        self.durable.submit(request)
+        return request
 
     def _release_past_layouts(self) -> None:
         """Free the process groups of the layouts this rank trained on before, once no
@@ -395,7 +462,7 @@ class ElasticTrainer(Trainer):
 
     def train(self, on_iteration=None) -> None:
         self.ensure_initial_snapshot()
-        while self.iteration < self.args.train_iters and self.is_active:
+        while self.iteration < self.args.train_iters and self.is_active and self.stopping is None:
             if self.advance() is not None and on_iteration is not None:
                 on_iteration(self)
 
@@ -405,42 +472,25 @@ class ElasticTrainer(Trainer):
         """Recover from ``error`` (:meth:`.recovery.Recovery.recover`)."""
         self.recovery.recover(error)
 
-    def save_checkpoint(self, root: str) -> str:
-        """Save the active ranks' state under ``root`` with ``dist_checkpointing``; returns the
-        checkpoint directory. Every member of the job calls this.
-
-        ``dist_checkpointing`` coordinates on the default process group. When that group still
-        counts failed ranks or spares, the active ranks first re-form it among themselves (a
-        ``full`` edit) and rebuild their objects on the new groups, from their own state; the
-        spares wait for the save and take no part in the job afterwards.
-        """
-        actives = sorted(self.layout.active_ranks())
-        saved = saved_key(self.registry.generation)  # before a re-formed group moves it on
-        if self.rank not in actives:
-            while not self.store.check([saved]):
-                if self.monitor.failure_detected.is_set():
-                    raise CannotContinue("a rank failed while the survivors saved a checkpoint")
-                time.sleep(0.05)
-            return self.store.get(saved).decode()
-        if self.registry.world_members != frozenset(actives):
-            self._reform_default_group()
-        directory = save_checkpoint(root, self.objects,
-                                    TrainingProgress(self.iteration, self.consumed_samples))
-        if self.rank == actives[0]:
-            self.store.set(saved, directory)
-        return directory
-
-    def _reform_default_group(self) -> None:
-        held, step = self._named_shard.tensors(), adam_step(self.objects)
-        scheduler = self.objects.scheduler.state_dict()
-        self.objects = self.stages = self.forward_backward = None
-        leaving = set(self.layout.known_ranks() - self.layout.active_ranks())
-        self.layout = Layout(self.layout.num_layers, self.layout.replicas)
-        self.registry.edit(leaving, self.layout, EditMode.FULL)
-        self._build_objects()
-        needs = needed_pieces(self.objects, self.tp_rank)
-        load_pieces(self.objects, [held[piece.key] for piece in needs], step)
-        self.objects.scheduler.load_state_dict(scheduler)
+    def save_and_wait(self, root: str, iteration: int, generation: int) -> str:
+        """Save the state of ``iteration`` that every member has just restored, in the layout of
+        ``generation``, under ``root``, and wait until it is committed; returns its directory.
+        Every member of the job calls this; the spares only wait. Raises
+        :class:`~.recovery.CannotContinue` when the save is abandoned (a rank failed meanwhile)."""
+        if self.is_active:
+            self.save_durably(root)
+        outcome = checkpoint_key(f"{iteration}-g{generation}", "outcome")
+        deadline = time.monotonic() + self.durable.config.timeout_s
+        while not self.store.check([outcome]) or self.store.get(outcome).decode() not in (
+                COMMITTED, ABANDONED):
+            if time.monotonic() > deadline:
+                raise CannotContinue(f"the checkpoint of iteration {iteration} was not saved "
+                                     f"within {self.durable.config.timeout_s:g} s")
+            time.sleep(0.05)
+        if self.store.get(outcome).decode() == ABANDONED:
+            raise CannotContinue(f"a rank failed while the survivors saved iteration {iteration}")
+        self.durable.wait()
+        return checkpoint_dir(root, iteration)
 
     def _build_objects(self) -> None:
         """This rank's Megatron objects for ``self.layout`` on the registry's groups, their
@@ -558,6 +608,7 @@ class ElasticTrainer(Trainer):
             restore_rng_states(state["rng"])
         restore.commit()
         self.state_layout, self.lost = layout, set()
+        self.stopping = None  # the iterations rolled back are run again; a stop is asked again
         self.injector.at("relayout", self.iteration + 1)
         if active:
             # The snapshots held so far stay: named globally, they serve any later layout, and a
@@ -590,10 +641,6 @@ def run_elastic(trainer: ElasticTrainer) -> None:
         outcome = _wait_for_the_others(trainer)
         if outcome is None:
             trainer.write_records()  # every member is done: every snapshot is settled
-            if trainer.args.save:
-                directory = trainer.save_checkpoint(trainer.args.save)
-                if trainer.is_logger:
-                    log(f" saved checkpoint at iteration {trainer.iteration} to {directory}")
             return
         if isinstance(outcome, LayoutChange):
             try:

@@ -25,6 +25,7 @@ from megatron_elaswave.store import connect_store
 
 from . import relayout
 from .data import MicrobatchSource
+from .durable import DurableCheckpoints, DurableConfig
 from .elastic import ElasticTrainer
 from .layer_groups import ModelFactory, build_stage_objects
 from .loop import log
@@ -32,6 +33,7 @@ from .migration import NamedShard
 from .model import seed_random_generators
 from .planning import cost_model, failure_free_layout
 from .snapshots import StepSnapshots, affordable_copies, ranks_per_node, snapshot_config
+from .stopping import StopConditions
 from .stragglers import RebalanceConfig, StragglerDetector
 
 
@@ -63,7 +65,8 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
         store.set(SNAPSHOT_COPIES_KEY, str(copies))
     snapshots = StepSnapshots(layout, rank, snapshot_config(args, copies),
                               group=registry.host_group(Role.WORLD))
-    parts = _runtime_parts(args, backend, rank, vocab_size, config, model_factory)
+    parts = _runtime_parts(args, backend, rank, vocab_size, config, model_factory, store,
+                           snapshots)
     parts["governor"].apply(nominal_clock_plan(parts["cost"], layout, 0, PowerModel()), layout)
     return ElasticTrainer(
         args=args, objects=objects, pg_collection=objects.schedule_groups, backend=backend,
@@ -96,16 +99,25 @@ def _abandon_waits_on_failure(monitor: FailureMonitor) -> None:
 
 
 def _runtime_parts(args: argparse.Namespace, backend: DeviceBackend, rank: int, vocab_size: int,
-                   config: MonitorConfig, model_factory: ModelFactory) -> dict:
-    """The trainer's model factory, planner costs, clock governor, fault injection and
-    straggler handling, from the flags."""
+                   config: MonitorConfig, model_factory: ModelFactory, store,
+                   snapshots: StepSnapshots) -> dict:
+    """The trainer's model factory, planner costs, clock governor, fault injection, straggler
+    handling, durable checkpoints and reasons to stop early, from the flags."""
+    injector = FaultInjector(args.elastic_inject_failure, rank,
+                             hang_s=3 * config.heartbeat_timeout_s)
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
     return dict(
         model_factory=model_factory,
         cost=cost_model(args, vocab_size, backend),
         governor=DvfsGovernor(clock_backend(args.elastic_dvfs, backend.device().index or 0,
                                             args.elastic_dvfs_command), rank),
-        injector=FaultInjector(args.elastic_inject_failure, rank,
-                               hang_s=3 * config.heartbeat_timeout_s),
+        injector=injector,
+        durable=DurableCheckpoints(
+            DurableConfig(rank=rank, timeout_s=timeout.total_seconds()), store,
+            lambda: connect_store(timeout=timeout), snapshots.store,
+            before_publishing=lambda iteration: injector.at("checkpoint", iteration)),
+        stop_conditions=StopConditions(on_signal=args.exit_signal_handler,
+                                       duration_mins=args.exit_duration_in_mins),
         slowdowns=tuple(args.elastic_inject_slowdown),
         detector=(StragglerDetector(RebalanceConfig(
             window=args.elastic_rebalance_window, min_gain=args.elastic_rebalance_min_gain,
@@ -140,15 +152,16 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
     if rank in plan.layout.active_ranks():  # its stage may span several layer groups
         seed_random_generators(args.seed,
                                registry.process_group_collection(registry.layer_groups()[0]))
+    snapshots = StepSnapshots(plan.state_layout, rank,
+                              snapshot_config(args, int(store.get(SNAPSHOT_COPIES_KEY))))
     trainer = ElasticTrainer(
         args=args, objects=None, pg_collection=None, backend=backend, layout=plan.state_layout,
         train_source=train_source, valid_source=valid_source, metrics=MetricsWriter(None),
-        rank=rank, iteration=plan.iteration,
-        snapshots=StepSnapshots(plan.state_layout, rank,
-                                snapshot_config(args, int(store.get(SNAPSHOT_COPIES_KEY)))),
+        rank=rank, iteration=plan.iteration, snapshots=snapshots,
         registry=registry, monitor=monitor, store=store,
         **_runtime_parts(args, backend, rank, vocab_size, config,
-                         model_factory or ModelFactory.from_flags(args, vocab_size)),
+                         model_factory or ModelFactory.from_flags(args, vocab_size), store,
+                         snapshots),
         **trainer_fields)
     trainer.complete_change(plan)
     return trainer

@@ -7,17 +7,25 @@ import contextlib
 import os
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from megatron_elaswave import dropout_rng, patches
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.metrics import MetricsWriter
+from megatron_elaswave.patches.dist_checkpointing import background_saves
 from megatron_elaswave.keys import FINISHED_KEY
 from megatron_elaswave.store import REJOIN_ENV, STORE_ADDR_ENV, connect_store
 
 from . import exit_status
 
-from .checkpoint import TrainingProgress, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    MegatronLayout,
+    TrainingProgress,
+    load_checkpoint,
+    resume_hint,
+    save_checkpoint,
+)
 from .data import MicrobatchSource, build_datasets, load_tokenizer, padded_vocab_size
 from .distributed import init_default_group, init_model_parallel, shutdown
 from .elastic import run_elastic
@@ -37,11 +45,25 @@ from .profiling import CostProfiler, device_description, write_profile
 from .recovery import CannotContinue, StepFailed
 from .snapshots import StepSnapshots, snapshot_config
 from .startup import StartupWatch
+from .stopping import StopConditions, describe
 from .writers import ScalarWriters
 
 
 class CannotRejoin(RuntimeError):
     """A replacement worker was started for a job that cannot take it in."""
+
+
+class StopTraining(Exception):
+    """Every rank stops before ``--train-iters`` (:mod:`.stopping`)."""
+
+
+def stop_code(stop: StopConditions) -> int:
+    """Why the job stops, the same on every rank: the first reason of the lowest rank that has
+    one (a collective over the default group)."""
+    codes = torch.zeros(dist.get_world_size(), dtype=torch.int64)
+    codes[dist.get_rank()] = stop.code()
+    dist.all_reduce(codes)
+    return next((int(code) for code in codes.tolist() if code), 0)
 
 
 def build_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int, tokenizer) -> Trainer:
@@ -77,12 +99,27 @@ def build_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int, t
     )
 
 
-def resume(trainer: Trainer, root: str) -> None:
+def megatron_layout_of(trainer: Trainer) -> MegatronLayout | None:
+    """How the trainer's objects correspond to Megatron-LM's own (:class:`MegatronLayout`):
+    exactly without ``--elastic``; with it, in the failure-free layout of one chunk per stage
+    (no virtual stages, contiguous ZeRO shards), as Megatron-LM's rank of the same position."""
+    args = trainer.args
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if not args.elastic:
+        return MegatronLayout(tp, pp)
+    if args.virtual_pipeline_model_parallel_size or args.elastic_zero != "contiguous":
+        return None
+    _, stage, tp_rank = trainer.layout.position(trainer.rank)
+    return MegatronLayout(tp, pp, model_parallel_rank=stage * tp + tp_rank)
+
+
+def resume(trainer: Trainer, root: str) -> TrainingProgress:
     """Load the latest checkpoint under ``root`` into the trainer (collective)."""
-    progress = load_checkpoint(root, trainer.objects)
+    progress = load_checkpoint(root, trainer.objects, megatron_layout_of(trainer))
     trainer.iteration, trainer.consumed_samples = progress.iteration, progress.consumed_samples
     if trainer.rank == 0:
         log(f" loaded checkpoint from {root} at iteration {progress.iteration}")
+    return progress
 
 
 def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: int,
@@ -114,17 +151,22 @@ def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: in
         trainer.ensure_initial_snapshot()
         if startup is not None:
             startup.wait_until_started(timedelta(minutes=args.distributed_timeout_minutes))
+    trainer.stop_conditions.install()
     with trainer.monitor:
         try:
             run_elastic(trainer)
         except (CannotContinue, StateLost, StepFailed) as stopped:
             with contextlib.suppress(RuntimeError):  # a lost job store is what stopped it
                 trainer.store.set(FINISHED_KEY, str(stopped) or type(stopped).__name__)
+                # What there is to resume from is known before every survivor says it.
+                trainer.durable.finish(trainer.durable.config.timeout_s)
             raise
         finally:
             trainer.governor.backend.close()
             if trainer.writers is not None:
                 trainer.writers.close()
+    trainer.durable.finish(trainer.durable.config.timeout_s)
+    trainer.durable.close()
     trainer.metrics.close()
 
 
@@ -175,7 +217,8 @@ def watch_startup(args: argparse.Namespace, rank: int,
     if args.elastic:
         status, reason = exit_status.CANNOT_CONTINUE, lambda death: (
             f"cannot continue: rank {death.rank} {death.describe()} while the job started, "
-            "before it held a snapshot to recover from; launch it again")
+            f"before it held a snapshot to recover from; launch it again "
+            f"({resume_hint(args.save or args.load)})")
     else:
         status, reason = exit_status.PEER_FAILED, lambda death: (
             f"error: rank {death.rank} {death.describe()}; without --elastic the job stops with it")
@@ -192,27 +235,49 @@ def train_without_elastic(args: argparse.Namespace, backend: DeviceBackend, rank
         objects = trainer.objects
         if args.load:
             resume(trainer, args.load)
+        stop = StopConditions(on_signal=args.exit_signal_handler,
+                              duration_mins=args.exit_duration_in_mins)
+        stop.install()
+        saved_at = None
+        background = background_saves() if args.async_save else None
 
         def save() -> None:
+            nonlocal saved_at
             progress = TrainingProgress(trainer.iteration, trainer.consumed_samples)
-            directory = save_checkpoint(args.save, objects, progress)
+            directory = save_checkpoint(args.save, objects, progress, args, background)
+            saved_at = trainer.iteration
             if rank == 0:
-                log(f" saved checkpoint at iteration {trainer.iteration} to {directory}")
+                done = "scheduled" if background is not None else "saved"
+                log(f" {done} checkpoint at iteration {trainer.iteration} to {directory}")
 
         chunks = [ddp.module for ddp in objects.model]
         profiler = CostProfiler(chunks, backend, measure=bool(args.elastic_profile_out))
 
         def after_iteration(trainer: Trainer) -> None:
             profiler.recording = True  # the first iteration is warm-up
+            if background is not None:
+                background.maybe_finalize_async_calls(blocking=False)
             if args.save and args.save_interval and trainer.iteration % args.save_interval == 0:
                 save()
+            if stop.armed:
+                code = stop_code(stop)
+                if code:
+                    if rank == 0:
+                        log(f" stopping after iteration {trainer.iteration}: "
+                            f"{describe(code, args.exit_duration_in_mins)}")
+                    raise StopTraining
 
-        trainer.train(on_iteration=after_iteration)
+        try:
+            trainer.train(on_iteration=after_iteration)
+        except StopTraining:
+            pass
         if args.elastic_profile_out:
             write_profile(args.elastic_profile_out, profiler, trainer.pg_collection, args,
                           device_description(backend))
-        if args.save and not (args.save_interval and trainer.iteration % args.save_interval == 0):
+        if args.save and saved_at != trainer.iteration:
             save()
+        if background is not None:
+            background.close()  # finalises the saves in flight first
         trainer.metrics.close()
         if trainer.writers is not None:
             trainer.writers.close()

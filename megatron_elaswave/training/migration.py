@@ -95,6 +95,12 @@ class NamedShard:
                         for kind in KINDS}
                 self._entries.append((optimizer, param, keys))
 
+    def pieces_of(self, params: Mapping[int, object]) -> list[tuple[str, object]]:
+        """``(key, params[id(parameter)])`` of every tensor of the shard whose parameter is in
+        ``params`` (by ``id``)."""
+        return [(key, params[id(param)]) for _, param, keys in self._entries
+                if id(param) in params for key in keys.values()]
+
     def tensors(self) -> dict[str, torch.Tensor]:
         """The shard's tensors by key: views of the optimizer's own, as they are now."""
         tensors = {}

@@ -31,6 +31,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_elaswave.patches.distrib_optimizer import allocate_adam_state
 from megatron_elaswave.patches.distributed_data_parallel import distributed_data_parallel
 from megatron_elaswave.patches.gpt_model import RESIDUAL_OUTPUT_WEIGHTS, global_parameter_names
 
@@ -236,11 +237,4 @@ def allocate_optimizer_state(optimizers) -> None:
     """Give fresh torch Adams their (zero) state now rather than at the first step, so that
     loaders and snapshots find every tensor; a zero state at step 0 updates exactly like none."""
     for optimizer in optimizers:
-        inner = optimizer.optimizer
-        for group in inner.param_groups:
-            for param in group["params"]:
-                state = inner.state[param]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(param)
-                    state["exp_avg_sq"] = torch.zeros_like(param)
+        allocate_adam_state(optimizer.optimizer)

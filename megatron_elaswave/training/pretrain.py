@@ -85,6 +85,7 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
     from megatron_elaswave.dvfs import DvfsError
 
     from .checkpoint import CheckpointError
+    from .recovery import cannot_continue_line
     from .data import DataError
     from .recovery import CannotContinue, StepFailed
     from .job import CannotRejoin, train_job
@@ -104,7 +105,7 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
         return exit_status.BAD_INPUT
     except (CannotContinue, StateLost) as error:
         # Every survivor reaches the same verdict; each says it, since rank 0 may be gone.
-        say(f"cannot continue: {error}")
+        say(cannot_continue_line(error, args.save))
         return exit_status.CANNOT_CONTINUE
     except StepFailed as error:
         if error.announce:

@@ -30,6 +30,7 @@ from megatron_elaswave.planner.replan import PlanError
 from megatron_elaswave.store import STORE_ADDR_ENV, STORE_PORT_ENV
 
 from . import relayout
+from .checkpoint import resume_hint
 from .loop import log
 from .planning import plan_without
 from .records import RecoveryTimes
@@ -46,6 +47,15 @@ RESCUE_DIRECTORY = "elaswave-checkpoint"
 
 class CannotContinue(RuntimeError):
     """The survivors cannot hold the model any more."""
+
+
+def cannot_continue_line(error: BaseException, save: str | None) -> str:
+    """The line every survivor stops with: why, and what it can resume from (the checkpoint
+    the survivors saved, else the last complete one under ``save``)."""
+    reason = str(error).rstrip(".")
+    if "resume with --load" in reason:
+        return f"cannot continue: {reason}"
+    return f"cannot continue: {reason}; {resume_hint(save)}"
 
 
 class StepFailed(RuntimeError):
@@ -184,6 +194,7 @@ class Recovery:
         times.failure_at = min(times.failure_at, decision.failed_at or times.failure_at)
         failed &= trainer.layout.known_ranks()
         trainer.lost |= failed
+        trainer.durable.abandon_saves_of(failed)
         if not failed:
             times.rerun_cause = decision.error
         # Every connection was shut down to unblock the training thread: re-create all groups
@@ -205,7 +216,8 @@ class Recovery:
         if not failed:
             reason = self.retries.failed(attempted, times.rolled_back_to, times.rerun_cause)
             if reason is not None:
-                raise StepFailed(self.save_rollback_state(reason, times.rolled_back_to),
+                raise StepFailed(self.save_rollback_state(reason, times.rolled_back_to,
+                                                          decision.generation),
                                  announce=trainer.is_logger)
         trainer.governor.apply(clocks, new_layout)
         if not trainer.is_active:  # a spare runs no step to record the recovery with
@@ -224,11 +236,13 @@ class Recovery:
         trainer.registry.edit(failed - ungrouped, layout, EditMode.INPLACE, broken=old_lists,
                               generation=decision.generation)
         trainer.restore(decision.generation, layout, times)
-        raise CannotContinue(self.save_rollback_state(reason, times.rolled_back_to))
+        raise CannotContinue(self.save_rollback_state(reason, times.rolled_back_to,
+                                                      decision.generation))
 
-    def save_rollback_state(self, reason: str, iteration: int) -> str:
-        """Save the restored state of ``iteration``; ``reason`` with where it went."""
-        directory = self.trainer.save_checkpoint(
-            self.trainer.args.save or os.path.abspath(RESCUE_DIRECTORY))
+    def save_rollback_state(self, reason: str, iteration: int, generation: int) -> str:
+        """Save the state of ``iteration`` restored in the layout of ``generation`` and wait for
+        it; ``reason`` with where it went."""
+        root = self.trainer.args.save or os.path.abspath(RESCUE_DIRECTORY)
+        directory = self.trainer.save_and_wait(root, iteration, generation)
         return (f"{reason}. The state of iteration {iteration} is saved in {directory}: resume "
-                f"with --load {os.path.dirname(directory)}")
+                f"with --load {root}")

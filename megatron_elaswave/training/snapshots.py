@@ -149,6 +149,14 @@ class StepSnapshots:
         return ([self._in_group(r) for r in self.send_to],
                 [self._in_group(r) for r in self.receive_from])
 
+    def own_snapshot(self, iteration: int) -> PendingSnapshot | None:
+        """This rank's snapshot of ``iteration`` in this layout: pending (its copies may still be
+        in flight) or settled; ``None`` if it holds none."""
+        if self._pending is not None and self._pending.snapshot.iteration == iteration:
+            return self._pending
+        snapshot = self.store.own(iteration, self.version)
+        return PendingSnapshot(snapshot) if snapshot is not None else None
+
     @property
     def pending(self) -> bool:
         """Whether the last snapshot is still to be settled."""
