@@ -1,24 +1,37 @@
-"""``--elastic`` against the plain megatron-core path of the same script (no ``--elastic``).
+"""``--elastic`` against Megatron-LM's own training loop without it, and against the plain
+megatron-core path of ``scripts/pretrain_gpt.py``.
 
-The elastic trainer builds its own objects (one model chunk per layer group, the token count
-summed over the job, the grad norm over every active rank); the plain path is megatron-core's
-own: ``GPTModel``, ``DistributedDataParallel``, the distributed optimizer and
-``finalize_model_grads``. Comparing elastic runs only with other elastic runs would hide a bug
-both share, so these runs compare with the plain path: lm loss and grad norm within 1e-5
-relative for every iteration, with ``--clip-grad`` binding (the grad norm is above it), so a
-wrong gradient scale changes the update and the loss as well as the logged norm.
+The reference of the first tests is Megatron-LM's ``pretrain_gpt.py`` without ``--elastic``, on
+the same ranks and flags (a Megatron-LM checkout named by ``MEGATRON_LM_PATH``, or the training
+package of the installed megatron-core from 0.19 on, through ``megatron_lm_pretrain_gpt.py``;
+skipped where neither is at hand). It shares nothing with the elastic job but megatron-core and
+the script: Megatron-LM builds its own model, DDP, optimizer, data loaders and samplers, and
+normalises the loss in megatron-core's schedules. The elastic arm is the same command with
+``--elastic``: lm loss and grad norm within 1e-5 relative for every iteration without a failure,
+1e-4 with one, with ``--clip-grad`` binding (the grad norm is above it) and ``--eod-mask-loss``
+(micro-batches count different numbers of tokens), so a wrong initialisation, sample, loss
+normalisation, gradient scale or optimizer setting changes the losses and the norms.
+
+The later tests compare ``scripts/pretrain_gpt.py --elastic`` with the same script without it
+(megatron-core's own ``GPTModel``, ``DistributedDataParallel``, distributed optimizer and
+``finalize_model_grads``), for what Megatron-LM's loop cannot run elastically: virtual pipeline
+stages, replacement workers and the survivors' checkpoint. That path shares the project's loop,
+data dealing and initialisation with the elastic arm, so it checks the elastic job's model
+chunks, gradient reduction and optimizers, not those.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 import pytest
 
-from harness import free_port, launch
+from harness import free_port, launch, worker_script
 from megatron_elaswave.metrics import read_metrics
 from test_growth import HELD, hold_while_joining, stage_ranks
+from test_megatron_adaptor import LOG_LINE, TRAINING_SCRIPT, megatron_lm_flags, needs_megatron_lm
 from test_pretrain_gpt import PRETRAIN, model_flags, text_data  # noqa: F401  (fixture)
 
 TRAIN_ITERS = 10
@@ -26,9 +39,135 @@ CLIP_GRAD = 0.3
 EXACT = 1e-5
 """Without a failure both paths reduce the same numbers, in a different order at most."""
 AFTER_FAILURE = 1e-4
+ELASTIC = ["--elastic", "--elastic-rebalance-window", "0"]
 
 pytestmark = pytest.mark.multiprocess
 
+
+def relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+# -- against Megatron-LM's own loop -------------------------------------------------------------
+
+def megatron_lm_oracle_flags(tp: int, pp: int, *extra: str) -> list[str]:
+    """Megatron-LM's flags for a tiny GPT on CPU ranks (mock data), without dropout, with
+    loss masks that differ between micro-batches and a clip that binds."""
+    return [*megatron_lm_flags(tp, pp, TRAIN_ITERS), "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--eod-mask-loss", "--clip-grad", str(CLIP_GRAD), *extra]
+
+
+def run_megatron_lm(tmp_path: Path, name: str, nproc: int, arguments: list[str],
+                    kill: tuple[int, int] | None = None) -> str:
+    """Megatron-LM's training script on ``nproc`` ranks under ``elaswave-run``, ``arguments``
+    after the script's path (a recorder's before it); with ``kill = (rank, after_iteration)``
+    SIGKILL that worker from outside once Megatron-LM's log has that iteration's line, which is
+    printed after the iteration's ``train_step``, so the kill lands in a later one. The
+    output."""
+    with launch(arguments, nproc, master_port=free_port(),
+                log_path=tmp_path / f"{name}.log") as job:
+        if kill is not None:
+            rank, after = kill
+            job.wait_for(lambda: any(int(i) >= after for i, _, _ in LOG_LINE.findall(job.output())),
+                         120, f"iteration {after}")
+            job.kill_worker(rank)
+        returncode, output = job.wait(240)
+    assert returncode == 0, output[-4000:]
+    return output
+
+
+@pytest.fixture(scope="module")
+def megatron_lm_reference(tmp_path_factory):
+    """``reference(nproc, flags)``: what Megatron-LM's ``train()`` got from each ``train_step``
+    without ``--elastic`` (``megatron_lm_record.py``), one run per ``(nproc, flags)``."""
+    runs = {}
+
+    def reference(nproc: int, flags: list[str]) -> list[dict]:
+        key = (nproc, tuple(flags))
+        if key not in runs:
+            directory = tmp_path_factory.mktemp("megatron-lm")
+            record = directory / "record.jsonl"
+            run_megatron_lm(directory, "reference", nproc, [
+                worker_script("megatron_lm_record.py"), str(record), str(TRAINING_SCRIPT), *flags])
+            runs[key] = [json.loads(line) for line in record.read_text().splitlines()]
+            assert [r["iteration"] for r in runs[key]] == list(range(1, TRAIN_ITERS + 1))
+        return runs[key]
+
+    return reference
+
+
+def train_elastic_in_megatron_lm(tmp_path: Path, nproc: int, flags: list[str],
+                                 kill: tuple[int, int] | None = None) -> list[dict]:
+    """The iteration records of Megatron-LM's loop with ``--elastic`` (see
+    :func:`run_megatron_lm` for ``kill``)."""
+    metrics = tmp_path / "elastic.jsonl"
+    output = run_megatron_lm(tmp_path, "elastic", nproc, [
+        "-m", "megatron_elaswave.run_megatron_lm", str(TRAINING_SCRIPT), *flags, *ELASTIC,
+        "--elastic-metrics-file", str(metrics)], kill)
+    records = read_metrics(str(metrics), "iteration")
+    assert [r["iteration"] for r in records] == list(range(1, TRAIN_ITERS + 1)), output[-4000:]
+    if kill is not None:
+        assert len(read_metrics(str(metrics), "recovery")) == 1, output[-4000:]
+    return records
+
+
+def assert_follows_megatron_lm(reference: list[dict], elastic: list[dict],
+                               tolerance: float) -> None:
+    """lm loss and grad norm within ``tolerance`` relative, every iteration; the clip binds."""
+    assert sum(r["grad_norm"] > CLIP_GRAD for r in reference) >= TRAIN_ITERS // 2, \
+        [r["grad_norm"] for r in reference]  # the clip binds: the scale reaches the update
+    worst = {"lm_loss": 0.0, "grad_norm": 0.0}
+    for ref, got in zip(reference, elastic, strict=True):
+        for field in worst:
+            deviation = relative(got[field], ref[field])
+            assert deviation <= tolerance, (got["iteration"], field, ref[field], got[field])
+            worst[field] = max(worst[field], deviation)
+    print(f"largest relative difference from Megatron-LM's own loop: {worst}")
+
+
+@pytest.mark.timeout(600)
+@needs_megatron_lm
+@pytest.mark.parametrize("tp, pp, nproc, extra, elastic_extra", [
+    (1, 2, 4, (), ()),
+    (2, 1, 4, (), ()),
+    (2, 2, 8, (), ()),
+    (1, 2, 4, ("--untie-embeddings-and-output-weights", "--calculate-per-token-loss"), ()),
+    (1, 2, 4, (), ("--elastic-zero", "interleaved")),
+    (1, 2, 4, ("--bf16", "--no-masked-softmax-fusion"), ()),
+], ids=["pp2-dp2", "tp2-dp2", "tp2-pp2-dp2", "pp2-dp2-untied-per-token-loss",
+       "pp2-dp2-interleaved-zero", "pp2-dp2-bf16"])
+def test_elastic_without_failures_follows_megatron_lms_own_loop(megatron_lm_reference, tmp_path,
+                                                                tp, pp, nproc, extra,
+                                                                elastic_extra):
+    """The same command with and without ``--elastic``: Megatron's initialisation (the default
+    of ``--elastic-init`` in Megatron-LM's loop), samples, loss normalisation (each
+    micro-batch's mean, or with ``--calculate-per-token-loss`` the global batch's per-token
+    mean), optimizer and LR schedule. In bf16 the optimizer's main copies of the tied
+    embedding's output-layer copy must be taken after Megatron sums the two."""
+    flags = megatron_lm_oracle_flags(tp, pp, *extra)
+    reference = megatron_lm_reference(nproc, flags)
+    elastic = train_elastic_in_megatron_lm(tmp_path, nproc, [*flags, *elastic_extra])
+    assert_follows_megatron_lm(reference, elastic, EXACT)
+
+
+@pytest.mark.timeout(600)
+@needs_megatron_lm
+@pytest.mark.parametrize("tp, pp, killed, survivors", [(1, 2, 1, 3), (2, 1, 2, 2)],
+                         ids=["pp2-dp2", "tp2-dp2"])
+def test_elastic_with_a_failure_stays_on_megatron_lms_own_loop(megatron_lm_reference, tmp_path,
+                                                              tp, pp, killed, survivors):
+    """Four ranks; a worker is SIGKILLed from outside after iteration 4. TP1 x PP2 x DP2: rank 1,
+    the first stage of replica 1, whose layers move to its last stage; TP2 x PP1 x DP2: rank 2,
+    whose tensor-parallel partner is left without a stage while the other replica carries the
+    whole global batch. Every iteration stays on Megatron-LM's own trajectory."""
+    flags = megatron_lm_oracle_flags(tp, pp)
+    reference = megatron_lm_reference(4, flags)
+    elastic = train_elastic_in_megatron_lm(tmp_path, 4, flags, kill=(killed, 4))
+    assert elastic[-1]["world_size"] == survivors
+    assert_follows_megatron_lm(reference, elastic, AFTER_FAILURE)
+
+
+# -- against the plain megatron-core path of scripts/pretrain_gpt.py --------------------------
 
 def oracle_flags(data_prefix: str, tied: bool = False, **overrides) -> list[str]:
     settings = {"num_layers": 4, "train_iters": TRAIN_ITERS, "global_batch_size": 8,
@@ -36,8 +175,6 @@ def oracle_flags(data_prefix: str, tied: bool = False, **overrides) -> list[str]
     untie = [] if tied else ["--untie-embeddings-and-output-weights"]
     return [*model_flags(data_prefix, **settings), "--use-distributed-optimizer", *untie]
 
-
-ELASTIC = ["--elastic", "--elastic-rebalance-window", "0"]
 
 
 def train(tmp_path: Path, name: str, nproc: int, flags: list[str],
@@ -73,10 +210,6 @@ def train(tmp_path: Path, name: str, nproc: int, flags: list[str],
         return [r for r in read_metrics(str(metrics)) if r["event"] in ("iteration", "recovery",
                                                                         "grow")]
     return records
-
-
-def relative(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
 
 
 def assert_matches_plain(plain: list[dict], elastic: list[dict], tolerance: float) -> None:
