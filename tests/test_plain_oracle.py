@@ -23,7 +23,9 @@ chunks, gradient reduction and optimizers, not those.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -59,18 +61,20 @@ def megatron_lm_oracle_flags(tp: int, pp: int, *extra: str) -> list[str]:
 
 def run_megatron_lm(tmp_path: Path, name: str, nproc: int, arguments: list[str],
                     kill: tuple[int, int] | None = None) -> str:
-    """Megatron-LM's training script on ``nproc`` ranks under ``elaswave-run``, ``arguments``
-    after the script's path (a recorder's before it); with ``kill = (rank, after_iteration)``
-    SIGKILL that worker from outside once Megatron-LM's log has that iteration's line, which is
-    printed after the iteration's ``train_step``, so the kill lands in a later one. The
-    output."""
+    """``arguments`` (Megatron-LM's training script, after a recorder or runner, and its flags)
+    on ``nproc`` ranks under ``elaswave-run``; the output. With ``kill = (rank, after_iteration)``
+    that worker is SIGKILLed from outside once Megatron-LM's log has that iteration's line,
+    which is printed after the iteration's ``train_step``: the kill lands in a later one, where
+    the job survives failures (not in Megatron-LM's logging between two, which has barriers of
+    its own), as long as the line is caught before the next ``train_step`` ends."""
     with launch(arguments, nproc, master_port=free_port(),
                 log_path=tmp_path / f"{name}.log") as job:
         if kill is not None:
             rank, after = kill
+            pid = job.worker_pids()[rank]
             job.wait_for(lambda: any(int(i) >= after for i, _, _ in LOG_LINE.findall(job.output())),
                          120, f"iteration {after}")
-            job.kill_worker(rank)
+            os.kill(pid, signal.SIGKILL)
         returncode, output = job.wait(240)
     assert returncode == 0, output[-4000:]
     return output
@@ -99,10 +103,13 @@ def megatron_lm_reference(tmp_path_factory):
 def train_elastic_in_megatron_lm(tmp_path: Path, nproc: int, flags: list[str],
                                  kill: tuple[int, int] | None = None) -> list[dict]:
     """The iteration records of Megatron-LM's loop with ``--elastic`` (see
-    :func:`run_megatron_lm` for ``kill``)."""
+    :func:`run_megatron_lm` for ``kill``). The rank to be killed computes ten times as slowly
+    (``--elastic-inject-slowdown``, which changes no number), so that each ``train_step`` lasts
+    far longer than the logging between two."""
     metrics = tmp_path / "elastic.jsonl"
+    slow = ["--elastic-inject-slowdown", f"rank={kill[0]},factor=10"] if kill else []
     output = run_megatron_lm(tmp_path, "elastic", nproc, [
-        "-m", "megatron_elaswave.run_megatron_lm", str(TRAINING_SCRIPT), *flags, *ELASTIC,
+        "-m", "megatron_elaswave.run_megatron_lm", str(TRAINING_SCRIPT), *flags, *ELASTIC, *slow,
         "--elastic-metrics-file", str(metrics)], kill)
     records = read_metrics(str(metrics), "iteration")
     assert [r["iteration"] for r in records] == list(range(1, TRAIN_ITERS + 1)), output[-4000:]
