@@ -281,6 +281,20 @@ def test_tied_embeddings_under_elastic_are_the_plain_megatron_core_path(text_dat
 
 
 @pytest.mark.timeout(400)
+def test_megatrons_initialisation_under_elastic_is_the_plain_megatron_core_path(text_data,  # noqa: F811
+                                                                              tmp_path):
+    """``--elastic-init megatron`` in ``pretrain_gpt.py``, TP1 x PP2 x DP2 with tied embeddings:
+    both paths start from Megatron's own weights (the output layer's copy of the embedding
+    summed in from the first stage), not the layout-invariant ones."""
+    flags = oracle_flags(text_data, tied=True, pipeline_model_parallel_size=2)
+    plain = train(tmp_path, "plain", 4, flags + ["--elastic-init", "megatron"])
+    elastic = train(tmp_path, "elastic", 4, flags + ["--elastic-init", "megatron"] + ELASTIC)
+    invariant = train(tmp_path, "invariant", 4, flags)
+    assert relative(plain[0]["lm_loss"], invariant[0]["lm_loss"]) > 1e-3
+    assert_matches_plain(plain, elastic, EXACT)
+
+
+@pytest.mark.timeout(400)
 def test_tied_embeddings_through_a_one_stage_replica_and_back_stay_on_the_plain_path(text_data,  # noqa: F811
                                                                                      tmp_path):
     """TP1 x PP2 x DP2, tied embeddings: rank 3 (the last stage of replica 1) is SIGKILLed after
