@@ -60,21 +60,24 @@ def megatron_lm_oracle_flags(tp: int, pp: int, *extra: str) -> list[str]:
 
 
 def run_megatron_lm(tmp_path: Path, name: str, nproc: int, arguments: list[str],
-                    kill: tuple[int, int] | None = None) -> str:
+                    kill: tuple[int, int] | None = None, rejoin: bool = False) -> str:
     """``arguments`` (Megatron-LM's training script, after a recorder or runner, and its flags)
     on ``nproc`` ranks under ``elaswave-run``; the output. With ``kill = (rank, after_iteration)``
-    that worker is SIGKILLed from outside once Megatron-LM's log has that iteration's line,
-    which is printed after the iteration's ``train_step``: the kill lands in a later one, where
-    the job survives failures (not in Megatron-LM's logging between two, which has barriers of
-    its own), as long as the line is caught before the next ``train_step`` ends."""
-    with launch(arguments, nproc, master_port=free_port(),
-                log_path=tmp_path / f"{name}.log") as job:
+    that worker is SIGKILLed from outside once Megatron-LM's log has that iteration's line; with
+    ``rejoin`` the launcher starts it again and the job is held until it asks to join (the
+    flags must then tolerate a held rank: :data:`test_growth.HELD`)."""
+    with launch(arguments, nproc, master_port=free_port(), log_path=tmp_path / f"{name}.log",
+                launcher_args=["--rejoin", "--rejoin-delay=0.5"] if rejoin else ()) as job:
         if kill is not None:
             rank, after = kill
             pid = job.worker_pids()[rank]
             job.wait_for(lambda: any(int(i) >= after for i, _, _ in LOG_LINE.findall(job.output())),
                          120, f"iteration {after}")
             os.kill(pid, signal.SIGKILL)
+            if rejoin:
+                job.wait_for(lambda: "recovered from the failure of ranks" in job.output(), 120,
+                             "the recovery")
+                hold_while_joining(job, [rank])
         returncode, output = job.wait(240)
     assert returncode == 0, output[-4000:]
     return output
@@ -101,20 +104,21 @@ def megatron_lm_reference(tmp_path_factory):
 
 
 def train_elastic_in_megatron_lm(tmp_path: Path, nproc: int, flags: list[str],
-                                 kill: tuple[int, int] | None = None) -> list[dict]:
-    """The iteration records of Megatron-LM's loop with ``--elastic`` (see
-    :func:`run_megatron_lm` for ``kill``). The rank to be killed computes ten times as slowly
-    (``--elastic-inject-slowdown``, which changes no number), so that each ``train_step`` lasts
-    far longer than the logging between two."""
+                                 kill: tuple[int, int] | None = None,
+                                 rejoin: bool = False) -> dict[str, list[dict]]:
+    """The records of Megatron-LM's loop with ``--elastic`` by event (see
+    :func:`run_megatron_lm` for ``kill`` and ``rejoin``): every iteration once, one recovery
+    per kill and one grow per rejoin."""
     metrics = tmp_path / "elastic.jsonl"
-    slow = ["--elastic-inject-slowdown", f"rank={kill[0]},factor=10"] if kill else []
     output = run_megatron_lm(tmp_path, "elastic", nproc, [
-        "-m", "megatron_elaswave.run_megatron_lm", str(TRAINING_SCRIPT), *flags, *ELASTIC, *slow,
-        "--elastic-metrics-file", str(metrics)], kill)
-    records = read_metrics(str(metrics), "iteration")
-    assert [r["iteration"] for r in records] == list(range(1, TRAIN_ITERS + 1)), output[-4000:]
-    if kill is not None:
-        assert len(read_metrics(str(metrics), "recovery")) == 1, output[-4000:]
+        "-m", "megatron_elaswave.run_megatron_lm", str(TRAINING_SCRIPT), *flags, *ELASTIC,
+        "--elastic-metrics-file", str(metrics)], kill, rejoin)
+    records = {event: read_metrics(str(metrics), event)
+               for event in ("iteration", "recovery", "grow")}
+    assert [r["iteration"] for r in records["iteration"]] == list(range(1, TRAIN_ITERS + 1)), \
+        output[-4000:]
+    assert len(records["recovery"]) == (kill is not None), output[-4000:]
+    assert len(records["grow"]) == rejoin, output[-4000:]
     return records
 
 
@@ -132,6 +136,10 @@ def assert_follows_megatron_lm(reference: list[dict], elastic: list[dict],
     print(f"largest relative difference from Megatron-LM's own loop: {worst}")
 
 
+VIRTUAL_STAGES = ("--num-layers-per-virtual-pipeline-stage", "1")
+"""Two virtual stages of one layer per pipeline stage: Megatron's interleaved schedule."""
+
+
 @pytest.mark.timeout(600)
 @needs_megatron_lm
 @pytest.mark.parametrize("tp, pp, nproc, extra, elastic_extra", [
@@ -141,37 +149,63 @@ def assert_follows_megatron_lm(reference: list[dict], elastic: list[dict],
     (1, 2, 4, ("--untie-embeddings-and-output-weights", "--calculate-per-token-loss"), ()),
     (1, 2, 4, (), ("--elastic-zero", "interleaved")),
     (1, 2, 4, ("--bf16", "--no-masked-softmax-fusion"), ()),
+    (1, 2, 4, VIRTUAL_STAGES, ()),
+    (1, 2, 4, ("--untie-embeddings-and-output-weights", "--overlap-grad-reduce",
+               "--overlap-param-gather"), ()),
 ], ids=["pp2-dp2", "tp2-dp2", "tp2-pp2-dp2", "pp2-dp2-untied-per-token-loss",
-       "pp2-dp2-interleaved-zero", "pp2-dp2-bf16"])
+       "pp2-dp2-interleaved-zero", "pp2-dp2-bf16", "pp2-dp2-interleaved-schedule",
+       "pp2-dp2-overlap"])
 def test_elastic_without_failures_follows_megatron_lms_own_loop(megatron_lm_reference, tmp_path,
                                                                 tp, pp, nproc, extra,
                                                                 elastic_extra):
     """The same command with and without ``--elastic``: Megatron's initialisation (the default
     of ``--elastic-init`` in Megatron-LM's loop), samples, loss normalisation (each
     micro-batch's mean, or with ``--calculate-per-token-loss`` the global batch's per-token
-    mean), optimizer and LR schedule. In bf16 the optimizer's main copies of the tied
+    mean), optimizer and LR schedule; also with the interleaved schedule and with the gradient
+    reduction and parameter gather overlapped. In bf16 the optimizer's main copies of the tied
     embedding's output-layer copy must be taken after Megatron sums the two."""
     flags = megatron_lm_oracle_flags(tp, pp, *extra)
     reference = megatron_lm_reference(nproc, flags)
     elastic = train_elastic_in_megatron_lm(tmp_path, nproc, [*flags, *elastic_extra])
-    assert_follows_megatron_lm(reference, elastic, EXACT)
+    assert_follows_megatron_lm(reference, elastic["iteration"], EXACT)
 
 
 @pytest.mark.timeout(600)
 @needs_megatron_lm
-@pytest.mark.parametrize("tp, pp, killed, survivors", [(1, 2, 1, 3), (2, 1, 2, 2)],
-                         ids=["pp2-dp2", "tp2-dp2"])
+@pytest.mark.parametrize("tp, pp, extra, killed, survivors", [
+    (1, 2, (), 1, 3),
+    (2, 1, (), 2, 2),
+    (1, 2, VIRTUAL_STAGES, 3, 3),
+], ids=["pp2-dp2", "tp2-dp2", "pp2-dp2-interleaved-schedule"])
 def test_elastic_with_a_failure_stays_on_megatron_lms_own_loop(megatron_lm_reference, tmp_path,
-                                                              tp, pp, killed, survivors):
+                                                              tp, pp, extra, killed, survivors):
     """Four ranks; a worker is SIGKILLed from outside after iteration 4. TP1 x PP2 x DP2: rank 1,
     the first stage of replica 1, whose layers move to its last stage; TP2 x PP1 x DP2: rank 2,
     whose tensor-parallel partner is left without a stage while the other replica carries the
-    whole global batch. Every iteration stays on Megatron-LM's own trajectory."""
-    flags = megatron_lm_oracle_flags(tp, pp)
+    whole global batch; interleaved: rank 3, whose replica runs 1F1B on rank 1 while the other
+    keeps its virtual stages. Every iteration stays on Megatron-LM's own trajectory."""
+    flags = megatron_lm_oracle_flags(tp, pp, *extra)
     reference = megatron_lm_reference(4, flags)
     elastic = train_elastic_in_megatron_lm(tmp_path, 4, flags, kill=(killed, 4))
-    assert elastic[-1]["world_size"] == survivors
-    assert_follows_megatron_lm(reference, elastic, AFTER_FAILURE)
+    assert elastic["iteration"][-1]["world_size"] == survivors
+    assert_follows_megatron_lm(reference, elastic["iteration"], AFTER_FAILURE)
+
+
+@pytest.mark.timeout(600)
+@needs_megatron_lm
+def test_a_replacement_that_rejoins_stays_on_megatron_lms_own_loop(megatron_lm_reference,
+                                                                  tmp_path):
+    """TP1 x PP2 x DP2 under ``elaswave-run --rejoin``: rank 3 is SIGKILLed after iteration 3,
+    its replica re-partitions onto rank 1, the replacement joins Megatron-LM's running loop and
+    the job ends on its first layout, every iteration on Megatron-LM's own trajectory."""
+    flags = megatron_lm_oracle_flags(1, 2)
+    reference = megatron_lm_reference(4, flags)
+    elastic = train_elastic_in_megatron_lm(tmp_path, 4, flags + HELD, kill=(3, 3), rejoin=True)
+    [recovery], [grow] = elastic["recovery"], elastic["grow"]
+    assert stage_ranks(recovery["layout"]) == [[[0], [2]], [[1]]], recovery["layout"]
+    assert stage_ranks(grow["layout"]) == [[[0], [2]], [[1], [3]]], grow["layout"]
+    assert elastic["iteration"][-1]["world_size"] == 4
+    assert_follows_megatron_lm(reference, elastic["iteration"], AFTER_FAILURE)
 
 
 # -- against the plain megatron-core path of scripts/pretrain_gpt.py --------------------------
