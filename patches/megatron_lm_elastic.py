@@ -3,7 +3,7 @@
 Checked against Megatron-LM core_v0.16.1 and core_v0.19.x (``megatron/training/arguments.py``:
 ``parse_args``; ``megatron/training/initialize.py``: ``initialize_megatron``;
 ``megatron/training/training.py``: ``pretrain``, ``setup_model_and_optimizer``,
-``get_optimizer_param_scheduler``, ``update_train_iters``,
+``get_optimizer_param_scheduler``, ``get_megatron_optimizer_config``, ``update_train_iters``,
 ``build_train_valid_test_data_iterators``, ``train_step``, ``training_log``, ``train``,
 ``evaluate``, ``evaluate_and_print_results``, ``disable_forward_pre_hook``,
 ``save_checkpoint_and_time``, ``checkpoint_and_decide_exit`` and the calls of
@@ -27,7 +27,8 @@ Megatron-LM has.
 2. ``setup_model_and_optimizer``: with ``--elastic`` the flags are checked, the elastic job starts
    (a replacement joins the running one instead, and ``train()`` starts at its iteration)
    (its chunks built by the script's own model provider, or, where core_v0.19's script passes
-   none, by the builder of its config container's model: :func:`model_provider_of`) and
+   none, by the builder of its config container's model: :func:`model_provider_of`; its
+   optimizers from Megatron-LM's optimizer config: :func:`optimizer_config_of`) and
    ``train()`` gets its list of chunks, ``ChainedOptimizer`` and LR schedule. Megatron-LM's rerun
    state machine is disabled: the job re-runs broken iterations itself, and the machine's re-runs
    replay Megatron-LM's data iterators and agree over the first world. ``--train-samples`` sets
@@ -125,6 +126,15 @@ def model_provider_of(arguments: dict[str, Any]) -> Callable | None:
             pg_collection, pre_process=pre_process, post_process=post_process)
 
     return build_chunk
+
+
+def optimizer_config_of(args: argparse.Namespace) -> tuple[Any, Any]:
+    """The optimizer config and parameter-group overrides Megatron-LM's
+    ``setup_model_and_optimizer`` builds from ``args`` (``get_megatron_optimizer_config``), without
+    the timers it then gives the config: the elastic job steps one optimizer per layer group, as
+    many as a rank holds, and the timers' barriers would pair different steps of different
+    ranks."""
+    return sys.modules[TRAINING].get_megatron_optimizer_config(args)
 
 
 def forward_step_on_current_layout(forward_step_func: Callable) -> Callable:
@@ -278,11 +288,13 @@ class ElasticRuntime(Protocol):
 
     def start(self, args: argparse.Namespace, *, tokenizer: Any,
               transformer_config: Callable[[], Any], model_provider: Callable,
-              scheduler: Callable, forward_step_func: Callable,
+              scheduler: Callable, optimizer_config: Callable[[], tuple[Any, Any]],
+              forward_step_func: Callable,
               global_batch_size_at: Callable[[int], int]) -> tuple[list, Any, Any]:
         """Start the elastic job (collective), or join the running one where
         :attr:`rejoining`; the chunks, optimizer and LR schedule of ``train()``.
-        ``global_batch_size_at(consumed_samples)`` is Megatron's batch size schedule."""
+        ``optimizer_config()`` is Megatron-LM's optimizer config and parameter-group overrides,
+        ``global_batch_size_at(consumed_samples)`` Megatron's batch size schedule."""
 
     def evaluation_splits(self) -> tuple[Any, Any]:
         """The placeholders of ``train()``'s validation and test iterators (None: no split)."""
@@ -507,6 +519,7 @@ class _ElasticLoop:
                 model_provider=model_provider,
                 scheduler=lr_schedule_from_flags(
                     sys.modules[TRAINING].get_optimizer_param_scheduler, margs),
+                optimizer_config=lambda: optimizer_config_of(margs),
                 forward_step_func=forward_step_on_current_layout(self.forward_step_func),
                 global_batch_size_at=global_batch_size_at)
             # train() starts where the job is: after a --load, or some iterations in for a

@@ -18,7 +18,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
-from megatron.core.utils import get_batch_on_this_tp_rank
+from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_tp_rank
 from megatron.training import get_args, pretrain, print_rank_0
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 from megatron.training.arguments import parse_and_validate_args
@@ -63,7 +63,7 @@ def loss_func(loss_mask, output_tensor):
 
 
 def forward_step(data_iterator, model):
-    batch = get_batch(data_iterator, getattr(model, "vp_stage", None))
+    batch = get_batch(data_iterator, get_attr_wrapped_model(model, "vp_stage"))
     output_tensor = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],
                           labels=batch["labels"], loss_mask=batch["loss_mask"])
     return output_tensor, partial(loss_func, batch["loss_mask"])

@@ -1,24 +1,39 @@
-"""``--elastic`` against the plain megatron-core path of the same script (no ``--elastic``).
+"""``--elastic`` against Megatron-LM's own training loop without it, and against the plain
+megatron-core path of ``scripts/pretrain_gpt.py``.
 
-The elastic trainer builds its own objects (one model chunk per layer group, the token count
-summed over the job, the grad norm over every active rank); the plain path is megatron-core's
-own: ``GPTModel``, ``DistributedDataParallel``, the distributed optimizer and
-``finalize_model_grads``. Comparing elastic runs only with other elastic runs would hide a bug
-both share, so these runs compare with the plain path: lm loss and grad norm within 1e-5
-relative for every iteration, with ``--clip-grad`` binding (the grad norm is above it), so a
-wrong gradient scale changes the update and the loss as well as the logged norm.
+The reference of the first tests is Megatron-LM's ``pretrain_gpt.py`` without ``--elastic``, on
+the same ranks and flags (a Megatron-LM checkout named by ``MEGATRON_LM_PATH``, or the training
+package of the installed megatron-core from 0.19 on, through ``megatron_lm_pretrain_gpt.py``;
+skipped where neither is at hand). It shares nothing with the elastic job but megatron-core and
+the script: Megatron-LM builds its own model, DDP, optimizer, data loaders and samplers, and
+normalises the loss in megatron-core's schedules. The elastic arm is the same command with
+``--elastic``: lm loss and grad norm within 1e-5 relative for every iteration without a failure,
+1e-4 with one, with ``--clip-grad`` binding (the grad norm is above it) and ``--eod-mask-loss``
+(micro-batches count different numbers of tokens), so a wrong initialisation, sample, loss
+normalisation, gradient scale or optimizer setting changes the losses and the norms.
+
+The later tests compare ``scripts/pretrain_gpt.py --elastic`` with the same script without it
+(megatron-core's own ``GPTModel``, ``DistributedDataParallel``, distributed optimizer and
+``finalize_model_grads``), for what Megatron-LM's loop cannot run elastically: virtual pipeline
+stages, replacement workers and the survivors' checkpoint. That path shares the project's loop,
+data dealing and initialisation with the elastic arm, so it checks the elastic job's model
+chunks, gradient reduction and optimizers, not those.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
 
-from harness import free_port, launch
+from harness import free_port, launch, worker_script
 from megatron_elaswave.metrics import read_metrics
 from test_growth import HELD, hold_while_joining, stage_ranks
+from test_megatron_adaptor import LOG_LINE, TRAINING_SCRIPT, megatron_lm_flags, needs_megatron_lm
 from test_pretrain_gpt import PRETRAIN, model_flags, text_data  # noqa: F401  (fixture)
 
 TRAIN_ITERS = 10
@@ -26,9 +41,192 @@ CLIP_GRAD = 0.3
 EXACT = 1e-5
 """Without a failure both paths reduce the same numbers, in a different order at most."""
 AFTER_FAILURE = 1e-4
+ELASTIC = ["--elastic", "--elastic-rebalance-window", "0"]
 
 pytestmark = pytest.mark.multiprocess
 
+
+def relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+# -- against Megatron-LM's own loop -------------------------------------------------------------
+
+def megatron_lm_oracle_flags(tp: int, pp: int, *extra: str) -> list[str]:
+    """Megatron-LM's flags for a tiny GPT on CPU ranks (mock data), without dropout, with
+    loss masks that differ between micro-batches and a clip that binds."""
+    return [*megatron_lm_flags(tp, pp, TRAIN_ITERS), "--hidden-dropout", "0",
+            "--attention-dropout", "0", "--eod-mask-loss", "--clip-grad", str(CLIP_GRAD), *extra]
+
+
+def run_megatron_lm(tmp_path: Path, name: str, nproc: int, arguments: list[str],
+                    kill: tuple[int, int] | None = None, rejoin: bool = False) -> str:
+    """``arguments`` (Megatron-LM's training script, after a recorder or runner, and its flags)
+    on ``nproc`` ranks under ``elaswave-run``; the output. With ``kill = (rank, after_iteration)``
+    that worker is SIGKILLed from outside once Megatron-LM's log has that iteration's line; with
+    ``rejoin`` the launcher starts it again and the job is held until it asks to join (the
+    flags must then tolerate a held rank: :data:`test_growth.HELD`)."""
+    with launch(arguments, nproc, master_port=free_port(), log_path=tmp_path / f"{name}.log",
+                launcher_args=["--rejoin", "--rejoin-delay=0.5"] if rejoin else ()) as job:
+        if kill is not None:
+            rank, after = kill
+            pid = job.worker_pids()[rank]
+            job.wait_for(lambda: any(int(i) >= after for i, _, _ in LOG_LINE.findall(job.output())),
+                         120, f"iteration {after}")
+            os.kill(pid, signal.SIGKILL)
+            if rejoin:
+                job.wait_for(lambda: "recovered from the failure of ranks" in job.output(), 120,
+                             "the recovery")
+                hold_while_joining(job, [rank])
+        returncode, output = job.wait(240)
+    assert returncode == 0, output[-4000:]
+    return output
+
+
+@pytest.fixture(scope="module")
+def megatron_lm_reference(tmp_path_factory):
+    """``reference(nproc, flags)``: what Megatron-LM's ``train()`` got from each ``train_step``
+    without ``--elastic`` (``megatron_lm_record.py``), one run per ``(nproc, flags)``."""
+    runs = {}
+
+    def reference(nproc: int, flags: list[str], iterations: int = TRAIN_ITERS) -> list[dict]:
+        key = (nproc, tuple(flags))
+        if key not in runs:
+            directory = tmp_path_factory.mktemp("megatron-lm")
+            record = directory / "record.jsonl"
+            run_megatron_lm(directory, "reference", nproc, [
+                worker_script("megatron_lm_record.py"), str(record), str(TRAINING_SCRIPT), *flags])
+            runs[key] = [json.loads(line) for line in record.read_text().splitlines()]
+            assert [r["iteration"] for r in runs[key]] == list(range(1, iterations + 1))
+        return runs[key]
+
+    return reference
+
+
+def train_elastic_in_megatron_lm(tmp_path: Path, nproc: int, flags: list[str],
+                                 kill: tuple[int, int] | None = None, rejoin: bool = False,
+                                 iterations: int = TRAIN_ITERS) -> dict[str, list[dict]]:
+    """The records of Megatron-LM's loop with ``--elastic`` by event (see
+    :func:`run_megatron_lm` for ``kill`` and ``rejoin``): every iteration once, one recovery
+    per kill and one grow per rejoin."""
+    metrics = tmp_path / "elastic.jsonl"
+    output = run_megatron_lm(tmp_path, "elastic", nproc, [
+        "-m", "megatron_elaswave.run_megatron_lm", str(TRAINING_SCRIPT), *flags, *ELASTIC,
+        "--elastic-metrics-file", str(metrics)], kill, rejoin)
+    records = {event: read_metrics(str(metrics), event)
+               for event in ("iteration", "recovery", "grow")}
+    assert [r["iteration"] for r in records["iteration"]] == list(range(1, iterations + 1)), \
+        output[-4000:]
+    assert len(records["recovery"]) == (kill is not None), output[-4000:]
+    assert len(records["grow"]) == rejoin, output[-4000:]
+    return records
+
+
+def assert_follows_megatron_lm(reference: list[dict], elastic: list[dict], tolerance: float,
+                               clip: float = CLIP_GRAD) -> None:
+    """lm loss and grad norm within ``tolerance`` relative, every iteration; the clip
+    (``clip``) binds in half of them or more."""
+    assert sum(r["grad_norm"] > clip for r in reference) >= len(reference) // 2, \
+        [r["grad_norm"] for r in reference]  # the clip binds: the scale reaches the update
+    worst = {"lm_loss": 0.0, "grad_norm": 0.0}
+    for ref, got in zip(reference, elastic, strict=True):
+        for field in worst:
+            deviation = relative(got[field], ref[field])
+            assert deviation <= tolerance, (got["iteration"], field, ref[field], got[field])
+            worst[field] = max(worst[field], deviation)
+    print(f"largest relative difference from Megatron-LM's own loop: {worst}")
+
+
+VIRTUAL_STAGES = ("--num-layers-per-virtual-pipeline-stage", "1")
+"""Two virtual stages of one layer per pipeline stage: Megatron's interleaved schedule."""
+
+
+@pytest.mark.timeout(600)
+@needs_megatron_lm
+@pytest.mark.parametrize("tp, pp, nproc, extra, elastic_extra", [
+    (1, 2, 4, (), ()),
+    (2, 1, 4, (), ()),
+    (2, 2, 8, (), ()),
+    (1, 2, 4, ("--untie-embeddings-and-output-weights", "--calculate-per-token-loss"), ()),
+    (1, 2, 4, (), ("--elastic-zero", "interleaved")),
+    (1, 2, 4, ("--bf16", "--no-masked-softmax-fusion"), ()),
+    (1, 2, 4, VIRTUAL_STAGES, ()),
+    (1, 2, 4, ("--untie-embeddings-and-output-weights", "--overlap-grad-reduce",
+               "--overlap-param-gather"), ()),
+], ids=["pp2-dp2", "tp2-dp2", "tp2-pp2-dp2", "pp2-dp2-untied-per-token-loss",
+       "pp2-dp2-interleaved-zero", "pp2-dp2-bf16", "pp2-dp2-interleaved-schedule",
+       "pp2-dp2-overlap"])
+def test_elastic_without_failures_follows_megatron_lms_own_loop(megatron_lm_reference, tmp_path,
+                                                                tp, pp, nproc, extra,
+                                                                elastic_extra):
+    """The same command with and without ``--elastic``: Megatron's initialisation (the default
+    of ``--elastic-init`` in Megatron-LM's loop), samples, loss normalisation (each
+    micro-batch's mean, or with ``--calculate-per-token-loss`` the global batch's per-token
+    mean), optimizer and LR schedule; also with the interleaved schedule and with the gradient
+    reduction and parameter gather overlapped. In bf16 the optimizer's main copies of the tied
+    embedding's output-layer copy must be taken after Megatron sums the two."""
+    flags = megatron_lm_oracle_flags(tp, pp, *extra)
+    reference = megatron_lm_reference(nproc, flags)
+    elastic = train_elastic_in_megatron_lm(tmp_path, nproc, [*flags, *elastic_extra])
+    assert_follows_megatron_lm(reference, elastic["iteration"], EXACT)
+
+
+@pytest.mark.timeout(600)
+@needs_megatron_lm
+@pytest.mark.parametrize("tp, pp, extra, killed, survivors", [
+    (1, 2, (), 1, 3),
+    (2, 1, (), 2, 2),
+    (1, 2, VIRTUAL_STAGES, 3, 3),
+], ids=["pp2-dp2", "tp2-dp2", "pp2-dp2-interleaved-schedule"])
+def test_elastic_with_a_failure_stays_on_megatron_lms_own_loop(megatron_lm_reference, tmp_path,
+                                                              tp, pp, extra, killed, survivors):
+    """Four ranks; a worker is SIGKILLed from outside after iteration 4. TP1 x PP2 x DP2: rank 1,
+    the first stage of replica 1, whose layers move to its last stage; TP2 x PP1 x DP2: rank 2,
+    whose tensor-parallel partner is left without a stage while the other replica carries the
+    whole global batch; interleaved: rank 3, whose replica runs 1F1B on rank 1 while the other
+    keeps its virtual stages. Every iteration stays on Megatron-LM's own trajectory."""
+    flags = megatron_lm_oracle_flags(tp, pp, *extra)
+    reference = megatron_lm_reference(4, flags)
+    elastic = train_elastic_in_megatron_lm(tmp_path, 4, flags, kill=(killed, 4))
+    assert elastic["iteration"][-1]["world_size"] == survivors
+    assert_follows_megatron_lm(reference, elastic["iteration"], AFTER_FAILURE)
+
+
+@pytest.mark.timeout(600)
+@needs_megatron_lm
+def test_a_replacement_that_rejoins_stays_on_megatron_lms_own_loop(megatron_lm_reference,
+                                                                  tmp_path):
+    """TP1 x PP2 x DP2 under ``elaswave-run --rejoin``: rank 3 is SIGKILLed after iteration 3,
+    its replica re-partitions onto rank 1, the replacement joins Megatron-LM's running loop and
+    the job ends on its first layout, every iteration on Megatron-LM's own trajectory."""
+    flags = megatron_lm_oracle_flags(1, 2)
+    reference = megatron_lm_reference(4, flags)
+    elastic = train_elastic_in_megatron_lm(tmp_path, 4, flags + HELD, kill=(3, 3), rejoin=True)
+    [recovery], [grow] = elastic["recovery"], elastic["grow"]
+    assert stage_ranks(recovery["layout"]) == [[[0], [2]], [[1]]], recovery["layout"]
+    assert stage_ranks(grow["layout"]) == [[[0], [2]], [[1], [3]]], grow["layout"]
+    assert elastic["iteration"][-1]["world_size"] == 4
+    assert_follows_megatron_lm(reference, elastic["iteration"], AFTER_FAILURE)
+
+
+@pytest.mark.timeout(600)
+@needs_megatron_lm
+def test_elastic_on_a_llama3_recipe_follows_megatron_lms_own_loop(megatron_lm_reference,
+                                                                 tmp_path, text_data):  # noqa: F811
+    """Megatron-LM's Llama 3 recipe scaled down (``test_megatron_lm_recipes.llama3_recipe``,
+    TP1 x PP2 x DP2): a blend over an indexed dataset of real text, RoPE, SwiGLU, RMSNorm,
+    grouped-query attention, ``--calculate-per-token-loss``, the overlapped reduction and
+    gather, the sample-based LR schedule; 8 iterations within 1e-5."""
+    from test_megatron_lm_recipes import llama3_recipe  # skips without TensorBoard
+
+    blend = ["0.3", text_data, "0.7", text_data]
+    flags = llama3_recipe(blend, tmp_path / "tensorboard", tmp_path / "cache", tp=1)
+    reference = megatron_lm_reference(4, flags, iterations=8)
+    elastic = train_elastic_in_megatron_lm(tmp_path, 4, flags, iterations=8)
+    assert_follows_megatron_lm(reference, elastic["iteration"], EXACT, clip=1.0)
+
+
+# -- against the plain megatron-core path of scripts/pretrain_gpt.py --------------------------
 
 def oracle_flags(data_prefix: str, tied: bool = False, **overrides) -> list[str]:
     settings = {"num_layers": 4, "train_iters": TRAIN_ITERS, "global_batch_size": 8,
@@ -36,8 +234,6 @@ def oracle_flags(data_prefix: str, tied: bool = False, **overrides) -> list[str]
     untie = [] if tied else ["--untie-embeddings-and-output-weights"]
     return [*model_flags(data_prefix, **settings), "--use-distributed-optimizer", *untie]
 
-
-ELASTIC = ["--elastic", "--elastic-rebalance-window", "0"]
 
 
 def train(tmp_path: Path, name: str, nproc: int, flags: list[str],
@@ -73,10 +269,6 @@ def train(tmp_path: Path, name: str, nproc: int, flags: list[str],
         return [r for r in read_metrics(str(metrics)) if r["event"] in ("iteration", "recovery",
                                                                         "grow")]
     return records
-
-
-def relative(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
 
 
 def assert_matches_plain(plain: list[dict], elastic: list[dict], tolerance: float) -> None:
@@ -137,6 +329,20 @@ def test_tied_embeddings_under_elastic_are_the_plain_megatron_core_path(text_dat
                          pipeline_model_parallel_size=pp)
     plain = train(tmp_path, "plain", nproc, flags)
     elastic = train(tmp_path, "elastic", nproc, flags + ELASTIC)
+    assert_matches_plain(plain, elastic, EXACT)
+
+
+@pytest.mark.timeout(400)
+def test_megatrons_initialisation_under_elastic_is_the_plain_megatron_core_path(text_data,  # noqa: F811
+                                                                              tmp_path):
+    """``--elastic-init megatron`` in ``pretrain_gpt.py``, TP1 x PP2 x DP2 with tied embeddings:
+    both paths start from Megatron's own weights (the output layer's copy of the embedding
+    summed in from the first stage), not the layout-invariant ones."""
+    flags = oracle_flags(text_data, tied=True, pipeline_model_parallel_size=2)
+    plain = train(tmp_path, "plain", 4, flags + ["--elastic-init", "megatron"])
+    elastic = train(tmp_path, "elastic", 4, flags + ["--elastic-init", "megatron"] + ELASTIC)
+    invariant = train(tmp_path, "invariant", 4, flags)
+    assert relative(plain[0]["lm_loss"], invariant[0]["lm_loss"]) > 1e-3
     assert_matches_plain(plain, elastic, EXACT)
 
 

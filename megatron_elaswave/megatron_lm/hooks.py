@@ -78,7 +78,7 @@ class ElasticHooks:
 
     def check_arguments(self, args: argparse.Namespace) -> None:
         try:
-            validate_elastic(args, args.world_size)
+            validate_elastic(args, args.world_size, init_default="megatron")
         except ArgumentError as error:
             self.refuse(str(error))
 
@@ -88,7 +88,8 @@ class ElasticHooks:
     # -- the job -------------------------------------------------------------------------------
 
     def start(self, args: argparse.Namespace, *, tokenizer, transformer_config: Callable,
-              model_provider: Callable, scheduler: Callable, forward_step_func: Callable,
+              model_provider: Callable, scheduler: Callable, optimizer_config: Callable,
+              forward_step_func: Callable,
               global_batch_size_at: Callable[[int], int]) -> tuple[list, object, object]:
         """Start this rank's job, or join the running one as a replacement
         (:meth:`.MegatronLMJob.start`, whose arguments Megatron-LM's side provides), with the
@@ -111,9 +112,9 @@ class ElasticHooks:
                 args, self.backend, rank=args.rank, world_size=args.world_size,
                 tokenizer=tokenizer, transformer_config=transformer_config,
                 model_provider=model_provider, scheduler=scheduler,
-                forward_step_func=forward_step_func, global_batch_size_at=global_batch_size_at,
-                join=self.rejoining)
-        except (UnsupportedModel, DataError, CheckpointError) as error:  # every rank refuses it alike
+                optimizer_config=optimizer_config, forward_step_func=forward_step_func,
+                global_batch_size_at=global_batch_size_at, join=self.rejoining)
+        except (UnsupportedModel, DataError, CheckpointError) as error:  # every rank refuses alike
             self.refuse(str(error))
         except JobFinished as finished:
             print(f" {finished}; exiting", flush=True)

@@ -6,8 +6,13 @@ variables and calls ``train_step`` once per iteration. :class:`MegatronLMJob` is
 that
 
 * the model chunks are built by the script's own model provider with Megatron-LM's transformer
-  config, one chunk per layer group (:mod:`megatron_elaswave.training.layer_groups`), and
-  initialised layout-invariantly;
+  config, one chunk per layer group (:mod:`megatron_elaswave.training.layer_groups`), from the
+  random state Megatron-LM's initialisation left, and initialised by Megatron
+  (``--elastic-init megatron``, the default here) or layout-invariantly; their optimizers take
+  Megatron-LM's optimizer config and its parameter-group overrides;
+* each micro-batch's loss is normalised as Megatron-LM's schedules normalise it: by its own
+  token count and the global batch's micro-batch count (the mean of the micro-batches' means),
+  or, with ``--calculate-per-token-loss``, by the global batch's token count;
 * every ``train_step`` call ends with one more iteration done than before, re-running any
   iteration a failure broke after the survivors resharded
   (:class:`~megatron_elaswave.training.elastic.ElasticTrainer`); the script's ``forward_step``
@@ -29,7 +34,9 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
 from megatron.core.models.gpt import GPTModel
+from megatron.core.optimizer import OptimizerConfig
 from megatron.core.optimizer.optimizer import ChainedOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
@@ -49,6 +56,7 @@ from megatron_elaswave.training.loop import log
 from megatron_elaswave.training.stopping import StopConditions
 from megatron_elaswave.training.layer_groups import ModelFactory
 from megatron_elaswave.training.loop import StepResult
+from megatron_elaswave.training.snapshots import restore_rng_states, rng_states
 
 
 class UnsupportedModel(TypeError):
@@ -83,15 +91,37 @@ VALIDATION = EvaluationSplit("validation")
 TEST = EvaluationSplit("test")
 
 
-def feeding(forward_step_func: Callable) -> Callable:
+def microbatch_mean(loss_func: Callable) -> Callable:
+    """``loss_func`` (the script's: ``(loss, num_tokens, report)`` or ``(loss, report)``) as
+    megatron-core's schedules apply it without ``calculate_per_token_loss``: the loss divided by
+    its micro-batch's token count (at least 1), which then counts as one. The elastic job
+    divides the gradients by the count summed over the global batch, so each micro-batch
+    weighs ``1 / global micro-batches``, as in Megatron-LM's loop, however the replicas split
+    the global batch."""
+
+    def mean_over_microbatch(output_tensor):
+        outputs = loss_func(output_tensor)
+        if len(outputs) == 3:
+            loss, num_tokens, report = outputs
+            loss = loss / torch.clamp(num_tokens, min=1)
+        else:  # the loss is a mean already
+            loss, report = outputs
+        return loss, torch.ones((), dtype=torch.int, device=loss.device), report
+
+    return mean_over_microbatch
+
+
+def feeding(forward_step_func: Callable, per_token_loss: bool) -> Callable:
     """The script's ``forward_step`` on this loop's micro-batches: each call takes the next
     micro-batch of the replica, keys the dropout masks by its global id, and passes the script an
-    iterator over that micro-batch alone (a stage without data does not read it)."""
+    iterator over that micro-batch alone (a stage without data does not read it). Unless
+    ``per_token_loss``, its loss is each micro-batch's mean (:func:`microbatch_mean`)."""
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         dropout_rng.set_microbatch(batch["microbatch_id"])
-        return forward_step_func(iter((batch,)), model)
+        output, loss_func = forward_step_func(iter((batch,)), model)
+        return output, loss_func if per_token_loss else microbatch_mean(loss_func)
 
     return forward_step
 
@@ -121,6 +151,7 @@ class MegatronLMJob:
     def start(cls, args: argparse.Namespace, backend: DeviceBackend, *, rank: int, world_size: int,
               tokenizer, transformer_config: Callable[[], TransformerConfig],
               model_provider: Callable, scheduler: Callable[[ChainedOptimizer], OptimizerParamScheduler],
+              optimizer_config: Callable[[], tuple[OptimizerConfig, dict | None]],
               forward_step_func: Callable, global_batch_size_at: Callable[[int], int],
               join: bool = False) -> MegatronLMJob:
         """Build this rank's stage of the failure-free layout and start the failure monitor
@@ -130,9 +161,12 @@ class MegatronLMJob:
 
         ``model_provider(pre_process=..., post_process=..., config=..., pg_collection=...)`` is the
         script's (Megatron-LM's ``model_provider`` with its builder), ``scheduler(optimizer)``
-        Megatron-LM's LR schedule, ``forward_step_func`` the script's ``forward_step``,
+        Megatron-LM's LR schedule, ``optimizer_config()`` Megatron-LM's optimizer config and
+        parameter-group overrides, ``forward_step_func`` the script's ``forward_step``,
         ``global_batch_size_at(consumed_samples)`` Megatron's batch size schedule (a ramp-up).
+        The chunks are built from the random state Megatron-LM's initialisation left.
         """
+        megatron_random_state = rng_states()  # the chunks start from it, as in Megatron-LM
         gbs = args.global_batch_size
         eval_samples = args.eval_iters * gbs
         evaluations = args.train_iters // args.eval_interval + 1 if args.eval_interval else 1
@@ -143,10 +177,13 @@ class MegatronLMJob:
         def source(dataset):
             return MicrobatchSource(dataset, args.micro_batch_size) if dataset is not None else None
 
-        factory = ModelFactory(config=transformer_config, build_chunk=gpt_chunks(model_provider),
-                               scheduler=scheduler)
+        factory = ModelFactory(
+            config=transformer_config, build_chunk=gpt_chunks(model_provider), scheduler=scheduler,
+            optimizer_config=optimizer_config,
+            seed_generators=lambda groups: restore_rng_states(megatron_random_state))
         common = dict(
-            model_factory=factory, forward_step_func=feeding(forward_step_func),
+            model_factory=factory,
+            forward_step_func=feeding(forward_step_func, args.calculate_per_token_loss),
             log_iterations=False, defer_joins=True,
             microbatches_at=lambda consumed: global_batch_size_at(consumed) // args.micro_batch_size)
         sources = (source(train), source(valid))

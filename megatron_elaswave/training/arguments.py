@@ -17,6 +17,7 @@ from megatron_elaswave.faults import FailureSpecError, InjectedFailure, Injected
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("ByteLevelTokenizer", "NullTokenizer")
 RNG_MODES = ("invariant", "megatron")
+INIT_MODES = ("invariant", "megatron")
 
 
 class ArgumentError(ValueError):
@@ -200,6 +201,14 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> None:
                             "micro-batch, layer, TP rank) so it does not depend on the pipeline "
                             "or data-parallel layout (docs/rng.md); 'megatron' is Megatron's "
                             "per-rank streams (default: invariant with --elastic, else megatron)")
+    group.add_argument("--elastic-init", choices=INIT_MODES, default=None,
+                       help="weight initialisation: 'invariant' draws each parameter whole from "
+                            "(seed, its global name) and cuts this rank's shard, so runs launched "
+                            "on any layout start from the same weights; 'megatron' is Megatron's "
+                            "own, from the per-stage and per-TP-rank streams, so the run starts "
+                            "where the same job without --elastic does (default: the "
+                            "initialisation of the same script without --elastic: invariant in "
+                            "pretrain_gpt.py, megatron in Megatron-LM's loop)")
     group.add_argument("--elastic-profile-out", default=None,
                        help="measure per-layer costs during the run and write the planner's "
                             "profile JSON here (see docs/planner.md)")
@@ -228,7 +237,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Check ``args`` against the world size and fill in the derived values.
 
     Adds ``data_parallel_size``, ``virtual_pipeline_model_parallel_size`` (or None) and resolves
-    ``elastic_rng``; ``padded_vocab_size`` is left to the tokenizer; raises :class:`ArgumentError`.
+    ``elastic_rng`` and ``elastic_init``; ``padded_vocab_size`` is left to the tokenizer; raises :class:`ArgumentError`.
     """
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     _fail_unless((args.train_iters is None) != (args.train_samples is None),
@@ -270,13 +279,17 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     return args
 
 
-def validate_elastic(args: argparse.Namespace, world_size: int) -> None:
+def validate_elastic(args: argparse.Namespace, world_size: int, *,
+                     init_default: str = "invariant") -> None:
     """Check the ``--elastic*`` flags and what ``--elastic`` needs of the others; resolve
-    ``elastic_snapshots`` and ``elastic_rng``. Raises :class:`ArgumentError`."""
+    ``elastic_snapshots``, ``elastic_rng`` and ``elastic_init`` (``init_default`` when not given:
+    the initialisation the same script does without ``--elastic``). Raises
+    :class:`ArgumentError`."""
     _fail_unless(args.elastic_snapshot_replicas is None or args.elastic_snapshot_replicas >= 0,
                  "--elastic-snapshot-replicas must not be negative")
     args.elastic_snapshots = args.elastic_snapshots or args.elastic
     args.elastic_rng = args.elastic_rng or ("invariant" if args.elastic else "megatron")
+    args.elastic_init = args.elastic_init or init_default
     try:
         args.elastic_inject_failure = [InjectedFailure.parse(text)
                                        for text in args.elastic_inject_failure]

@@ -52,10 +52,9 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
     timeout = timedelta(seconds=config.collective_timeout_s)
     layout = failure_free_layout(args, first_global_batch_size)
     registry = GroupRegistry(layout, rank, store=store, backend=backend.dist_backend, timeout=timeout)
-    # Its stage may span several layer groups (virtual stages); the seeds need no DP group.
-    seed_random_generators(args.seed,
-                           registry.process_group_collection(registry.layer_groups()[0]))
     model_factory = model_factory or ModelFactory.from_flags(args, vocab_size)
+    # Its stage may span several layer groups (virtual stages); the seeds need no DP group.
+    model_factory.seed_generators(registry.process_group_collection(registry.layer_groups()[0]))
     objects = build_stage_objects(args, layout, registry, model_factory, backend.device())
     monitor = FailureMonitor(store, rank, Decision.initial(world_size), config, job_size=world_size)
     _abandon_waits_on_failure(monitor)

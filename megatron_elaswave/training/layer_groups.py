@@ -49,7 +49,7 @@ from megatron.core.distributed import (
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -73,6 +73,7 @@ from .model import (
     layout_invariant_init,
     optimizer_config,
     place_chunk,
+    seed_random_generators,
     transformer_config,
 )
 
@@ -198,7 +199,8 @@ class ModelFactory:
     its LR schedule.
 
     The default builds what ``pretrain_gpt.py``'s flags describe; Megatron-LM runs pass their
-    own ``core_transformer_config_from_args``, model provider and scheduler.
+    own ``core_transformer_config_from_args``, model provider, optimizer config, scheduler and
+    the random state Megatron-LM's initialisation left.
     """
 
     config: Callable[[], TransformerConfig]
@@ -207,6 +209,13 @@ class ModelFactory:
     """``(config, pre_process, post_process, pg_collection) -> GPTModel`` for one chunk."""
     scheduler: Callable[[ChainedOptimizer], OptimizerParamScheduler]
     """The LR and weight-decay schedule of the stage's optimizer."""
+    optimizer_config: Callable[[], tuple[OptimizerConfig, dict | None]]
+    """The optimizer's config and its parameter-group overrides (``None``: megatron-core's
+    standard ones, no weight decay on biases and 1-D parameters)."""
+    seed_generators: Callable[[ProcessGroupCollection], None]
+    """Sets this rank's random generators, given its first layer group's groups, before the
+    chunks of the job's first layout are built: where Megatron's initialisation
+    (``--elastic-init megatron``) and its dropout streams (``--elastic-rng megatron``) start."""
 
     @classmethod
     def from_flags(cls, args: argparse.Namespace, vocab_size: int) -> "ModelFactory":
@@ -225,7 +234,9 @@ class ModelFactory:
 
         return cls(config=lambda: transformer_config(args, batch_p2p_comm=True),
                    build_chunk=build_chunk,
-                   scheduler=lambda optimizer: build_scheduler(args, optimizer))
+                   scheduler=lambda optimizer: build_scheduler(args, optimizer),
+                   optimizer_config=lambda: (optimizer_config(args), None),
+                   seed_generators=lambda groups: seed_random_generators(args.seed, groups))
 
 
 def _chunk_config(factory: ModelFactory, ranges: list[ChunkRange]) -> TransformerConfig:
@@ -320,19 +331,25 @@ def holds_tied_copy(chunk: GPTModel) -> bool:
 
 
 @torch.no_grad()
+def sum_tied_copies(tensors: list[torch.Tensor], embedding_group: dist.ProcessGroup | None) -> None:
+    """Give each of this replica's tensors of the two tied-embedding copies (their gradients, or
+    their values) the sum of both: the first and last stage of the replica at this TP rank add
+    theirs over ``embedding_group``; a rank that holds both copies (a one-stage replica of a
+    deeper layout) adds them itself."""
+    if len(tensors) == 2:
+        total = tensors[0] + tensors[1]
+        for tensor in tensors:
+            tensor.copy_(total)
+    elif tensors:
+        dist.all_reduce(tensors[0], group=embedding_group)
+
+
 def sum_tied_embedding_grads(copies: list[torch.nn.Parameter],
                              embedding_group: dist.ProcessGroup | None) -> None:
     """Give each copy of the tied embedding the sum of both uses' gradients in this replica,
-    before the data-parallel reduction: the first and last stage of the replica at this TP
-    rank add theirs over ``embedding_group``; a rank that holds both copies (a one-stage
-    replica of a deeper layout) adds them itself. Every replica then reduces the same sum over
-    each copy's layer group, whatever the layouts, so the copies stay equal."""
-    if len(copies) == 2:
-        total = copies[0].main_grad + copies[1].main_grad
-        for copy in copies:
-            copy.main_grad.copy_(total)
-    elif copies:
-        dist.all_reduce(copies[0].main_grad, group=embedding_group)
+    before the data-parallel reduction (:func:`sum_tied_copies`). Every replica then reduces
+    the same sum over each copy's layer group, whatever the layouts, so the copies stay equal."""
+    sum_tied_copies([copy.main_grad for copy in copies], embedding_group)
 
 
 def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: GroupRegistry,
@@ -341,7 +358,8 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
     """Model chunks, DDPs, optimizers and LR schedule of this rank's stage in ``layout``.
 
     Collective over the holders of each of this rank's layer groups. With ``initialize`` the
-    parameters are set layout-invariantly; without it they are left for a restore to fill.
+    parameters are initialised as ``--elastic-init`` says; without it they are left for a
+    restore to fill.
     """
     ranges = chunk_ranges(layout, args.elastic_zero)
     config = _chunk_config(factory, ranges)
@@ -355,7 +373,7 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
     tp, pp, world = registry.group(Role.TP), registry.group(Role.PP), registry.group(Role.WORLD)
     cp = registry.group(Role.CP)
     install_process_groups(registry.process_group_collection(ranges[held[0]].layer_group))
-    opt_config = optimizer_config(args)
+    opt_config, param_overrides = factory.optimizer_config()
     chunks, chunk_groups, optimizers = [], [], []
     for c in held:
         dp = registry.group(Role.DP, (ranges[c].layer_group, tp_rank))
@@ -364,7 +382,7 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
         chunk = factory.build_chunk(config, c == 0, c == len(ranges) - 1, model_groups)
         ddp_config = chunk_ddp_config(args, holds_tied_copy=holds_tied_copy(chunk))
         place_chunk(chunk, config, device)
-        if initialize:
+        if initialize and args.elastic_init == "invariant":
             layout_invariant_init(chunk, config, args.seed, tp_rank, tp.size())
         # The tied embedding's two uses are summed by ``finalize`` below, so Megatron's own
         # embedding groups are this rank alone (``None`` would make it read the global ones).
@@ -376,8 +394,8 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
         ddp = distributed_data_parallel(config, ddp_config, chunk, groups_of_chunk)
         with param_groups_aligned_on(dp):
             optimizers += get_megatron_optimizer(
-                opt_config, [ddp], use_gloo_process_groups=False, pg_collection=groups_of_chunk
-            ).chained_optimizers
+                opt_config, [ddp], config_overrides=param_overrides, use_gloo_process_groups=False,
+                pg_collection=groups_of_chunk).chained_optimizers
         chunks.append(ddp)
         chunk_groups.append(groups_of_chunk)
     # ``finalize`` syncs the chunks' gradients, and the chained optimizer steps them, in order.
@@ -389,6 +407,11 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
     allocate_optimizer_state(optimizers)
     tied = tied_embedding_copies(chunks)
     embedding_group = registry.group(Role.EMBEDDING) if len(tied) == 1 else None
+    if initialize and args.elastic_init == "megatron" and tied:
+        # Megatron zeroes the output layer's copy and sums the two over its embedding group;
+        # the optimizers' main copies of half-precision parameters were taken before.
+        sum_tied_copies([copy.data for copy in tied], embedding_group)
+        optimizer.reload_model_params()
 
     def finalize(model, num_tokens, pg_collection=None, force_all_reduce=False):
         """The tied embedding's two uses summed in each replica, each chunk's reduce-scatter

@@ -2,10 +2,12 @@
 
 Every Megatron object gets its process groups explicitly through a ``ProcessGroupCollection``.
 
-Weights are initialised *layout-invariantly*: each parameter is drawn whole from a generator keyed
-by ``(seed, global parameter name)`` and then cut to this rank's tensor-parallel shard. A layer
-therefore starts with the same values whatever the TP x PP x DP layout, so runs on different
-layouts (or the same layer rebuilt on another stage) can be compared exactly.
+Weights are initialised *layout-invariantly* by default (``--elastic-init invariant``): each
+parameter is drawn whole from a generator keyed by ``(seed, global parameter name)`` and then cut
+to this rank's tensor-parallel shard. A layer therefore starts with the same values whatever the
+TP x PP x DP layout, so runs on different layouts can be compared exactly. With
+``--elastic-init megatron`` Megatron's own initialisation stays, drawn from the streams
+:func:`seed_random_generators` seeds per pipeline stage and tensor-parallel rank.
 """
 
 from __future__ import annotations
@@ -151,7 +153,8 @@ def layout_invariant_init(chunk: GPTModel, config: TransformerConfig, seed: int,
 
 def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, vocab_size: int,
                        pg_collection: ProcessGroupCollection, device: torch.device) -> list[GPTModel]:
-    """One GPTModel per virtual stage of this pipeline rank, initialised layout-invariantly."""
+    """One GPTModel per virtual stage of this pipeline rank, initialised as ``--elastic-init``
+    says."""
     pp_rank, pp_size = pg_collection.pp.rank(), pg_collection.pp.size()
     vpp = args.virtual_pipeline_model_parallel_size or 1
     tied = not args.untie_embeddings_and_output_weights
@@ -170,8 +173,9 @@ def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, voca
             vp_stage=vp_stage if vpp > 1 else None,
         )
         place_chunk(chunk, config, device)
-        layout_invariant_init(chunk, config, args.seed, pg_collection.tp.rank(),
-                              pg_collection.tp.size())
+        if args.elastic_init == "invariant":
+            layout_invariant_init(chunk, config, args.seed, pg_collection.tp.rank(),
+                                  pg_collection.tp.size())
         chunks.append(chunk)
     return chunks
 
