@@ -12,12 +12,14 @@ decide what to do. It guarantees:
   signal is recorded as a :class:`~megatron_elaswave.store.WorkerDeath` within
   :data:`POLL_INTERVAL_S`; a worker that exits with 0 is recorded as a normal exit.
 * **A node fails as a whole.** Workers are started with ``PR_SET_PDEATHSIG`` (Linux), so killing
-  an agent kills its workers. Every other agent heartbeats through the store; the agent of node 0
-  declares a node lost after ``--node-timeout`` seconds of silence and records the deaths of its
-  workers. Silence is counted on node 0's time (:mod:`megatron_elaswave.silence`): node 0's own
-  stall is not blamed on the others. An agent that finds its node declared lost (it was
-  stalled, not dead) kills its workers, so a node the job has given up on cannot come back
-  into it.
+  an agent kills its workers. Every agent heartbeats through the store and watches the
+  :data:`WATCHED_NODES` running nodes that follow it in node-rank order, wrapping around (so every
+  node is watched by that many others and the store serves a few reads per node, whatever the
+  number of nodes); the first watcher to find a node silent for ``--node-timeout`` seconds
+  declares it lost and records the deaths of its workers. Silence is counted on the watcher's
+  time (:mod:`megatron_elaswave.silence`): a watcher's own stall is not blamed on the others. An
+  agent that finds its node declared lost (it was stalled, not dead) kills its workers, so a
+  node the job has given up on cannot come back into it.
 * **Workers start forked from a preloaded server** (:mod:`megatron_elaswave.spawn`), unless
   ``--preload none``: they are the agent's own children all the same, so everything below holds
   for them as for workers it executes.
@@ -65,7 +67,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 
 from megatron_elaswave.decisions import Decision
-from megatron_elaswave.silence import HeartbeatSilence
+from megatron_elaswave.silence import HeartbeatSilence, ring_neighbours
 from megatron_elaswave.spawn import (
     DEFAULT_PRELOAD,
     ForkedWorker,
@@ -75,7 +77,14 @@ from megatron_elaswave.spawn import (
     die_with_parent,
     reap_orphans,
 )
-from megatron_elaswave.keys import decision_key, node_done_key, node_heartbeat_key, node_key, node_lost_key
+from megatron_elaswave.keys import (
+    NODE_CHANGES_KEY,
+    decision_key,
+    node_done_key,
+    node_heartbeat_key,
+    node_key,
+    node_lost_key,
+)
 from megatron_elaswave.store import (
     EXITED,
     NODE_LOST,
@@ -102,6 +111,9 @@ if TYPE_CHECKING:
 
 POLL_INTERVAL_S = 0.05
 """How often the agent polls its workers: the bound on the delay before a death is recorded."""
+
+WATCHED_NODES = 2
+"""How many running nodes each agent watches the heartbeat of, and so how many watch each node."""
 
 LOST_NODE_EXIT_STATUS = 1
 """Exit status of an agent that found its node declared lost."""
@@ -505,12 +517,13 @@ def _replace_lost_node(store: TCPStore, config: LaunchConfig, signals: _SignalLa
         raise UsageError("node rank 0 hosts the job store: it cannot be replaced")
     lost = node_lost_key(config.node_rank)
     if not store.check([lost]):
-        _log(f"node rank {config.node_rank} is held by {where}: waiting until node rank 0 "
-             "declares it lost")
+        _log(f"node rank {config.node_rank} is held by {where}: waiting until the nodes that "
+             "watch it declare it lost")
     _wait_until(lambda: store.check([lost]), config.join_timeout_s, signals,
                 lambda: f"node rank {config.node_rank} ({where}) to be declared lost")
     store.set(node_key(config.node_rank), mine)
-    store.delete_key(lost)  # node 0 watches this node again
+    store.delete_key(lost)  # its watchers watch this node again
+    store.add(NODE_CHANGES_KEY, 1)
     _log(f"replacing lost node rank {config.node_rank}: its workers join the running job")
 
 
@@ -546,9 +559,13 @@ class _NodeAgent:
         self._heartbeat_interval_s = min(1.0, config.node_timeout_s / 4)
         self._peers = HeartbeatSilence((), interval_s=self._heartbeat_interval_s,
                                        timeout_s=config.node_timeout_s, now=time.monotonic())
-        """On node 0: the other nodes running, and how long each agent's heartbeat is silent."""
+        """The nodes this agent watches, and how long each agent's heartbeat is silent."""
+        self._running_nodes: set[int] = set(range(config.nnodes))
+        """The nodes neither lost nor done, as of the last change of the nodes."""
         self._lost_nodes: set[int] = set()
-        """On node 0: nodes declared lost, watched again once an agent replaces them."""
+        """Nodes known to be declared lost: one that runs again was replaced."""
+        self._node_changes_seen = -1
+        """The count of node changes when :attr:`_running_nodes` was read."""
         self._due_starts: dict[int, float] = {}
         """``{local rank: monotonic time}`` of the starts due: the first ones, and the
         replacements (``--rejoin``)."""
@@ -571,13 +588,11 @@ class _NodeAgent:
         try:
             self._skip_past_decisions()
             self._spawn_workers()
-            if self._config.is_store_host:
-                for node_rank in range(1, self._config.nnodes):
-                    self._peers.add(node_rank)
             status = self._supervise()
         finally:
             self._kill_workers()
         self._with_store(lambda store: store.set(node_done_key(self._config.node_rank), str(status)))
+        self._with_store(lambda store: store.add(NODE_CHANGES_KEY, 1))
         failed = sum(1 for code in self._returncodes if code != 0)
         if status or failed:
             _log(
@@ -666,18 +681,18 @@ class _NodeAgent:
     def _supervise(self) -> int:
         """Run until every local worker has ended and every other node has finished or been
         lost (node 0 must keep the store up until then); returns the exit status."""
-        while self._running or self._peers.peers or self._due_starts:
+        while self._running or self._due_starts or self._keeps_the_store_for_others():
             self._reap()
             self._start_due()
             if self._signals.received:
                 return self._shut_down(self._signals.received[0])
             if time.monotonic() >= self._next_heartbeat:
                 self._next_heartbeat = time.monotonic() + self._heartbeat_interval_s
-                if self._config.is_store_host:
-                    self._watch_peers()
-                elif self._heartbeat_finds_node_lost():
-                    _log("this node was declared lost by node rank 0; killing its workers")
+                if (declared := self._heartbeat_finds_node_lost()) is not None:
+                    _log(f"this node was declared lost by node rank {declared}; killing its "
+                         "workers")
                     return LOST_NODE_EXIT_STATUS
+                self._with_store(lambda store: self._watch_peers())
                 self._fence_excluded()
                 if self._store_lost is not None:
                     return self._stop_without_store()
@@ -769,7 +784,7 @@ class _NodeAgent:
             cause=SIGNALED if signal_name else EXITED,
             time=now,
         )
-        self._with_store(lambda store: record_death(store, death, self._config.world_size))
+        self._with_store(lambda store: record_death(store, death))
         how = f"killed by {signal_name}" if signal_name else f"exited with code {returncode}"
         still = _plural(len(self._running), "worker")
         _log(f"worker rank {worker.rank} (pid {worker.pid}) {how}; {still} still running")
@@ -823,40 +838,64 @@ class _NodeAgent:
         self._running.clear()
 
     def _beat(self) -> None:
-        """Bump this node's heartbeat (node 0 watches the others; nobody watches node 0)."""
-        if not self._config.is_store_host:
-            key = node_heartbeat_key(self._config.node_rank)
-            self._with_store(lambda store: store.add(key, 1))
+        """Bump this node's heartbeat, which the agents of the nodes before it watch."""
+        key = node_heartbeat_key(self._config.node_rank)
+        self._with_store(lambda store: store.add(key, 1))
 
-    def _heartbeat_finds_node_lost(self) -> bool:
-        """Bump this node's heartbeat; return whether node 0 has declared this node lost."""
+    def _heartbeat_finds_node_lost(self) -> int | None:
+        """Bump this node's heartbeat; return the node rank of the agent that declared this node
+        lost, if one did."""
         self._beat()
         lost = node_lost_key(self._config.node_rank)
-        return self._with_store(lambda store: store.check([lost]), default=False)
+        raw = self._with_store(lambda store: store.get(lost) if store.check([lost]) else None)
+        return None if raw is None else json.loads(raw).get("by", 0)
+
+    def _keeps_the_store_for_others(self) -> bool:
+        """Whether this agent hosts the job store and another node still runs: it must keep the
+        store up until that node is done."""
+        if not self._config.is_store_host or self._store_lost is not None:
+            return False
+        return bool(self._running_nodes - {self._config.node_rank})
+
+    def _read_running_nodes(self) -> None:
+        """Re-read which nodes run (neither lost nor done), when a node changed since the last
+        read; watch the :data:`WATCHED_NODES` that follow this one from then on."""
+        changes = self._store.add(NODE_CHANGES_KEY, 0)
+        if changes == self._node_changes_seen:
+            return
+        self._node_changes_seen = changes
+        nodes = range(self._config.nnodes)
+        lost = {n for n in nodes if self._store.check([node_lost_key(n)])}
+        done = {n for n in nodes if self._store.check([node_done_key(n)])}
+        self._running_nodes = set(nodes) - lost - done
+        me = self._config.node_rank
+        watched = set(ring_neighbours(sorted(self._running_nodes | {me}), me, WATCHED_NODES))
+        for node_rank in set(self._peers.peers) - watched:
+            self._peers.forget(node_rank)
+        for node_rank in sorted(watched - set(self._peers.peers)):
+            self._peers.add(node_rank)
+            if node_rank in self._lost_nodes:
+                _log(f"node {node_rank} rejoined the job")
+        self._lost_nodes = (self._lost_nodes | lost) - self._running_nodes
 
     def _watch_peers(self) -> None:
-        """On node 0: settle the nodes that finished, declare lost those that fell silent."""
-        for node_rank in list(self._lost_nodes):
-            if not self._store.check([node_lost_key(node_rank)]):  # an agent took the node's place
-                self._lost_nodes.discard(node_rank)
-                self._peers.add(node_rank)
-                _log(f"node {node_rank} rejoined the job")
-        heartbeats = {}
-        for node_rank in self._peers.peers:
-            if self._store.check([node_done_key(node_rank)]):
-                self._peers.forget(node_rank)
-            else:
-                heartbeats[node_rank] = self._store.add(node_heartbeat_key(node_rank), 0)
+        """Follow the changes of the nodes, and declare lost a watched node that fell silent."""
+        self._read_running_nodes()
+        # add, not multi_get, which would wait for the counter of a node that never beat
+        heartbeats = {n: self._store.add(node_heartbeat_key(n), 0) for n in self._peers.peers}
         for node_rank, silence_s in self._peers.read(heartbeats, time.monotonic()).items():
             self._peers.forget(node_rank)
-            self._lost_nodes.add(node_rank)
             self._declare_lost(node_rank, silence_s)
 
     def _declare_lost(self, node_rank: int, silence_s: float) -> None:
         """Fence the node first (if it comes back, its agent kills its workers), then record
-        the deaths of its workers that have not already ended."""
+        the deaths of its workers that have not already ended. Only the first agent to declare
+        it does so: another watcher may have found it silent too."""
         now = time.time()
-        self._store.set(node_lost_key(node_rank), json.dumps({"time": now, "silence_s": silence_s}))
+        mine = json.dumps({"time": now, "silence_s": silence_s, "by": self._config.node_rank})
+        if self._store.compare_set(node_lost_key(node_rank), "", mine).decode() != mine:
+            return
+        self._store.add(NODE_CHANGES_KEY, 1)
         already_dead = {(death.rank, death.pid) for death in read_deaths(self._store)}
         recorded = []
         for local_rank in range(self._config.nproc_per_node):
@@ -875,7 +914,7 @@ class _NodeAgent:
                 cause=NODE_LOST,
                 time=now,
             )
-            record_death(self._store, death, self._config.world_size)
+            record_death(self._store, death)
             recorded.append(rank)
         deaths = f"recorded deaths for {_ranks(recorded)}" if recorded else "no worker left"
         _log(f"node {node_rank} lost: no heartbeat for {silence_s:.1f} s; {deaths}")

@@ -29,10 +29,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from megatron_elaswave.keys import (
     ALERT_COUNT_KEY,
+    COLLECTED_KEY,
     DEATH_COUNT_KEY,
-    alert_key,
     death_key,
+    decision_key,
     exit_key,
+    generation_prefixes,
+    silence_count_key,
+    silence_key,
     worker_key,
 )
 
@@ -174,24 +178,74 @@ def read_exit(store: Store, rank: int) -> WorkerExit | None:
     return from_json(WorkerExit, store.get(key)) if store.check([key]) else None
 
 
-def record_death(store: Store, death: WorkerDeath, job_size: int) -> int:
-    """Append ``death`` to the job's death list and alert the workers of launch ranks
-    ``0 .. job_size - 1``; returns its index."""
+def record_death(store: Store, death: WorkerDeath) -> int:
+    """Append ``death`` to the job's death list and raise an alert; returns its index."""
     index = store.add(DEATH_COUNT_KEY, 1) - 1
     store.set(death_key(index), to_json(death))
-    raise_alert(store, job_size)
+    raise_alert(store)
     return index
 
 
-def raise_alert(store: Store, job_size: int) -> None:
-    """Wake the alert listeners (:mod:`megatron_elaswave.alerts`) of launch ranks
-    ``0 .. job_size - 1`` after a write they must read (a death record, a failure announcement):
-    bumps the alert count to ``n``, then sets ``alert_key(n, rank)`` for each rank, and the keys
-    of alert ``n - 1`` again, in case its writer died between its count and its keys."""
-    index = store.add(ALERT_COUNT_KEY, 1)
-    keys = [alert_key(i, rank) for i in range(max(index - 1, 1), index + 1)
-            for rank in range(job_size)]
-    store.multi_set(keys, [""] * len(keys))
+def raise_alert(store: Store) -> None:
+    """Tell every alert listener (:mod:`megatron_elaswave.alerts`) that something they must read
+    was written (a death record, a failure announcement, a silence): one write, whatever the
+    size of the job."""
+    store.add(ALERT_COUNT_KEY, 1)
+
+
+@dataclass(frozen=True)
+class Silence:
+    """A member of a generation whose heartbeat a neighbour found silent for its timeout."""
+
+    generation: int
+    """The generation in which it was found silent."""
+    rank: int
+    """Launch rank of the silent member."""
+    watcher: int
+    """Launch rank of the member that watched it."""
+    silent_s: float
+    """Seconds of silence the watcher counted (its own pauses left out)."""
+    time: float
+    """Unix time at which the watcher concluded it."""
+
+
+def report_silence(store: Store, silence: Silence) -> None:
+    """Append ``silence`` to its generation's list and raise an alert."""
+    index = store.add(silence_count_key(silence.generation), 1) - 1
+    store.set(silence_key(silence.generation, index), to_json(silence))
+    raise_alert(store)
+
+
+def read_silences(store: Store, generation: int, start: int = 0) -> list[Silence]:
+    """Silences reported in ``generation`` from index ``start`` on, in order; never blocks (as
+    :func:`read_deaths`)."""
+    count = store.add(silence_count_key(generation), 0)
+    silences = []
+    for index in range(start, count):
+        key = silence_key(generation, index)
+        if not store.check([key]):
+            break
+        silences.append(from_json(Silence, store.get(key)))
+    return silences
+
+
+def collect_generations(store: Store, below: int) -> int:
+    """Delete the keys of every generation below ``below`` not yet collected (all but their
+    decisions, :func:`megatron_elaswave.keys.generation_prefixes`); returns how many keys were
+    deleted. Call it once generation ``below + 1`` has started: nobody reads those keys any
+    more. Safe to call from several processes at once."""
+    first = store.add(COLLECTED_KEY, 0)
+    if first >= below:
+        return 0
+    prefixes = tuple(prefix for generation in range(first, below)
+                     for prefix in generation_prefixes(generation))
+    kept = {decision_key(generation) for generation in range(first, below)}
+    deleted = 0
+    for key in store.list_keys():
+        if key.startswith(prefixes) and key not in kept:
+            deleted += bool(store.delete_key(key))
+    store.compare_set(COLLECTED_KEY, str(first), str(below))  # another collector may be ahead
+    return deleted
 
 
 def read_deaths(store: Store, start: int = 0) -> list[WorkerDeath]:
