@@ -13,30 +13,34 @@ Guarantees, the ``TCPStore``'s semantics kept:
 
 * ``add`` and ``compare_set`` are atomic (etcd transactions on the key's revision); ``add``
   creates a missing key from 0 and keeps the value in decimal, as ``TCPStore`` does, so a
-  counter reads the same through ``get``.
+  counter reads the same through ``get``. A request whose answer was lost (a member died or
+  lost the leader after it committed) is sent again, so each ``add`` writes a token of its own
+  beside the counter (outside the job's namespace, deleted with the key) and counts once.
 * ``get``, ``wait`` and ``multi_get`` wait for missing keys up to the store's timeout, then raise
   ``torch.distributed.DistStoreError``.
 * **A member lost is not noticed.** A request that a member does not answer (refused, reset, no
   leader during an election) goes to the next endpoint, round after round, for up to
   ``unavailable_s`` (default 10 s).
 * **A quorum lost is one error.** When no member serves a request for ``unavailable_s``, the call
-  raises ``DistStoreError`` naming the cluster and the last error: what a lost ``TCPStore``
-  raises, so the runtime stops the job as it does when node 0's store is gone.
+  raises :class:`StoreLost` (a ``DistStoreError``, what a lost ``TCPStore`` raises), so the
+  runtime stops the job as it does when node 0's store is gone, from whichever thread meets it
+  first. Every later call of the process on the same cluster raises it at once, so that a
+  worker's threads do not each wait out ``unavailable_s`` on the way out.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-URL_SCHEME = "etcd://"
-DEFAULT_NAMESPACE = "elaswave"
+from megatron_elaswave.store import EtcdAddress
+
 DEFAULT_UNAVAILABLE_S = 10.0
 _REQUEST_TIMEOUT_S = 2.0
 """Bounds one HTTP request; a member that does not answer within it counts as unavailable."""
@@ -46,46 +50,13 @@ _FIRST_POLL_S = 0.001
 _MAX_POLL_S = 0.02
 
 
-class StoreURLError(ValueError):
-    """An ``etcd://`` URL that names no usable endpoint; the message is one line."""
+class StoreLost(dist.DistStoreError):
+    """No member of the cluster served a request for ``unavailable_s``: the quorum is lost (or
+    the network to it). The message says why, without the cluster's address."""
 
 
-@dataclass(frozen=True)
-class EtcdAddress:
-    """Where a job's store lives on an etcd cluster."""
-
-    endpoints: tuple[tuple[str, int], ...]
-    """``(host, port)`` of the members' client URLs, tried in this order."""
-    namespace: str
-    """Prefix of every key of the job, ending with ``/``."""
-
-    @classmethod
-    def parse(cls, url: str, run_id: str | None = None) -> EtcdAddress:
-        """``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``; the namespace is ``PREFIX/`` (default
-        ``elaswave/``) followed by ``run_id/`` when one is given. Raises :class:`StoreURLError`."""
-        if not url.startswith(URL_SCHEME):
-            raise StoreURLError(f"{url!r} is not an etcd URL ({URL_SCHEME}HOST:PORT[,HOST:PORT...])")
-        hosts, _, prefix = url[len(URL_SCHEME):].partition("/")
-        endpoints = []
-        for endpoint in hosts.split(","):
-            host, _, port = endpoint.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 2**16:
-                raise StoreURLError(f"{url!r}: {endpoint!r} is not HOST:PORT")
-            endpoints.append((host.strip("[]"), int(port)))
-        namespace = (prefix.strip("/") or DEFAULT_NAMESPACE) + "/"
-        if run_id is not None:
-            namespace += f"{run_id}/"
-        return cls(tuple(endpoints), namespace)
-
-    @property
-    def url(self) -> str:
-        """The URL that names this address, namespace included (what workers are handed)."""
-        hosts = ",".join(f"{host}:{port}" for host, port in self.endpoints)
-        return f"{URL_SCHEME}{hosts}/{self.namespace.rstrip('/')}"
-
-    def describe(self) -> str:
-        """The cluster, for messages: ``etcd://HOST:PORT,...``."""
-        return URL_SCHEME + ",".join(f"{host}:{port}" for host, port in self.endpoints)
+_lost: dict[EtcdAddress, str] = {}
+"""Why each cluster this process found lost was (a lost quorum does not come back to a job)."""
 
 
 class EtcdStore(dist.Store):
@@ -105,10 +76,6 @@ class EtcdStore(dist.Store):
         self._local = threading.local()
         self._preferred = 0
         """The endpoint that answered last: requests start there."""
-
-    @classmethod
-    def from_url(cls, url: str, timeout: timedelta = timedelta(seconds=300)) -> EtcdStore:
-        return cls(EtcdAddress.parse(url), timeout)
 
     # -- the Store interface ---------------------------------------------------------------------
 
@@ -148,18 +115,21 @@ class EtcdStore(dist.Store):
             self._call("kv/txn", {"success": chunk})
 
     def add(self, key: str, amount: int) -> int:
+        token = uuid.uuid4().hex.encode()
         while True:
-            kv = self._read(key)
+            kv, applied = self._read_counter(key)
+            if applied == token:  # an attempt whose answer was lost committed
+                return int(_decode(kv["value"]))
             if kv is None:
-                if self._commit_if(key, {"target": "CREATE", "create_revision": "0"}, str(amount)):
-                    return amount
+                condition = {"target": "CREATE", "create_revision": "0"}
+                total = amount
             elif amount == 0:
                 return int(_decode(kv.get("value", "")) or 0)
             else:
+                condition = {"target": "MOD", "mod_revision": kv["mod_revision"]}
                 total = int(_decode(kv.get("value", "")) or 0) + amount
-                if self._commit_if(key, {"target": "MOD", "mod_revision": kv["mod_revision"]},
-                                   str(total)):
-                    return total
+            if self._commit_if(key, condition, str(total), token=token):
+                return total
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """As ``TCPStore``: sets ``desired`` if the value is ``expected`` (or the key is missing
@@ -196,8 +166,11 @@ class EtcdStore(dist.Store):
             pause = min(2 * pause, _MAX_POLL_S)
 
     def delete_key(self, key: str) -> bool:
-        response = self._call("kv/deleterange", {"key": self._key(key)})
-        return int(response.get("deleted", 0)) > 0
+        deletes = [{"request_delete_range": {"key": self._key(key)}},
+                   {"request_delete_range": {"key": self._token_key(key)}}]
+        response = self._call("kv/txn", {"success": deletes})
+        first = response.get("responses", [{}])[0].get("response_delete_range", {})
+        return int(first.get("deleted", 0)) > 0
 
     def num_keys(self) -> int:
         return int(self._call("kv/range", {**self._namespace_range(), "count_only": True})
@@ -216,6 +189,20 @@ class EtcdStore(dist.Store):
     def _key(self, key: str) -> str:
         return _encode(self._key_bytes(key))
 
+    def _token_key(self, key: str) -> str:
+        """Where the token of the last ``add`` to ``key`` is kept: beside the namespace (not in
+        it, so that listing and counting the job's keys do not see it)."""
+        return _encode(f"{self.address.namespace.rstrip('/')}.adds/{key}".encode())
+
+    def _read_counter(self, key: str) -> tuple[dict[str, Any] | None, bytes | None]:
+        """The counter at ``key`` and the token of the ``add`` that wrote it last."""
+        ranges = [{"request_range": {"key": self._key(key)}},
+                  {"request_range": {"key": self._token_key(key)}}]
+        counter, token = (response.get("response_range", {}).get("kvs")
+                          for response in self._call("kv/txn", {"success": ranges})["responses"])
+        return (counter[0] if counter else None,
+                _decode(token[0].get("value", "")) if token else None)
+
     def _namespace_range(self) -> dict[str, str]:
         prefix = self.address.namespace.encode()
         return {"key": _encode(prefix), "range_end": _encode(prefix[:-1] + bytes([prefix[-1] + 1]))}
@@ -233,11 +220,15 @@ class EtcdStore(dist.Store):
             for response in self._call("kv/txn", {"success": chunk}).get("responses", ()):
                 yield response.get("response_range", {})
 
-    def _commit_if(self, key: str, condition: dict[str, str], value: str | bytes) -> bool:
-        """Put ``value`` at ``key`` if ``condition`` (an etcd compare, without its key) holds."""
+    def _commit_if(self, key: str, condition: dict[str, str], value: str | bytes,
+                   token: bytes | None = None) -> bool:
+        """Put ``value`` at ``key`` (and ``token`` beside it) if ``condition`` (an etcd
+        compare, without its key) holds."""
         compare = {**condition, "key": self._key(key), "result": "EQUAL"}
-        put = {"request_put": {"key": self._key(key), "value": _encode(value)}}
-        return bool(self._call("kv/txn", {"compare": [compare], "success": [put]})
+        puts = [{"request_put": {"key": self._key(key), "value": _encode(value)}}]
+        if token is not None:
+            puts.append({"request_put": {"key": self._token_key(key), "value": _encode(token)}})
+        return bool(self._call("kv/txn", {"compare": [compare], "success": puts})
                     .get("succeeded", False))
 
     def _clients(self) -> list:
@@ -255,6 +246,8 @@ class EtcdStore(dist.Store):
         members until ``unavailable_s`` has passed."""
         from etcd3gw import exceptions
 
+        if self.address in _lost:
+            raise StoreLost(_lost[self.address])
         clients = self._clients()
         deadline = time.monotonic() + self._unavailable_s
         pause = _FIRST_POLL_S
@@ -275,9 +268,9 @@ class EtcdStore(dist.Store):
                 self._preferred = index
                 return response
             if time.monotonic() >= deadline:
-                raise dist.DistStoreError(
-                    f"no member of the etcd cluster {self.address.describe()} answered for "
-                    f"{self._unavailable_s:g} s ({last_error})")
+                _lost[self.address] = (f"no member of the etcd cluster answered for "
+                                       f"{self._unavailable_s:g} s: {last_error}")
+                raise StoreLost(_lost[self.address])
             time.sleep(pause)
             pause = min(2 * pause, 0.2)
 

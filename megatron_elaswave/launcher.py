@@ -6,8 +6,10 @@ decide what to do. It guarantees:
 
 * **The store outlives every worker.** The agent of node rank 0 hosts the job's ``TCPStore``
   in its own process; the other agents and all workers are clients (:mod:`megatron_elaswave.store`
-  lists the keys). Agents wait until all ``--nnodes`` of them have joined before any worker
-  starts.
+  lists the keys). With ``--store etcd://...`` the store is the job's namespace on an etcd
+  cluster (:mod:`megatron_elaswave.etcd_store`) instead, and every agent, node 0's included, is
+  a client: any node can be lost. Agents wait until all ``--nnodes`` of them have joined before
+  any worker starts.
 * **Deaths are reported at once.** A worker that exits with a non-zero code or is killed by a
   signal is recorded as a :class:`~megatron_elaswave.store.WorkerDeath` within
   :data:`POLL_INTERVAL_S`; a worker that exits with 0 is recorded as a normal exit.
@@ -34,9 +36,9 @@ decide what to do. It guarantees:
   store (:mod:`megatron_elaswave.agreement`); a worker of its node that a decision excluded
   (stopped or hung, not dead) and that still runs ``--exclusion-grace`` seconds later is
   killed, so that the job can end. Its end is a survived failure.
-* **Losing the store ends the job.** An agent that loses the job store (node 0's agent died)
-  says so in one line, gives its workers ``--shutdown-grace`` seconds to leave (they notice on
-  their own), kills the rest and exits with 1.
+* **Losing the store ends the job.** An agent that loses the job store (node 0's agent died, or
+  the etcd cluster lost its quorum) says so in one line, gives its workers ``--shutdown-grace``
+  seconds to leave (they notice on their own), kills the rest and exits with 1.
 * **No orphans.** SIGINT, SIGTERM and SIGHUP are forwarded to the workers; those still running
   ``--shutdown-grace`` seconds later, or at a second signal, are killed with SIGKILL. Whatever
   goes wrong in the agent itself, it kills its workers before it exits.
@@ -92,7 +94,9 @@ from megatron_elaswave.store import (
     STORE_ADDR_ENV,
     STORE_PORT_ENV,
     REJOIN_ENV,
+    EtcdAddress,
     NodeRecord,
+    StoreURLError,
     WorkerDeath,
     WorkerExit,
     WorkerRecord,
@@ -107,7 +111,7 @@ from megatron_elaswave.store import (
 )
 
 if TYPE_CHECKING:
-    from torch.distributed import TCPStore
+    from torch.distributed import Store, TCPStore
 
 POLL_INTERVAL_S = 0.05
 """How often the agent polls its workers: the bound on the delay before a death is recorded."""
@@ -176,7 +180,11 @@ class LaunchConfig:
     master_addr: str = "127.0.0.1"
     """Address of node rank 0, where the job store listens."""
     master_port: int = 29500
-    """Port of the job store."""
+    """Port of the job store (of node 0's ``TCPStore``; with :attr:`store`, it is only handed to
+    the workers as ``MASTER_PORT``)."""
+    store: str | None = None
+    """``etcd://HOST:PORT[,HOST:PORT...]``: keep the job store on that etcd cluster, under the
+    namespace ``elaswave/<run id>/``; ``None``: node rank 0's agent hosts a ``TCPStore``."""
     run_id: str = "none"
     """Job id; agents with different ids refuse to form a job together."""
     log_dir: str | None = None
@@ -219,6 +227,11 @@ class LaunchConfig:
                              "negative")
         if not self.run_as_module and not os.path.isfile(self.script):
             raise UsageError(f"no such script: {self.script}")
+        if self.store is not None:
+            try:
+                self.etcd_address
+            except StoreURLError as error:
+                raise UsageError(f"--store {error}") from None
 
     @property
     def world_size(self) -> int:
@@ -226,7 +239,13 @@ class LaunchConfig:
 
     @property
     def is_store_host(self) -> bool:
-        return self.node_rank == 0
+        """Whether this agent hosts the job store (node 0, without :attr:`store`)."""
+        return self.node_rank == 0 and self.store is None
+
+    @property
+    def etcd_address(self) -> EtcdAddress | None:
+        """The job's namespace on the etcd cluster of :attr:`store`, if any."""
+        return None if self.store is None else EtcdAddress.parse(self.store, self.run_id)
 
     def global_rank(self, local_rank: int, node_rank: int | None = None) -> int:
         node = self.node_rank if node_rank is None else node_rank
@@ -260,7 +279,9 @@ class LaunchConfig:
         worker, :data:`~megatron_elaswave.store.REJOIN_ENV`.
 
         ``TORCHELASTIC_USE_AGENT_STORE=True`` makes ``init_process_group(init_method="env://")``
-        connect to the agent's store as a client instead of hosting a store in rank 0.
+        connect to the agent's store as a client instead of hosting a store in rank 0. With the
+        store on etcd there is no agent's store to connect to: it is ``False``, and the
+        runtime forms its groups on the etcd store itself.
         """
         env = self.shared_worker_env(base)
         rank, world_size = self.global_rank(local_rank), str(self.world_size)
@@ -278,12 +299,16 @@ class LaunchConfig:
             MASTER_ADDR=self.master_addr,
             MASTER_PORT=str(self.master_port),
             TORCHELASTIC_RUN_ID=self.run_id,
-            TORCHELASTIC_USE_AGENT_STORE="True",
+            TORCHELASTIC_USE_AGENT_STORE=str(self.store is None),
             TORCHELASTIC_RESTART_COUNT=str(restart_count),
             TORCHELASTIC_MAX_RESTARTS=str(self.max_rejoins if self.rejoin else 0),
         )
-        env[STORE_ADDR_ENV] = self.master_addr
-        env[STORE_PORT_ENV] = str(self.master_port)
+        if self.store is None:
+            env[STORE_ADDR_ENV] = self.master_addr
+            env[STORE_PORT_ENV] = str(self.master_port)
+        else:
+            env[STORE_ADDR_ENV] = self.etcd_address.url
+            env.pop(STORE_PORT_ENV, None)
         if rejoining:
             env[REJOIN_ENV] = "1"
         else:
@@ -439,7 +464,9 @@ def _check_port_free(port: int) -> None:
             ) from None
 
 
-def _connect(config: LaunchConfig, signals: _SignalLatch) -> TCPStore:
+def _connect(config: LaunchConfig, signals: _SignalLatch) -> Store:
+    if config.store is not None:
+        return _connect_etcd(config, signals)
     from torch.distributed import TCPStore  # meanwhile node 0's launcher imports it too
 
     address = (config.master_addr, config.master_port)
@@ -451,6 +478,19 @@ def _connect(config: LaunchConfig, signals: _SignalLatch) -> TCPStore:
         lambda: f"the job store at {address[0]}:{address[1]} (hosted by node rank 0's launcher)",
     )
     return TCPStore(*address, is_master=False, timeout=_STORE_TIMEOUT)
+
+
+def _connect_etcd(config: LaunchConfig, signals: _SignalLatch) -> Store:
+    """The job's namespace on the etcd cluster, once a member accepts connections."""
+    try:
+        from megatron_elaswave.etcd_store import EtcdStore
+    except ImportError as error:
+        raise UsageError(f"--store etcd:// needs the etcd3gw package ({error}); install "
+                         "megatron-elaswave[etcd]") from None
+    address = config.etcd_address
+    _wait_until(lambda: any(map(accepts_connections, address.endpoints)), config.join_timeout_s,
+                signals, lambda: f"a member of the etcd cluster {address.describe()}")
+    return EtcdStore(address, _STORE_TIMEOUT)
 
 
 def accepts_connections(address: tuple[str, int]) -> bool:
@@ -466,7 +506,7 @@ def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
-def _join(store: TCPStore, config: LaunchConfig, signals: _SignalLatch) -> bool:
+def _join(store: Store, config: LaunchConfig, signals: _SignalLatch) -> bool:
     """Register this node agent and wait until all ``nnodes`` have, with matching settings.
 
     Returns whether this agent took the place of a node that was declared lost (``--rejoin``).
@@ -505,16 +545,19 @@ def _join(store: TCPStore, config: LaunchConfig, signals: _SignalLatch) -> bool:
     return replaces_lost_node
 
 
-def _replace_lost_node(store: TCPStore, config: LaunchConfig, signals: _SignalLatch,
+def _replace_lost_node(store: Store, config: LaunchConfig, signals: _SignalLatch,
                        previous: NodeRecord, mine: str) -> None:
     """Take the place of ``previous``, the agent that held this node rank, once node 0 has
     declared it lost; without ``--rejoin`` a node rank that is taken is an error."""
     where = f"launcher pid {previous.pid} on {previous.host}"
     if not config.rejoin:
+        stale = (f"; the etcd store keeps the keys of a job with the same --run-id that did not "
+                 f"end cleanly: use another --run-id" if config.store is not None else "")
         raise UsageError(f"node rank {config.node_rank} has already joined this job ({where}); "
-                         "to replace a lost node, start its launcher with --rejoin")
+                         f"to replace a lost node, start its launcher with --rejoin{stale}")
     if config.is_store_host:
-        raise UsageError("node rank 0 hosts the job store: it cannot be replaced")
+        raise UsageError("node rank 0 hosts the job store: it cannot be replaced (it can with "
+                         "the store on etcd, --store)")
     lost = node_lost_key(config.node_rank)
     if not store.check([lost]):
         _log(f"node rank {config.node_rank} is held by {where}: waiting until the nodes that "
@@ -539,7 +582,7 @@ class _NodeAgent:
     def __init__(
         self,
         config: LaunchConfig,
-        store: TCPStore,
+        store: Store,
         signals: _SignalLatch,
         worker_base_env: Mapping[str, str],
         fork_server: ForkServer | None,
@@ -593,6 +636,8 @@ class _NodeAgent:
             self._kill_workers()
         self._with_store(lambda store: store.set(node_done_key(self._config.node_rank), str(status)))
         self._with_store(lambda store: store.add(NODE_CHANGES_KEY, 1))
+        if self._config.store is not None:
+            self._with_store(self._delete_the_job_if_over)
         failed = sum(1 for code in self._returncodes if code != 0)
         if status or failed:
             _log(
@@ -820,8 +865,10 @@ class _NodeAgent:
         """The store host is gone, and the job with it: the workers, which lose it too, get the
         shutdown grace to say so and leave; then the rest are killed."""
         config = self._config
-        _log(f"lost the job store at {config.master_addr}:{config.master_port} (node 0's agent; "
-             f"{self._store_lost}): the job cannot go on; stopping this node's workers")
+        where = (f"{config.master_addr}:{config.master_port} (node 0's agent; {self._store_lost})"
+                 if config.store is None
+                 else f"{config.etcd_address.describe()} ({self._store_lost})")
+        _log(f"lost the job store at {where}: the job cannot go on; stopping this node's workers")
         self._due_starts.clear()
         self._wait_then_kill(config.shutdown_grace_s)
         return LOST_STORE_EXIT_STATUS
@@ -849,6 +896,14 @@ class _NodeAgent:
         lost = node_lost_key(self._config.node_rank)
         raw = self._with_store(lambda store: store.get(lost) if store.check([lost]) else None)
         return None if raw is None else json.loads(raw).get("by", 0)
+
+    def _delete_the_job_if_over(self, store: Store) -> None:
+        """On etcd, the last agent to end deletes the job's keys, once every node is done. (Not
+        when a node was declared lost: its agent, if it was only stopped, must find its fence
+        when it wakes.)"""
+        if store.check([node_done_key(n) for n in range(self._config.nnodes)]):
+            for key in store.list_keys():
+                store.delete_key(key)
 
     def _keeps_the_store_for_others(self) -> bool:
         """Whether this agent hosts the job store and another node still runs: it must keep the
@@ -919,7 +974,7 @@ class _NodeAgent:
         deaths = f"recorded deaths for {_ranks(recorded)}" if recorded else "no worker left"
         _log(f"node {node_rank} lost: no heartbeat for {silence_s:.1f} s; {deaths}")
 
-    def _with_store(self, call: Callable[[TCPStore], _T], default: _T | None = None) -> _T | None:
+    def _with_store(self, call: Callable[[Store], _T], default: _T | None = None) -> _T | None:
         """Run a store call; ``default`` once the store is gone (its host died), which the
         supervision loop then acts on."""
         if self._store_lost is not None:
@@ -932,7 +987,7 @@ class _NodeAgent:
 
     # ---- fencing ------------------------------------------------------------------------------
 
-    def _read_decision(self, store: TCPStore) -> Decision | None:
+    def _read_decision(self, store: Store) -> Decision | None:
         """The decision that ended generation :attr:`_next_generation`, if committed."""
         key = decision_key(self._next_generation)
         return Decision.from_json(store.get(key)) if store.check([key]) else None

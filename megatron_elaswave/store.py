@@ -1,8 +1,10 @@
 """The job store: what the launcher publishes about a job's processes, and how to read it.
 
 ``elaswave-run`` hosts one ``torch.distributed.TCPStore`` per job, inside the launcher of node
-rank 0, at ``MASTER_ADDR:MASTER_PORT``. Because no worker hosts it, it stays reachable when any
-worker dies, including rank 0. Workers reach it with :func:`connect_store`.
+rank 0, at ``MASTER_ADDR:MASTER_PORT``, or keeps it on an etcd cluster with ``--store etcd://...``
+(:mod:`megatron_elaswave.etcd_store`). Because no worker hosts it, it stays reachable when any
+worker dies, including rank 0; on etcd, when any node is lost, node 0 included. Workers reach
+it with :func:`connect_store`.
 
 The launchers own every key under ``elaswave/``; workers only read them. Workers keep their own
 keys under ``rt/``, namespaced by generation where a job outlives its process groups, so that a
@@ -41,10 +43,13 @@ from megatron_elaswave.keys import (
 )
 
 if TYPE_CHECKING:
-    from torch.distributed import Store, TCPStore
+    from torch.distributed import Store
 
 STORE_ADDR_ENV = "ELASWAVE_STORE_ADDR"
+"""The host of the job's ``TCPStore``, or the etcd URL of its namespace (``etcd://...``)."""
 STORE_PORT_ENV = "ELASWAVE_STORE_PORT"
+ETCD_URL_SCHEME = "etcd://"
+DEFAULT_ETCD_NAMESPACE = "elaswave"
 REJOIN_ENV = "ELASWAVE_REJOIN"
 """Set to ``1`` in a worker that replaces a dead one in a running job: it joins the job at a step
 boundary instead of forming generation 0 with the others."""
@@ -144,18 +149,92 @@ class WorkerDeath:
         return f"killed by {self.signal}" if self.signal else f"exited with {self.exit_code}"
 
 
-def connect_store(timeout: timedelta = timedelta(seconds=300)) -> TCPStore:
-    """A client of the job store, from inside a worker started by ``elaswave-run``.
+class StoreURLError(ValueError):
+    """An ``etcd://`` URL that names no usable endpoint; the message is one line."""
+
+
+@dataclass(frozen=True)
+class EtcdAddress:
+    """Where a job's store lives on an etcd cluster."""
+
+    endpoints: tuple[tuple[str, int], ...]
+    """``(host, port)`` of the members' client URLs, tried in this order."""
+    namespace: str
+    """Prefix of every key of the job, ending with ``/``."""
+
+    @classmethod
+    def parse(cls, url: str, run_id: str | None = None) -> EtcdAddress:
+        """``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``; the namespace is ``PREFIX/`` (default
+        ``elaswave/``) followed by ``run_id/`` when one is given. Raises :class:`StoreURLError`."""
+        if not url.startswith(ETCD_URL_SCHEME):
+            raise StoreURLError(f"{url!r} is not an etcd URL ({ETCD_URL_SCHEME}HOST:PORT[,HOST:PORT...])")
+        hosts, _, prefix = url[len(ETCD_URL_SCHEME):].partition("/")
+        endpoints = []
+        for endpoint in hosts.split(","):
+            host, _, port = endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 2**16:
+                raise StoreURLError(f"{url!r}: {endpoint!r} is not HOST:PORT")
+            endpoints.append((host.strip("[]"), int(port)))
+        namespace = (prefix.strip("/") or DEFAULT_ETCD_NAMESPACE) + "/"
+        if run_id is not None:
+            namespace += f"{run_id}/"
+        return cls(tuple(endpoints), namespace)
+
+    @property
+    def url(self) -> str:
+        """The URL that names this address, namespace included (what workers are handed)."""
+        hosts = ",".join(f"{host}:{port}" for host, port in self.endpoints)
+        return f"{ETCD_URL_SCHEME}{hosts}/{self.namespace.rstrip('/')}"
+
+    def describe(self) -> str:
+        """The cluster, for messages: ``etcd://HOST:PORT,...``."""
+        return ETCD_URL_SCHEME + ",".join(f"{host}:{port}" for host, port in self.endpoints)
+
+
+def connect_store(timeout: timedelta = timedelta(seconds=300)) -> Store:
+    """A client of the job store, from inside a worker started by ``elaswave-run``: the
+    ``TCPStore`` of node 0's launcher, or the job's namespace on an etcd cluster
+    (:mod:`megatron_elaswave.etcd_store`) when the launcher ran with ``--store etcd://...``.
 
     ``timeout`` bounds both connecting and every later blocking call (``get``, ``wait``).
     """
     from torch.distributed import TCPStore
 
     try:
-        host, port = os.environ[STORE_ADDR_ENV], int(os.environ[STORE_PORT_ENV])
+        host = os.environ[STORE_ADDR_ENV]
+        if host.startswith(ETCD_URL_SCHEME):
+            from megatron_elaswave.etcd_store import EtcdStore
+
+            return EtcdStore(EtcdAddress.parse(host), timeout)
+        port = int(os.environ[STORE_PORT_ENV])
     except KeyError as missing:
         raise RuntimeError(f"{missing} is not set: this process was not started by elaswave-run")
     return TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+_default_group_stores: list[Store] = []
+"""The job stores written in Python that default groups rendezvous on: torch keeps only their
+C++ half, so the Python objects must live as long as the groups."""
+
+
+def default_group_store(timeout: timedelta) -> Store | None:
+    """Where a worker's first default group rendezvous when the job store is on etcd (there is
+    no launcher's ``TCPStore`` for ``init_method="env://"`` to connect to), or ``None``: then
+    ``env://`` connects to node 0's launcher."""
+    if not os.environ.get(STORE_ADDR_ENV, "").startswith(ETCD_URL_SCHEME):
+        return None
+    from torch.distributed import PrefixStore
+
+    _default_group_stores.append(connect_store(timeout))
+    return PrefixStore("default_pg/", _default_group_stores[-1])
+
+
+def store_address() -> str:
+    """Where the job store of this worker is, for messages: ``HOST:PORT`` or the etcd cluster."""
+    host = os.environ.get(STORE_ADDR_ENV, "")
+    if host.startswith(ETCD_URL_SCHEME):
+        return EtcdAddress.parse(host).describe()
+    return f"{host}:{os.environ.get(STORE_PORT_ENV, '')}"
 
 
 def publish_worker(store: Store, worker: WorkerRecord) -> None:
