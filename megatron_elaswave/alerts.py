@@ -1,11 +1,14 @@
-"""Noticing the job's alerts at the cost of one counter read per poll.
+"""Noticing the job's alerts at the cost of one counter read per node and poll.
 
 The writer of something every rank must read (a launcher recording a death, a monitor announcing
-a failure or a heartbeat silence) raises an alert after its write
+a failure or a heartbeat silence, a replacement asking to join) raises an alert after its write
 (:func:`megatron_elaswave.store.raise_alert`): it bumps the count ``rt/alerts``, one key whatever
-the size of the job. An :class:`AlertListener` of each rank reads that count every
-``poll_interval_s`` and calls back when it moved, so that a rank learns of a death within a poll
-interval while a quiet job costs the store one read of one key per rank and poll.
+the size of the job. Each node's launcher reads that count every 50 ms and relays it to its
+workers in a local file (:data:`NODE_ALERTS_ENV` names it); an :class:`AlertListener` of each
+rank reads the file every ``poll_interval_s`` and calls back when the count moved. A rank learns
+of a death within two poll intervals, and a quiet job costs the store one read of one key per
+node and poll. A listener without a launcher's file (a process not started by ``elaswave-run``)
+reads the count in the store itself.
 
 (The listener once waited in the store for a key of its own, which every alert then had to set
 for every rank: two writes per rank and alert, and a wait that only its own key could end. A
@@ -16,6 +19,7 @@ times out logs two warnings, so the count is polled.)
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -26,6 +30,17 @@ if TYPE_CHECKING:
     from torch.distributed import Store
 
 DEFAULT_POLL_INTERVAL_S = 0.05
+NODE_ALERTS_ENV = "ELASWAVE_NODE_ALERTS"
+"""The file in which a node's launcher keeps the alert count it last read from the store."""
+
+
+def write_relayed_count(path: str, count: int) -> None:
+    """What a launcher does after reading the alert count: readers see the old or the new count,
+    never a partial write."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as out:
+        out.write(str(count))
+    os.replace(partial, path)
 
 
 class AlertListener:
@@ -35,7 +50,8 @@ class AlertListener:
     Guarantees:
 
     * An alert raised after :meth:`start` returned is followed by a call within
-      ``poll_interval_s`` (plus one store round trip).
+      ``poll_interval_s`` (plus the launcher's relay, one store round trip and 50 ms, while it
+      runs).
     * :meth:`stop` returns once the thread has ended: within a poll interval, or within
       ``stop_timeout_s`` if the store does not answer. A process that exits without stopping its
       listener stops it on the way out.
@@ -46,8 +62,10 @@ class AlertListener:
     def __init__(self, store: Store, *, on_alert: Callable[[], None],
                  on_lost: Callable[[RuntimeError], None], stop_timeout_s: float, name: str,
                  poll_interval_s: float = DEFAULT_POLL_INTERVAL_S) -> None:
-        """``store`` is cloned: the listener reads the count on a connection of its own."""
+        """``store`` is cloned: the listener reads the count on a connection of its own, or in
+        the file of :data:`NODE_ALERTS_ENV` when the launcher relays it."""
         self._store = store.clone()
+        self._relayed = os.environ.get(NODE_ALERTS_ENV)
         self._stop_timeout_s = stop_timeout_s
         self._poll_interval_s = poll_interval_s
         self._on_alert = on_alert
@@ -74,10 +92,19 @@ class AlertListener:
     def _listen(self) -> None:
         try:
             while not self._stopping.wait(self._poll_interval_s):
-                count = self._store.add(ALERT_COUNT_KEY, 0)
+                count = self._read_count()
                 if count > self._seen:
                     self._seen = count
                     self._on_alert()
         except RuntimeError as error:
             if not self._stopping.is_set():
                 self._on_lost(error)
+
+    def _read_count(self) -> int:
+        if self._relayed is None:
+            return self._store.add(ALERT_COUNT_KEY, 0)
+        try:
+            with open(self._relayed) as relayed:
+                return int(relayed.read())
+        except (OSError, ValueError):  # not written yet
+            return 0

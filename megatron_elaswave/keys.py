@@ -84,8 +84,6 @@ Growth (:mod:`~megatron_elaswave.training.relayout`):
 =====================================  ==================================================================
 ``rt/join/<rank>``                     a replacement for ``rank`` asks to join (JSON: pid, time)
 ``rt/join/<rank>/accepted``            the generation that takes ``rank`` in
-``rt/join/requests``                   bumped after each request to join: the monitors look for
-                                       requests only when it moved
 ``rt/gen<g>/change``                   the ``LayoutChange`` (JSON) that starts ``g`` at a step boundary
 =====================================  ==================================================================
 """
@@ -225,10 +223,6 @@ def join_key(rank: int) -> str:
 
 def accepted_key(rank: int) -> str:
     return f"rt/join/{rank}/accepted"
-
-
-JOIN_REQUESTS_KEY = "rt/join/requests"
-"""Bumped after each request to join (:func:`join_key`)."""
 
 
 SNAPSHOT_COPIES_KEY = "rt/snapshot_copies"

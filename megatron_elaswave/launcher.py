@@ -58,16 +58,19 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 
+from megatron_elaswave.alerts import NODE_ALERTS_ENV, write_relayed_count
 from megatron_elaswave.decisions import Decision
 from megatron_elaswave.silence import HeartbeatSilence, ring_neighbours
 from megatron_elaswave.spawn import (
@@ -80,6 +83,7 @@ from megatron_elaswave.spawn import (
     reap_orphans,
 )
 from megatron_elaswave.keys import (
+    ALERT_COUNT_KEY,
     NODE_CHANGES_KEY,
     decision_key,
     node_done_key,
@@ -626,14 +630,21 @@ class _NodeAgent:
         """Pids of the workers this agent killed because the job had excluded them."""
         self._next_generation = 0
         """The generation whose ending decision the agent reads next."""
+        self._relay_dir = tempfile.mkdtemp(prefix="elaswave-node-")
+        self._relayed_alerts = os.path.join(self._relay_dir, "alerts")
+        """Where this agent relays the job's alert count to its workers
+        (:mod:`megatron_elaswave.alerts`)."""
+        self._alerts_seen = -1
 
     def run(self) -> int:
         try:
+            self._relay_alerts()
             self._skip_past_decisions()
             self._spawn_workers()
             status = self._supervise()
         finally:
             self._kill_workers()
+            shutil.rmtree(self._relay_dir, ignore_errors=True)
         self._with_store(lambda store: store.set(node_done_key(self._config.node_rank), str(status)))
         self._with_store(lambda store: store.add(NODE_CHANGES_KEY, 1))
         if self._config.store is not None:
@@ -668,6 +679,7 @@ class _NodeAgent:
         self._starts[local_rank] = restart_count + 1
         env = config.worker_env(local_rank, self._worker_base_env, restart_count=restart_count,
                                 rejoining=self._rejoining or restart_count > 0)
+        env[NODE_ALERTS_ENV] = self._relayed_alerts
         log_path = self._log_path(rank)
         append = restart_count > 0
         process: subprocess.Popen | ForkedWorker | None = None
@@ -728,6 +740,7 @@ class _NodeAgent:
         lost (node 0 must keep the store up until then); returns the exit status."""
         while self._running or self._due_starts or self._keeps_the_store_for_others():
             self._reap()
+            self._relay_alerts()
             self._start_due()
             if self._signals.received:
                 return self._shut_down(self._signals.received[0])
@@ -883,6 +896,14 @@ class _NodeAgent:
         for worker in self._running.values():
             worker.process.wait()
         self._running.clear()
+
+    def _relay_alerts(self) -> None:
+        """Read the job's alert count and hand it to this node's workers, whose alert listeners
+        read the file instead of the store: one read per node and poll, not per worker."""
+        count = self._with_store(lambda store: store.add(ALERT_COUNT_KEY, 0))
+        if count is not None and count != self._alerts_seen:
+            write_relayed_count(self._relayed_alerts, count)
+            self._alerts_seen = count
 
     def _beat(self) -> None:
         """Bump this node's heartbeat, which the agents of the nodes before it watch."""

@@ -65,7 +65,6 @@ from typing import TYPE_CHECKING
 from megatron_elaswave.alerts import AlertListener
 from megatron_elaswave.decisions import Decision, Excluded
 from megatron_elaswave.keys import (
-    JOIN_REQUESTS_KEY,
     decision_key,
     heartbeat_key,
     join_key,
@@ -97,6 +96,10 @@ ANNOUNCED = "announced"
 """Another member announced a failure in the store."""
 STORE_ERROR = "store_error"
 """The monitor lost the job store; it stops watching."""
+
+BACKSTOP_BEATS = 10
+"""Every this many beats a monitor reads the deaths, silences and announcement even without an
+alert, in case their writer died before raising it."""
 
 WATCHED_NEIGHBOURS = 2
 """How many members each monitor watches the heartbeat of, and so how many watch each member:
@@ -255,8 +258,6 @@ class FailureMonitor:
         self._death_cursor = len(read_deaths(self._store)) if skip_recorded_deaths else 0
         self._silence_cursor = 0
         """The silences of the current generation read so far."""
-        self._join_requests_seen: tuple[int, tuple[int, ...]] | None = None
-        """The join request count and the members at the last look for requests."""
         self._collector: threading.Thread | None = None
         self._wake = threading.Event()
         """Set by an alert, a new generation or :meth:`stop`: the loop reads deaths and the
@@ -410,29 +411,41 @@ class FailureMonitor:
     # --- the watching thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        next_beat = 0.0
+        next_beat, last_pass, beats = 0.0, time.monotonic(), 0
         try:
             while not self._stopping.is_set():
                 now = time.monotonic()
+                paused = now - last_pass > 2 * self.config.heartbeat_interval_s
+                last_pass = now
                 beating = now >= next_beat
                 if beating:
-                    if not self.excluded():
-                        self._beat()
-                        self._check_heartbeats()
-                        self._check_join_requests()
-                    next_beat = now + self.config.heartbeat_interval_s
+                    next_beat, beats = now + self.config.heartbeat_interval_s, beats + 1
                 # Cleared before reading, so that an alert raised meanwhile wakes the next pass.
                 alerted = self._wake.is_set()
                 self._wake.clear()
-                if beating or alerted:
-                    self._read_deaths()
-                    self._read_silences()
-                    self._check_announcement()
+                excluded = False
+                if (alerted or paused or self.failure is not None
+                        or (beating and beats % BACKSTOP_BEATS == 1)):
+                    self._read_shared_state()
+                    # Only a decision can exclude this rank, and one comes after an alert or
+                    # while this rank was paused: read it then, before writing anything.
+                    excluded = self.excluded()
+                    if not excluded:
+                        self._check_join_requests()
+                if beating and not excluded:
+                    self._beat()
+                    self._check_heartbeats()
                 self._suspect_dead_members()
                 self._check_exclusion()
                 self._wake.wait(max(0.0, next_beat - time.monotonic()))
         except RuntimeError as error:  # torch's store errors
             self._lose_store(error)
+
+    def _read_shared_state(self) -> None:
+        """What every member reads alike: the deaths, the silences, the announcement."""
+        self._read_deaths()
+        self._read_silences()
+        self._check_announcement()
 
     def _lose_store(self, error: RuntimeError) -> None:
         self._store_lost = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -492,18 +505,14 @@ class FailureMonitor:
             self._suspect(self._suspicion(silence), generation=generation)
 
     def _check_join_requests(self) -> None:
-        """Look for ranks that ask to join when a request was made or the members changed
-        since the last look: a look checks one key per missing rank."""
+        """Look for ranks that ask to join (a request raises an alert): one key per missing
+        rank."""
         members = self.members
-        seen = (self._store.add(JOIN_REQUESTS_KEY, 0), members)
-        if seen == self._join_requests_seen:
-            return
         waiting = frozenset(rank for rank in range(self._job_size)
                             if rank not in members and self._store.check([join_key(rank)]))
         with self._lock:
             if self._members == members:  # not a generation behind
                 self._waiting = waiting
-                self._join_requests_seen = seen
 
     def _read_deaths(self) -> None:
         deaths, read_at = read_deaths(self._store, start=self._death_cursor), time.time()

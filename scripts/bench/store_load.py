@@ -1,7 +1,7 @@
 """The job store's load from failure detection, and how soon a stopped rank is found, against
-the number of ranks: the design of this tree (each rank watches two neighbours, alerts are one
-counter) beside the one it replaced (each rank read every peer's heartbeat, an alert set two keys
-per rank), side by side.
+the number of ranks: the design of this tree (each rank watches two neighbours, an alert is one
+counter that each node's launcher reads and relays to its workers) beside the one it replaced
+(each rank read every peer's heartbeat, an alert set two keys per rank), side by side.
 
 Three parts, all against a real ``torch.distributed.TCPStore`` on this machine:
 
@@ -35,6 +35,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -44,8 +45,10 @@ import torch.distributed as dist
 
 INTERVAL_S = 0.5
 """Heartbeat period of the workers' monitors (``MonitorConfig``'s default)."""
-POLL_S = 0.05
-"""How often a monitor of this tree reads the alert count (``MonitorConfig.poll_interval_s``)."""
+RELAY_S = 0.05
+"""How often a launcher of this tree reads the alert count for its workers."""
+BACKSTOP_BEATS = 10
+"""A monitor of this tree reads the shared state at one beat in this many without an alert."""
 TIMEOUT_S = 5.0
 """Heartbeat timeout of the workers (``MonitorConfig``'s default)."""
 RANKS_PER_NODE = 8
@@ -91,6 +94,11 @@ def count_design(ranks: int, periods: int) -> dict:
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=30))
+    # As under a launcher, which relays the alert count (counted in the model, per node).
+    relayed = os.path.join(tempfile.mkdtemp(prefix="store-load-"), "alerts")
+    with open(relayed, "w") as out:
+        out.write("0")
+    os.environ["ELASWAVE_NODE_ALERTS"] = relayed
     counting = CountingStore(server)
     config = MonitorConfig(heartbeat_interval_s=INTERVAL_S, heartbeat_timeout_s=TIMEOUT_S)
     monitors = [FailureMonitor(counting, rank, Decision.initial(ranks), config,
@@ -100,7 +108,7 @@ def count_design(ranks: int, periods: int) -> dict:
     time.sleep(2 * INTERVAL_S)  # first beats and first reads of every key
     counting.requests.clear()
     counting.keys.clear()
-    time.sleep(periods * INTERVAL_S)
+    time.sleep(periods * INTERVAL_S)  # a whole number of backstop rounds, by default
     requests, keys = sum(counting.requests.values()), sum(counting.keys.values())
     by_call = dict(counting.requests)
     counting.requests.clear()
@@ -125,10 +133,9 @@ def per_rank_period(design: str, ranks: int) -> tuple[float, float]:
     if design == "old":
         # heartbeat add, multi_get of every peer, death count, announcement, decision
         return 5, 4 + (ranks - 1)
-    # heartbeat add, multi_get of two neighbours, death count, silence count, announcement,
-    # decision, join requests; and the alert count every POLL_S
-    polls = INTERVAL_S / POLL_S
-    return 7 + polls, 6 + NEIGHBOURS + polls
+    # heartbeat add, multi_get of two neighbours; one beat in BACKSTOP_BEATS: the death and
+    # silence counts, the announcement, the decision
+    return 2 + 4 / BACKSTOP_BEATS, 1 + NEIGHBOURS + 4 / BACKSTOP_BEATS
 
 
 def per_launcher_period(design: str, nodes: int) -> float:
@@ -137,8 +144,9 @@ def per_launcher_period(design: str, nodes: int) -> float:
     beats = INTERVAL_S / min(1.0, NODE_TIMEOUT_S / 4)
     if design == "old":  # node 0 reads every node's done and heartbeat; the others beat
         return beats * (2 * (nodes - 1) + 2 * (nodes - 1) + nodes)
-    # each: beat, own lost key, node changes, two watched heartbeats, decision
-    return beats * nodes * (3 + NEIGHBOURS + 1)
+    # each: beat, own lost key, node changes, two watched heartbeats, decision; and the alert
+    # count every RELAY_S for its workers
+    return nodes * (beats * (3 + NEIGHBOURS + 1) + INTERVAL_S / RELAY_S)
 
 
 def alert_keys(design: str, ranks: int) -> int:
@@ -203,10 +211,12 @@ def _time_rank_periods(design: str, ranks: int, samples: int, clients: int,
             store.multi_get(keys[:rank] + keys[rank + 1:])
         else:
             store.multi_get([keys[(rank + 1) % ranks], keys[(rank + 2) % ranks]])
+            if rank % RANKS_PER_NODE == 0:  # the node's launcher relays the alert count
+                for _ in range(int(INTERVAL_S / RELAY_S)):
+                    store.add("rt/alerts", 0)
+            if rank % BACKSTOP_BEATS:
+                return  # the shared state is read at one beat in BACKSTOP_BEATS
             store.add("rt/gen0/silent/count", 0)
-            store.add("rt/join/requests", 0)
-            for _ in range(int(INTERVAL_S / POLL_S)):
-                store.add("rt/alerts", 0)
         store.add("elaswave/deaths/count", 0)
         store.check(["rt/gen0/round"])
         store.check(["rt/gen0/decision"])
@@ -215,7 +225,7 @@ def _time_rank_periods(design: str, ranks: int, samples: int, clients: int,
 
     def client(index: int) -> None:
         for sample in range(index, samples, clients):
-            play(stores[index], (sample * 7919) % ranks)
+            play(stores[index], sample % ranks)
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
     cpu, started = cpu_seconds(process.pid), time.perf_counter()
