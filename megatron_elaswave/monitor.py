@@ -1,8 +1,9 @@
 """Failure detection: one :class:`FailureMonitor` per rank, watching the members of its generation.
 
 The monitor is a background thread with its own connection to the job store, and a second one
-that polls the job's alert count (one key), so that a quiet job costs the store a few reads per
-rank and heartbeat, whatever its size. It notices a failure in any of three ways:
+that polls the job's alert count as its launcher relays it (:mod:`megatron_elaswave.alerts`), so
+that a quiet job costs the store two requests per rank and heartbeat, whatever its size. It
+notices a failure in any of three ways:
 
 * **Death records.** The launcher records a worker that exits with a non-zero code or is killed
   by a signal within 50 ms (:mod:`megatron_elaswave.store`) and raises an alert; the monitor
@@ -36,11 +37,11 @@ message and status, once the committed decision has excluded it for ``exclusion_
 
 Its keys are ``rt/heartbeat/<rank>`` (a counter), ``rt/gen<g>/silent/*`` (silences its
 neighbours' watchers reported), ``rt/gen<g>/round`` (the first :class:`FailureNotice` of
-generation ``g``; its presence starts the agreement), ``rt/join/<rank>`` and
-``rt/join/requests`` (replacements ask to join) and ``rt/alerts`` (a count bumped after every
-death record, silence and announcement), named in :mod:`megatron_elaswave.keys`. Every heartbeat
-interval it also reads the deaths, the silences and the announcement whatever the alerts say, in
-case a writer died before raising its alert.
+generation ``g``; its presence starts the agreement), ``rt/join/<rank>`` (a replacement asks
+to join) and ``rt/alerts`` (a count bumped after every death record, silence, announcement and
+request to join), named in :mod:`megatron_elaswave.keys`. It reads what every member reads alike (the deaths, the silences, the announcement, the decision, the requests to
+join) at an alert, after a pause of its own, during a failure, and at one beat in
+:data:`BACKSTOP_BEATS` whatever the alerts say, in case a writer died before raising its alert.
 
 The lowest survivor of each generation deletes the keys of the generation two before
 (:func:`~megatron_elaswave.store.collect_generations`), on a thread of its own, so that a job
