@@ -37,11 +37,12 @@ message and status, once the committed decision has excluded it for ``exclusion_
 
 Its keys are ``rt/heartbeat/<rank>`` (a counter), ``rt/gen<g>/silent/*`` (silences its
 neighbours' watchers reported), ``rt/gen<g>/round`` (the first :class:`FailureNotice` of
-generation ``g``; its presence starts the agreement), ``rt/join/<rank>`` (a replacement asks
-to join) and ``rt/alerts`` (a count bumped after every death record, silence, announcement and
-request to join), named in :mod:`megatron_elaswave.keys`. It reads what every member reads alike (the deaths, the silences, the announcement, the decision, the requests to
-join) at an alert, after a pause of its own, during a failure, and at one beat in
-:data:`BACKSTOP_BEATS` whatever the alerts say, in case a writer died before raising its alert.
+generation ``g``; its presence starts the agreement), ``rt/join/<rank>`` (a replacement asks to
+join) and ``rt/alerts`` (a count bumped after every death record, silence, announcement and
+request to join), named in :mod:`megatron_elaswave.keys`. It reads what every member reads alike
+(the deaths, the silences, the announcement, the decision, the requests to join) at an alert,
+after a pause of its own, during a failure, and at one beat in :data:`BACKSTOP_BEATS` whatever
+the alerts say, in case a writer died before raising its alert.
 
 The lowest survivor of each generation deletes the keys of the generation two before
 (:func:`~megatron_elaswave.store.collect_generations`), on a thread of its own, so that a job

@@ -3,12 +3,13 @@ and whom each member watches.
 
 A watcher (a worker's failure monitor, a node's launcher) reads its peers' heartbeat counters
 every ``interval_s``; its peers are a few neighbours (:func:`ring_neighbours`), not everyone, so
-that the reads of the whole job grow with its size, not with its square. A counter that has not moved since the previous read adds the
-time between the two reads to that peer's silence, but never more than ``2 * interval_s`` per
-read: the rest of a longer gap is the watcher's own pause. While the watcher was stopped, starved
-of CPU or waiting on a stalled store, its peers' beats could not reach it either, so it gives
-them a fresh window on its return rather than declaring them all failed at once. A peer that
-really fell silent is still declared after ``timeout_s`` of the watcher's attentive time.
+that the reads of the whole job grow with its size, not with its square. A counter that has not
+moved since the previous read adds the time between the two reads to that peer's silence, but
+never more than ``2 * interval_s`` per read: the rest of a longer gap is the watcher's own
+pause. While the watcher was stopped, starved of CPU or waiting on a stalled store, its peers'
+beats could not reach it either, so it gives them a fresh window on its return rather than
+declaring them all failed at once. A peer that really fell silent is still declared after
+``timeout_s`` of the watcher's attentive time.
 """
 
 from __future__ import annotations

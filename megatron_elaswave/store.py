@@ -167,7 +167,8 @@ class EtcdAddress:
         """``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``; the namespace is ``PREFIX/`` (default
         ``elaswave/``) followed by ``run_id/`` when one is given. Raises :class:`StoreURLError`."""
         if not url.startswith(ETCD_URL_SCHEME):
-            raise StoreURLError(f"{url!r} is not an etcd URL ({ETCD_URL_SCHEME}HOST:PORT[,HOST:PORT...])")
+            raise StoreURLError(
+                f"{url!r} is not an etcd URL ({ETCD_URL_SCHEME}HOST:PORT[,HOST:PORT...])")
         hosts, _, prefix = url[len(ETCD_URL_SCHEME):].partition("/")
         endpoints = []
         for endpoint in hosts.split(","):
