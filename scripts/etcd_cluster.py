@@ -11,7 +11,6 @@ and kills them all on exit; :meth:`EtcdCluster.kill` SIGKILLs one member for a t
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -151,10 +150,11 @@ def main() -> int:
     if (missing := etcd_missing()) is not None:
         print(f"etcd_cluster.py: error: {missing}", file=sys.stderr)
         return 2
+    stopping = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stopping)  # until sigwait takes one
     with EtcdCluster(args.members, args.data_dir) as cluster:
         print(cluster.url, flush=True)
-        with contextlib.suppress(KeyboardInterrupt):
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        signal.sigwait(stopping)
     return 0
 
 
