@@ -18,7 +18,8 @@ Launchers (:mod:`megatron_elaswave.launcher`, :mod:`megatron_elaswave.store`):
 ``elaswave/nodes/<n>/lost``            node ``n`` was declared lost (by the launcher that watched it);
                                        its launcher kills its workers
 ``elaswave/nodes/changes``             bumped whenever a node is lost, done or replaced: the launchers
-                                       re-read which nodes run only when it moved
+                                       re-read ``elaswave/nodes/state`` only when it moved
+``elaswave/nodes/state``               the nodes lost and the nodes done (JSON), in one key
 =====================================  ==================================================================
 
 Failure detection and agreement (:mod:`~megatron_elaswave.monitor`,
@@ -125,6 +126,9 @@ def node_lost_key(node_rank: int) -> str:
 
 NODE_CHANGES_KEY = "elaswave/nodes/changes"
 """Bumped whenever a node is declared lost, ends or is replaced."""
+
+NODES_STATE_KEY = "elaswave/nodes/state"
+"""``{"lost": [...], "done": [...]}``: one read tells a launcher which nodes still run."""
 
 
 # -- failure detection and agreement -----------------------------------------------------------

@@ -104,10 +104,12 @@ from megatron_elaswave.store import (
     WorkerDeath,
     WorkerExit,
     WorkerRecord,
+    change_node_state,
     from_json,
     publish_worker,
     read_deaths,
     read_exit,
+    read_node_states,
     read_worker,
     record_death,
     record_exit,
@@ -569,8 +571,8 @@ def _replace_lost_node(store: Store, config: LaunchConfig, signals: _SignalLatch
     _wait_until(lambda: store.check([lost]), config.join_timeout_s, signals,
                 lambda: f"node rank {config.node_rank} ({where}) to be declared lost")
     store.set(node_key(config.node_rank), mine)
-    store.delete_key(lost)  # its watchers watch this node again
-    store.add(NODE_CHANGES_KEY, 1)
+    store.delete_key(lost)
+    change_node_state(store, config.node_rank, None)  # its watchers watch it again
     _log(f"replacing lost node rank {config.node_rank}: its workers join the running job")
 
 
@@ -646,7 +648,7 @@ class _NodeAgent:
             self._kill_workers()
             shutil.rmtree(self._relay_dir, ignore_errors=True)
         self._with_store(lambda store: store.set(node_done_key(self._config.node_rank), str(status)))
-        self._with_store(lambda store: store.add(NODE_CHANGES_KEY, 1))
+        self._with_store(lambda store: change_node_state(store, self._config.node_rank, "done"))
         if self._config.store is not None:
             self._with_store(self._delete_the_job_if_over)
         failed = sum(1 for code in self._returncodes if code != 0)
@@ -940,10 +942,8 @@ class _NodeAgent:
         if changes == self._node_changes_seen:
             return
         self._node_changes_seen = changes
-        nodes = range(self._config.nnodes)
-        lost = {n for n in nodes if self._store.check([node_lost_key(n)])}
-        done = {n for n in nodes if self._store.check([node_done_key(n)])}
-        self._running_nodes = set(nodes) - lost - done
+        states = read_node_states(self._store)
+        lost, self._running_nodes = states.lost, states.running(self._config.nnodes)
         me = self._config.node_rank
         watched = set(ring_neighbours(sorted(self._running_nodes | {me}), me, WATCHED_NODES))
         for node_rank in set(self._peers.peers) - watched:
@@ -971,7 +971,7 @@ class _NodeAgent:
         mine = json.dumps({"time": now, "silence_s": silence_s, "by": self._config.node_rank})
         if self._store.compare_set(node_lost_key(node_rank), "", mine).decode() != mine:
             return
-        self._store.add(NODE_CHANGES_KEY, 1)
+        change_node_state(self._store, node_rank, "lost")
         already_dead = {(death.rank, death.pid) for death in read_deaths(self._store)}
         recorded = []
         for local_rank in range(self._config.nproc_per_node):

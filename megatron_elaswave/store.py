@@ -33,6 +33,8 @@ from megatron_elaswave.keys import (
     ALERT_COUNT_KEY,
     COLLECTED_KEY,
     DEATH_COUNT_KEY,
+    NODE_CHANGES_KEY,
+    NODES_STATE_KEY,
     death_key,
     decision_key,
     exit_key,
@@ -236,6 +238,40 @@ def store_address() -> str:
     if host.startswith(ETCD_URL_SCHEME):
         return EtcdAddress.parse(host).describe()
     return f"{host}:{os.environ.get(STORE_PORT_ENV, '')}"
+
+
+@dataclass(frozen=True)
+class NodeStates:
+    """Which nodes of the job were declared lost and which are done, kept in one key
+    (``elaswave/nodes/state``) so that a launcher reads them in one request."""
+
+    lost: frozenset[int] = frozenset()
+    done: frozenset[int] = frozenset()
+
+    def running(self, nnodes: int) -> set[int]:
+        return set(range(nnodes)) - self.lost - self.done
+
+
+def read_node_states(store: Store) -> NodeStates:
+    if not store.check([NODES_STATE_KEY]):
+        return NodeStates()
+    raw = json.loads(store.get(NODES_STATE_KEY))
+    return NodeStates(frozenset(raw["lost"]), frozenset(raw["done"]))
+
+
+def change_node_state(store: Store, node_rank: int, state: str | None) -> None:
+    """Mark ``node_rank`` ``"lost"``, ``"done"``, or neither (``None``: it was replaced), then
+    bump ``elaswave/nodes/changes``. Safe against launchers changing other nodes at once."""
+    while True:
+        current = store.compare_set(NODES_STATE_KEY, "", "")  # the value, created if missing
+        states = json.loads(current) if current else {"lost": [], "done": []}
+        for name in ("lost", "done"):
+            members = set(states[name]) - {node_rank}
+            states[name] = sorted(members | ({node_rank} if state == name else set()))
+        desired = json.dumps(states, sort_keys=True)
+        if store.compare_set(NODES_STATE_KEY, current, desired).decode() == desired:
+            break
+    store.add(NODE_CHANGES_KEY, 1)
 
 
 def publish_worker(store: Store, worker: WorkerRecord) -> None:
