@@ -38,8 +38,11 @@ setup(
         "setproctitle>=1.3",
     ],
     extras_require={
-        # matplotlib: the plots of scripts/reproduce.py, whose --smoke run is part of CI.
-        "test": ["pytest>=8", "hypothesis>=6", "matplotlib>=3.8"],
+        # matplotlib: the plots of scripts/reproduce.py, whose --smoke run is part of CI;
+        # etcd3gw: the tests of the job store on etcd (tests/test_etcd.py).
+        "test": ["pytest>=8", "hypothesis>=6", "matplotlib>=3.8", "etcd3gw>=2.4"],
+        # elaswave-run --store etcd://...: etcd's v3 API through its gRPC gateway.
+        "etcd": ["etcd3gw>=2.4"],
         # --tensorboard-dir and --wandb-project (W&B's offline mode needs no account).
         "logging": ["tensorboard>=2.14", "wandb>=0.16"],
         # torchft 0.2 publishes wheels for Linux x86_64 only (elsewhere pip builds it from

@@ -1,26 +1,46 @@
-"""Waiting for the job's alerts without polling the store.
+"""Noticing the job's alerts at the cost of one counter read per node and poll.
 
 The writer of something every rank must read (a launcher recording a death, a monitor announcing
-a failure) raises an alert after its write (:func:`megatron_elaswave.store.raise_alert`): it bumps
-the count ``rt/alerts`` to ``n``, then sets ``rt/alerts/<n>/<rank>`` for every launch rank in one
-round trip. An :class:`AlertListener` of each rank waits in the store for its key of the next
-alert, so that a quiet job costs the store nothing but the watchers' heartbeats.
+a failure or a heartbeat silence, a replacement asking to join) raises an alert after its write
+(:func:`megatron_elaswave.store.raise_alert`): it bumps the count ``rt/alerts``, one key whatever
+the size of the job. Each node's launcher reads that count every 50 ms and relays it to its
+workers in a local file (:data:`NODE_ALERTS_ENV` names it); an :class:`AlertListener` of each
+rank reads the file every ``poll_interval_s`` and calls back when the count moved. A rank learns
+of a death within two poll intervals, and a quiet job costs the store one read of one key per
+node and poll. A listener without a launcher's file (a process not started by ``elaswave-run``)
+reads the count in the store itself.
+
+(The listener once waited in the store for a key of its own, which every alert then had to set
+for every rank: two writes per rank and alert, and a wait that only its own key could end. A
+blocking wait on one shared key cannot be ended by one listener alone, and a TCPStore wait that
+times out logs two warnings, so the count is polled.)
 """
 
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 from collections.abc import Callable
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from megatron_elaswave.keys import ALERT_COUNT_KEY, alert_key
+from megatron_elaswave.keys import ALERT_COUNT_KEY
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
-_NO_TIMEOUT = timedelta(days=365)
+DEFAULT_POLL_INTERVAL_S = 0.05
+NODE_ALERTS_ENV = "ELASWAVE_NODE_ALERTS"
+"""The file in which a node's launcher keeps the alert count it last read from the store."""
+
+
+def write_relayed_count(path: str, count: int) -> None:
+    """What a launcher does after reading the alert count: readers see the old or the new count,
+    never a partial write."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as out:
+        out.write(str(count))
+    os.replace(partial, path)
 
 
 class AlertListener:
@@ -29,32 +49,29 @@ class AlertListener:
 
     Guarantees:
 
-    * An alert raised after :meth:`start` returned is followed by a call, as soon as the
-      listener's key is set; if the alert's writer died between its count and its keys, the
-      call comes with the next alert, whose writer sets them too.
-    * :meth:`stop` returns once the thread has ended: at once, or within ``stop_timeout_s`` if
-      the store does not answer. A process that exits without stopping its listener stops it on
-      the way out (a wait in the store that ends while the interpreter finalizes aborts the
-      process).
+    * An alert raised after :meth:`start` returned is followed by a call within
+      ``poll_interval_s`` (plus the launcher's relay, one store round trip and 50 ms, while it
+      runs).
+    * :meth:`stop` returns once the thread has ended: within a poll interval, or within
+      ``stop_timeout_s`` if the store does not answer. A process that exits without stopping its
+      listener stops it on the way out.
     * If the store's connection fails before :meth:`stop`, ``on_lost(error)`` is called once
       and the listener ends.
     """
 
-    def __init__(self, store: Store, rank: int, *, on_alert: Callable[[], None],
-                 on_lost: Callable[[RuntimeError], None], stop_timeout_s: float,
-                 name: str) -> None:
-        """``rank`` is this process's launch rank; ``store`` is cloned twice: one connection
-        waits, the other ends the wait."""
-        self._rank = rank
-        self._waiting_store = store.clone()
-        # A wait that timed out would log two warnings: it ends at its key or with the store.
-        self._waiting_store.set_timeout(_NO_TIMEOUT)
-        self._waking_store = store.clone()
+    def __init__(self, store: Store, *, on_alert: Callable[[], None],
+                 on_lost: Callable[[RuntimeError], None], stop_timeout_s: float, name: str,
+                 poll_interval_s: float = DEFAULT_POLL_INTERVAL_S) -> None:
+        """``store`` is cloned: the listener reads the count on a connection of its own, or in
+        the file of :data:`NODE_ALERTS_ENV` when the launcher relays it."""
+        self._store = store.clone()
+        self._relayed = os.environ.get(NODE_ALERTS_ENV)
         self._stop_timeout_s = stop_timeout_s
+        self._poll_interval_s = poll_interval_s
         self._on_alert = on_alert
         self._on_lost = on_lost
         self._seen = 0
-        """The alert count last read: the listener waits for its key of the next alert."""
+        """The alert count last read."""
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._listen, name=name, daemon=True)
 
@@ -62,33 +79,32 @@ class AlertListener:
         """Start listening (once): an alert raised after this returns is not missed."""
         if self._thread.is_alive() or self._stopping.is_set():
             return
-        self._seen = self._waking_store.add(ALERT_COUNT_KEY, 0)
+        self._seen = self._store.add(ALERT_COUNT_KEY, 0)
         self._thread.start()
         atexit.register(self.stop)
 
     def stop(self) -> None:
         atexit.unregister(self.stop)
         self._stopping.set()
-        if not self._thread.is_alive():
-            return
-        try:  # the key the thread waits on is this rank's alone
-            self._waking_store.set(alert_key(self._seen + 1, self._rank), "")
-        except RuntimeError:
-            pass  # the store is lost, and the wait with it
-        self._thread.join(self._stop_timeout_s)
+        if self._thread.is_alive():
+            self._thread.join(self._stop_timeout_s)
 
     def _listen(self) -> None:
-        store = self._waiting_store
         try:
-            while not self._stopping.is_set():
-                key = alert_key(self._seen + 1, self._rank)
-                store.wait([key])
-                count = store.add(ALERT_COUNT_KEY, 0)
+            while not self._stopping.wait(self._poll_interval_s):
+                count = self._read_count()
                 if count > self._seen:
                     self._seen = count
                     self._on_alert()
-                elif not self._stopping.is_set():
-                    store.delete_key(key)  # set by a stopped listener of this rank, not an alert
         except RuntimeError as error:
             if not self._stopping.is_set():
                 self._on_lost(error)
+
+    def _read_count(self) -> int:
+        if self._relayed is None:
+            return self._store.add(ALERT_COUNT_KEY, 0)
+        try:
+            with open(self._relayed) as relayed:
+                return int(relayed.read())
+        except (OSError, ValueError):  # not written yet
+            return 0

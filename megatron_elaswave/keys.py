@@ -15,14 +15,22 @@ Launchers (:mod:`megatron_elaswave.launcher`, :mod:`megatron_elaswave.store`):
 ``elaswave/nodes/<n>``                 ``NodeRecord`` (JSON) of the launcher of node ``n``
 ``elaswave/nodes/<n>/heartbeat``       counter the launcher of node ``n`` bumps while alive
 ``elaswave/nodes/<n>/done``            set when node ``n``'s workers have all ended
-``elaswave/nodes/<n>/lost``            node ``n`` was declared lost; its launcher kills its workers
+``elaswave/nodes/<n>/lost``            node ``n`` was declared lost (by the launcher that watched it);
+                                       its launcher kills its workers
+``elaswave/nodes/changes``             bumped whenever a node is lost, done or replaced: the launchers
+                                       re-read ``elaswave/nodes/state`` only when it moved
+``elaswave/nodes/state``               the nodes lost and the nodes done (JSON), in one key
 =====================================  ==================================================================
 
 Failure detection and agreement (:mod:`~megatron_elaswave.monitor`,
 :mod:`~megatron_elaswave.agreement`, :mod:`~megatron_elaswave.world`):
 
 =====================================  ==================================================================
+``rt/alerts``                          bumped after each write every monitor must notice
 ``rt/heartbeat/<rank>``                heartbeat counter of ``rank`` (``store.add``)
+``rt/gen<g>/silent/count``             heartbeat silences reported in ``g`` (``store.add``)
+``rt/gen<g>/silent/<i>``               the i-th ``Silence`` (JSON): a member found silent by a
+                                       neighbour that watched it
 ``rt/gen<g>/round``                    ``FailureNotice`` (JSON) of the first rank that announced a
                                        failure in ``g``; its presence starts the agreement
 ``rt/gen<g>/joined/<rank>``            ``rank`` entered the agreement that ends ``g``
@@ -30,7 +38,12 @@ Failure detection and agreement (:mod:`~megatron_elaswave.monitor`,
                                        ``compare_set`` (a failure's or a grow's)
 ``rt/gen<g>/ready/<rank>``             ``rank`` is about to form the default group of ``g``
 ``gen<g>/...``                         torch's own rendezvous keys of ``g``'s default group
+``rt/collected``                       the generations below it have had their keys deleted
 =====================================  ==================================================================
+
+Once generation ``g + 2`` starts, every key under :func:`generation_prefixes` ``(g)`` but
+``rt/gen<g>/decision`` is deleted (:func:`megatron_elaswave.store.collect_generations`): the
+decisions stay, one small key per generation, for a rank or a launcher that reads them late.
 
 Process groups (:mod:`~megatron_elaswave.communicator`); each barrier key is a ``store.add``
 counter, and ``<barrier>/released`` is set by the last member to arrive:
@@ -122,22 +135,30 @@ def node_lost_key(node_rank: int) -> str:
     return f"elaswave/nodes/{node_rank}/lost"
 
 
+NODE_CHANGES_KEY = "elaswave/nodes/changes"
+"""Bumped whenever a node is declared lost, ends or is replaced."""
+
+NODES_STATE_KEY = "elaswave/nodes/state"
+"""``{"lost": [...], "done": [...]}``: one read tells a launcher which nodes still run."""
+
+
 # -- failure detection and agreement -----------------------------------------------------------
 
 ALERT_COUNT_KEY = "rt/alerts"
 """A counter bumped after each write the monitors must notice (a death record, a failure
-announcement); the bump that makes it ``n`` is followed by :func:`alert_key` ``(n, rank)`` for
-every launch rank."""
-
-
-def alert_key(index: int, rank: int) -> str:
-    """Set once the alert count reached ``index``: the monitor of launch rank ``rank`` waits on
-    it (and sets it itself to stop waiting)."""
-    return f"rt/alerts/{index}/{rank}"
+announcement, a heartbeat silence); every monitor polls it (:mod:`megatron_elaswave.alerts`)."""
 
 
 def heartbeat_key(rank: int) -> str:
     return f"rt/heartbeat/{rank}"
+
+
+def silence_count_key(generation: int) -> str:
+    return f"rt/gen{generation}/silent/count"
+
+
+def silence_key(generation: int, index: int) -> str:
+    return f"rt/gen{generation}/silent/{index}"
 
 
 def round_key(generation: int) -> str:
@@ -159,6 +180,16 @@ def ready_key(generation: int, rank: int) -> str:
 def generation_prefix(generation: int) -> str:
     """The ``PrefixStore`` prefix of the default group's rendezvous in ``generation``."""
     return f"gen{generation}/"
+
+
+def generation_prefixes(generation: int) -> tuple[str, ...]:
+    """The prefixes of every key that belongs to ``generation`` alone: deleted once it is two
+    generations past, all but its :func:`decision_key`."""
+    return f"rt/gen{generation}/", generation_prefix(generation)
+
+
+COLLECTED_KEY = "rt/collected"
+"""The generations below this number have had their keys deleted."""
 
 
 # -- process groups ----------------------------------------------------------------------------

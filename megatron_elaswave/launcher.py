@@ -6,18 +6,22 @@ decide what to do. It guarantees:
 
 * **The store outlives every worker.** The agent of node rank 0 hosts the job's ``TCPStore``
   in its own process; the other agents and all workers are clients (:mod:`megatron_elaswave.store`
-  lists the keys). Agents wait until all ``--nnodes`` of them have joined before any worker
-  starts.
+  lists the keys). With ``--store etcd://...`` the store is the job's namespace on an etcd
+  cluster (:mod:`megatron_elaswave.etcd_store`) instead, and every agent, node 0's included, is
+  a client: any node can be lost. Agents wait until all ``--nnodes`` of them have joined before
+  any worker starts.
 * **Deaths are reported at once.** A worker that exits with a non-zero code or is killed by a
   signal is recorded as a :class:`~megatron_elaswave.store.WorkerDeath` within
   :data:`POLL_INTERVAL_S`; a worker that exits with 0 is recorded as a normal exit.
 * **A node fails as a whole.** Workers are started with ``PR_SET_PDEATHSIG`` (Linux), so killing
-  an agent kills its workers. Every other agent heartbeats through the store; the agent of node 0
-  declares a node lost after ``--node-timeout`` seconds of silence and records the deaths of its
-  workers. Silence is counted on node 0's time (:mod:`megatron_elaswave.silence`): node 0's own
-  stall is not blamed on the others. An agent that finds its node declared lost (it was
-  stalled, not dead) kills its workers, so a node the job has given up on cannot come back
-  into it.
+  an agent kills its workers. Every agent heartbeats through the store and watches the
+  :data:`WATCHED_NODES` running nodes that follow it in node-rank order, wrapping around (so every
+  node is watched by that many others and the store serves a few reads per node, whatever the
+  number of nodes); the first watcher to find a node silent for ``--node-timeout`` seconds
+  declares it lost and records the deaths of its workers. Silence is counted on the watcher's
+  time (:mod:`megatron_elaswave.silence`): a watcher's own stall is not blamed on the others. An
+  agent that finds its node declared lost (it was stalled, not dead) kills its workers, so a
+  node the job has given up on cannot come back into it.
 * **Workers start forked from a preloaded server** (:mod:`megatron_elaswave.spawn`), unless
   ``--preload none``: they are the agent's own children all the same, so everything below holds
   for them as for workers it executes.
@@ -32,9 +36,9 @@ decide what to do. It guarantees:
   store (:mod:`megatron_elaswave.agreement`); a worker of its node that a decision excluded
   (stopped or hung, not dead) and that still runs ``--exclusion-grace`` seconds later is
   killed, so that the job can end. Its end is a survived failure.
-* **Losing the store ends the job.** An agent that loses the job store (node 0's agent died)
-  says so in one line, gives its workers ``--shutdown-grace`` seconds to leave (they notice on
-  their own), kills the rest and exits with 1.
+* **Losing the store ends the job.** An agent that loses the job store (node 0's agent died, or
+  the etcd cluster lost its quorum) says so in one line, gives its workers ``--shutdown-grace``
+  seconds to leave (they notice on their own), kills the rest and exits with 1.
 * **No orphans.** SIGINT, SIGTERM and SIGHUP are forwarded to the workers; those still running
   ``--shutdown-grace`` seconds later, or at a second signal, are killed with SIGKILL. Whatever
   goes wrong in the agent itself, it kills its workers before it exits.
@@ -54,19 +58,22 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 
+from megatron_elaswave.alerts import NODE_ALERTS_ENV, write_relayed_count
 from megatron_elaswave.decisions import Decision
 from megatron_elaswave.proctitle import MEGATRON_LM_RUNNER
-from megatron_elaswave.silence import HeartbeatSilence
+from megatron_elaswave.silence import HeartbeatSilence, ring_neighbours
 from megatron_elaswave.spawn import (
     DEFAULT_PRELOAD,
     ForkedWorker,
@@ -76,7 +83,15 @@ from megatron_elaswave.spawn import (
     die_with_parent,
     reap_orphans,
 )
-from megatron_elaswave.keys import decision_key, node_done_key, node_heartbeat_key, node_key, node_lost_key
+from megatron_elaswave.keys import (
+    ALERT_COUNT_KEY,
+    NODE_CHANGES_KEY,
+    decision_key,
+    node_done_key,
+    node_heartbeat_key,
+    node_key,
+    node_lost_key,
+)
 from megatron_elaswave.store import (
     EXITED,
     NODE_LOST,
@@ -84,14 +99,18 @@ from megatron_elaswave.store import (
     STORE_ADDR_ENV,
     STORE_PORT_ENV,
     REJOIN_ENV,
+    EtcdAddress,
     NodeRecord,
+    StoreURLError,
     WorkerDeath,
     WorkerExit,
     WorkerRecord,
+    change_node_state,
     from_json,
     publish_worker,
     read_deaths,
     read_exit,
+    read_node_states,
     read_worker,
     record_death,
     record_exit,
@@ -99,10 +118,13 @@ from megatron_elaswave.store import (
 )
 
 if TYPE_CHECKING:
-    from torch.distributed import TCPStore
+    from torch.distributed import Store, TCPStore
 
 POLL_INTERVAL_S = 0.05
 """How often the agent polls its workers: the bound on the delay before a death is recorded."""
+
+WATCHED_NODES = 2
+"""How many running nodes each agent watches the heartbeat of, and so how many watch each node."""
 
 LOST_NODE_EXIT_STATUS = 1
 """Exit status of an agent that found its node declared lost."""
@@ -161,7 +183,11 @@ class LaunchConfig:
     master_addr: str = "127.0.0.1"
     """Address of node rank 0, where the job store listens."""
     master_port: int = 29500
-    """Port of the job store."""
+    """Port of the job store (of node 0's ``TCPStore``; with :attr:`store`, it is only handed to
+    the workers as ``MASTER_PORT``)."""
+    store: str | None = None
+    """``etcd://HOST:PORT[,HOST:PORT...]``: keep the job store on that etcd cluster, under the
+    namespace ``elaswave/<run id>/``; ``None``: node rank 0's agent hosts a ``TCPStore``."""
     run_id: str = "none"
     """Job id; agents with different ids refuse to form a job together."""
     log_dir: str | None = None
@@ -204,6 +230,11 @@ class LaunchConfig:
                              "negative")
         if not self.run_as_module and not os.path.isfile(self.script):
             raise UsageError(f"no such script: {self.script}")
+        if self.store is not None:
+            try:
+                self.etcd_address
+            except StoreURLError as error:
+                raise UsageError(f"--store {error}") from None
 
     @property
     def world_size(self) -> int:
@@ -211,7 +242,13 @@ class LaunchConfig:
 
     @property
     def is_store_host(self) -> bool:
-        return self.node_rank == 0
+        """Whether this agent hosts the job store (node 0, without :attr:`store`)."""
+        return self.node_rank == 0 and self.store is None
+
+    @property
+    def etcd_address(self) -> EtcdAddress | None:
+        """The job's namespace on the etcd cluster of :attr:`store`, if any."""
+        return None if self.store is None else EtcdAddress.parse(self.store, self.run_id)
 
     def global_rank(self, local_rank: int, node_rank: int | None = None) -> int:
         node = self.node_rank if node_rank is None else node_rank
@@ -245,7 +282,9 @@ class LaunchConfig:
         worker, :data:`~megatron_elaswave.store.REJOIN_ENV`.
 
         ``TORCHELASTIC_USE_AGENT_STORE=True`` makes ``init_process_group(init_method="env://")``
-        connect to the agent's store as a client instead of hosting a store in rank 0.
+        connect to the agent's store as a client instead of hosting a store in rank 0. With the
+        store on etcd there is no agent's store to connect to: it is ``False``, and the
+        runtime forms its groups on the etcd store itself.
         """
         env = self.shared_worker_env(base)
         rank, world_size = self.global_rank(local_rank), str(self.world_size)
@@ -263,12 +302,16 @@ class LaunchConfig:
             MASTER_ADDR=self.master_addr,
             MASTER_PORT=str(self.master_port),
             TORCHELASTIC_RUN_ID=self.run_id,
-            TORCHELASTIC_USE_AGENT_STORE="True",
+            TORCHELASTIC_USE_AGENT_STORE=str(self.store is None),
             TORCHELASTIC_RESTART_COUNT=str(restart_count),
             TORCHELASTIC_MAX_RESTARTS=str(self.max_rejoins if self.rejoin else 0),
         )
-        env[STORE_ADDR_ENV] = self.master_addr
-        env[STORE_PORT_ENV] = str(self.master_port)
+        if self.store is None:
+            env[STORE_ADDR_ENV] = self.master_addr
+            env[STORE_PORT_ENV] = str(self.master_port)
+        else:
+            env[STORE_ADDR_ENV] = self.etcd_address.url
+            env.pop(STORE_PORT_ENV, None)
         if rejoining:
             env[REJOIN_ENV] = "1"
         else:
@@ -424,7 +467,9 @@ def _check_port_free(port: int) -> None:
             ) from None
 
 
-def _connect(config: LaunchConfig, signals: _SignalLatch) -> TCPStore:
+def _connect(config: LaunchConfig, signals: _SignalLatch) -> Store:
+    if config.store is not None:
+        return _connect_etcd(config, signals)
     from torch.distributed import TCPStore  # meanwhile node 0's launcher imports it too
 
     address = (config.master_addr, config.master_port)
@@ -436,6 +481,19 @@ def _connect(config: LaunchConfig, signals: _SignalLatch) -> TCPStore:
         lambda: f"the job store at {address[0]}:{address[1]} (hosted by node rank 0's launcher)",
     )
     return TCPStore(*address, is_master=False, timeout=_STORE_TIMEOUT)
+
+
+def _connect_etcd(config: LaunchConfig, signals: _SignalLatch) -> Store:
+    """The job's namespace on the etcd cluster, once a member accepts connections."""
+    try:
+        from megatron_elaswave.etcd_store import EtcdStore
+    except ImportError as error:
+        raise UsageError(f"--store etcd:// needs the etcd3gw package ({error}); install "
+                         "megatron-elaswave[etcd]") from None
+    address = config.etcd_address
+    _wait_until(lambda: any(map(accepts_connections, address.endpoints)), config.join_timeout_s,
+                signals, lambda: f"a member of the etcd cluster {address.describe()}")
+    return EtcdStore(address, _STORE_TIMEOUT)
 
 
 def accepts_connections(address: tuple[str, int]) -> bool:
@@ -451,7 +509,7 @@ def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
-def _join(store: TCPStore, config: LaunchConfig, signals: _SignalLatch) -> bool:
+def _join(store: Store, config: LaunchConfig, signals: _SignalLatch) -> bool:
     """Register this node agent and wait until all ``nnodes`` have, with matching settings.
 
     Returns whether this agent took the place of a node that was declared lost (``--rejoin``).
@@ -490,24 +548,28 @@ def _join(store: TCPStore, config: LaunchConfig, signals: _SignalLatch) -> bool:
     return replaces_lost_node
 
 
-def _replace_lost_node(store: TCPStore, config: LaunchConfig, signals: _SignalLatch,
+def _replace_lost_node(store: Store, config: LaunchConfig, signals: _SignalLatch,
                        previous: NodeRecord, mine: str) -> None:
     """Take the place of ``previous``, the agent that held this node rank, once node 0 has
     declared it lost; without ``--rejoin`` a node rank that is taken is an error."""
     where = f"launcher pid {previous.pid} on {previous.host}"
     if not config.rejoin:
+        stale = (f"; the etcd store keeps the keys of a job with the same --run-id that did not "
+                 f"end cleanly: use another --run-id" if config.store is not None else "")
         raise UsageError(f"node rank {config.node_rank} has already joined this job ({where}); "
-                         "to replace a lost node, start its launcher with --rejoin")
+                         f"to replace a lost node, start its launcher with --rejoin{stale}")
     if config.is_store_host:
-        raise UsageError("node rank 0 hosts the job store: it cannot be replaced")
+        raise UsageError("node rank 0 hosts the job store: it cannot be replaced (it can with "
+                         "the store on etcd, --store)")
     lost = node_lost_key(config.node_rank)
     if not store.check([lost]):
-        _log(f"node rank {config.node_rank} is held by {where}: waiting until node rank 0 "
-             "declares it lost")
+        _log(f"node rank {config.node_rank} is held by {where}: waiting until the nodes that "
+             "watch it declare it lost")
     _wait_until(lambda: store.check([lost]), config.join_timeout_s, signals,
                 lambda: f"node rank {config.node_rank} ({where}) to be declared lost")
     store.set(node_key(config.node_rank), mine)
-    store.delete_key(lost)  # node 0 watches this node again
+    store.delete_key(lost)
+    change_node_state(store, config.node_rank, None)  # its watchers watch it again
     _log(f"replacing lost node rank {config.node_rank}: its workers join the running job")
 
 
@@ -523,7 +585,7 @@ class _NodeAgent:
     def __init__(
         self,
         config: LaunchConfig,
-        store: TCPStore,
+        store: Store,
         signals: _SignalLatch,
         worker_base_env: Mapping[str, str],
         fork_server: ForkServer | None,
@@ -543,9 +605,13 @@ class _NodeAgent:
         self._heartbeat_interval_s = min(1.0, config.node_timeout_s / 4)
         self._peers = HeartbeatSilence((), interval_s=self._heartbeat_interval_s,
                                        timeout_s=config.node_timeout_s, now=time.monotonic())
-        """On node 0: the other nodes running, and how long each agent's heartbeat is silent."""
+        """The nodes this agent watches, and how long each agent's heartbeat is silent."""
+        self._running_nodes: set[int] = set(range(config.nnodes))
+        """The nodes neither lost nor done, as of the last change of the nodes."""
         self._lost_nodes: set[int] = set()
-        """On node 0: nodes declared lost, watched again once an agent replaces them."""
+        """Nodes known to be declared lost: one that runs again was replaced."""
+        self._node_changes_seen = -1
+        """The count of node changes when :attr:`_running_nodes` was read."""
         self._due_starts: dict[int, float] = {}
         """``{local rank: monotonic time}`` of the starts due: the first ones, and the
         replacements (``--rejoin``)."""
@@ -563,18 +629,25 @@ class _NodeAgent:
         """Pids of the workers this agent killed because the job had excluded them."""
         self._next_generation = 0
         """The generation whose ending decision the agent reads next."""
+        self._relay_dir = tempfile.mkdtemp(prefix="elaswave-node-")
+        self._relayed_alerts = os.path.join(self._relay_dir, "alerts")
+        """Where this agent relays the job's alert count to its workers
+        (:mod:`megatron_elaswave.alerts`)."""
+        self._alerts_seen = -1
 
     def run(self) -> int:
         try:
+            self._relay_alerts()
             self._skip_past_decisions()
             self._spawn_workers()
-            if self._config.is_store_host:
-                for node_rank in range(1, self._config.nnodes):
-                    self._peers.add(node_rank)
             status = self._supervise()
         finally:
             self._kill_workers()
+            shutil.rmtree(self._relay_dir, ignore_errors=True)
         self._with_store(lambda store: store.set(node_done_key(self._config.node_rank), str(status)))
+        self._with_store(lambda store: change_node_state(store, self._config.node_rank, "done"))
+        if self._config.store is not None:
+            self._with_store(self._delete_the_job_if_over)
         failed = sum(1 for code in self._returncodes if code != 0)
         if status or failed:
             _log(
@@ -605,6 +678,7 @@ class _NodeAgent:
         self._starts[local_rank] = restart_count + 1
         env = config.worker_env(local_rank, self._worker_base_env, restart_count=restart_count,
                                 rejoining=self._rejoining or restart_count > 0)
+        env[NODE_ALERTS_ENV] = self._relayed_alerts
         log_path = self._log_path(rank)
         append = restart_count > 0
         process: subprocess.Popen | ForkedWorker | None = None
@@ -663,18 +737,19 @@ class _NodeAgent:
     def _supervise(self) -> int:
         """Run until every local worker has ended and every other node has finished or been
         lost (node 0 must keep the store up until then); returns the exit status."""
-        while self._running or self._peers.peers or self._due_starts:
+        while self._running or self._due_starts or self._keeps_the_store_for_others():
             self._reap()
+            self._relay_alerts()
             self._start_due()
             if self._signals.received:
                 return self._shut_down(self._signals.received[0])
             if time.monotonic() >= self._next_heartbeat:
                 self._next_heartbeat = time.monotonic() + self._heartbeat_interval_s
-                if self._config.is_store_host:
-                    self._watch_peers()
-                elif self._heartbeat_finds_node_lost():
-                    _log("this node was declared lost by node rank 0; killing its workers")
+                if (declared := self._heartbeat_finds_node_lost()) is not None:
+                    _log(f"this node was declared lost by node rank {declared}; killing its "
+                         "workers")
                     return LOST_NODE_EXIT_STATUS
+                self._with_store(lambda store: self._watch_peers())
                 self._fence_excluded()
                 if self._store_lost is not None:
                     return self._stop_without_store()
@@ -766,7 +841,7 @@ class _NodeAgent:
             cause=SIGNALED if signal_name else EXITED,
             time=now,
         )
-        self._with_store(lambda store: record_death(store, death, self._config.world_size))
+        self._with_store(lambda store: record_death(store, death))
         how = f"killed by {signal_name}" if signal_name else f"exited with code {returncode}"
         still = _plural(len(self._running), "worker")
         _log(f"worker rank {worker.rank} (pid {worker.pid}) {how}; {still} still running")
@@ -802,8 +877,10 @@ class _NodeAgent:
         """The store host is gone, and the job with it: the workers, which lose it too, get the
         shutdown grace to say so and leave; then the rest are killed."""
         config = self._config
-        _log(f"lost the job store at {config.master_addr}:{config.master_port} (node 0's agent; "
-             f"{self._store_lost}): the job cannot go on; stopping this node's workers")
+        where = (f"{config.master_addr}:{config.master_port} (node 0's agent; {self._store_lost})"
+                 if config.store is None
+                 else f"{config.etcd_address.describe()} ({self._store_lost})")
+        _log(f"lost the job store at {where}: the job cannot go on; stopping this node's workers")
         self._due_starts.clear()
         self._wait_then_kill(config.shutdown_grace_s)
         return LOST_STORE_EXIT_STATUS
@@ -819,41 +896,79 @@ class _NodeAgent:
             worker.process.wait()
         self._running.clear()
 
-    def _beat(self) -> None:
-        """Bump this node's heartbeat (node 0 watches the others; nobody watches node 0)."""
-        if not self._config.is_store_host:
-            key = node_heartbeat_key(self._config.node_rank)
-            self._with_store(lambda store: store.add(key, 1))
+    def _relay_alerts(self) -> None:
+        """Read the job's alert count and hand it to this node's workers, whose alert listeners
+        read the file instead of the store: one read per node and poll, not per worker."""
+        count = self._with_store(lambda store: store.add(ALERT_COUNT_KEY, 0))
+        if count is not None and count != self._alerts_seen:
+            write_relayed_count(self._relayed_alerts, count)
+            self._alerts_seen = count
 
-    def _heartbeat_finds_node_lost(self) -> bool:
-        """Bump this node's heartbeat; return whether node 0 has declared this node lost."""
+    def _beat(self) -> None:
+        """Bump this node's heartbeat, which the agents of the nodes before it watch."""
+        key = node_heartbeat_key(self._config.node_rank)
+        self._with_store(lambda store: store.add(key, 1))
+
+    def _heartbeat_finds_node_lost(self) -> int | None:
+        """Bump this node's heartbeat; return the node rank of the agent that declared this node
+        lost, if one did."""
         self._beat()
         lost = node_lost_key(self._config.node_rank)
-        return self._with_store(lambda store: store.check([lost]), default=False)
+        raw = self._with_store(lambda store: store.get(lost) if store.check([lost]) else None)
+        return None if raw is None else json.loads(raw).get("by", 0)
+
+    def _delete_the_job_if_over(self, store: Store) -> None:
+        """On etcd, the last agent to end deletes the job's keys, once every node is done. (Not
+        when a node was declared lost: its agent, if it was only stopped, must find its fence
+        when it wakes.)"""
+        if store.check([node_done_key(n) for n in range(self._config.nnodes)]):
+            for key in store.list_keys():
+                store.delete_key(key)
+
+    def _keeps_the_store_for_others(self) -> bool:
+        """Whether this agent hosts the job store and another node still runs: it must keep the
+        store up until that node is done."""
+        if not self._config.is_store_host or self._store_lost is not None:
+            return False
+        return bool(self._running_nodes - {self._config.node_rank})
+
+    def _read_running_nodes(self) -> None:
+        """Re-read which nodes run (neither lost nor done), when a node changed since the last
+        read; watch the :data:`WATCHED_NODES` that follow this one from then on."""
+        changes = self._store.add(NODE_CHANGES_KEY, 0)
+        if changes == self._node_changes_seen:
+            return
+        self._node_changes_seen = changes
+        states = read_node_states(self._store)
+        lost, self._running_nodes = states.lost, states.running(self._config.nnodes)
+        me = self._config.node_rank
+        watched = set(ring_neighbours(sorted(self._running_nodes | {me}), me, WATCHED_NODES))
+        for node_rank in set(self._peers.peers) - watched:
+            self._peers.forget(node_rank)
+        for node_rank in sorted(watched - set(self._peers.peers)):
+            self._peers.add(node_rank)
+            if node_rank in self._lost_nodes:
+                _log(f"node {node_rank} rejoined the job")
+        self._lost_nodes = (self._lost_nodes | lost) - self._running_nodes
 
     def _watch_peers(self) -> None:
-        """On node 0: settle the nodes that finished, declare lost those that fell silent."""
-        for node_rank in list(self._lost_nodes):
-            if not self._store.check([node_lost_key(node_rank)]):  # an agent took the node's place
-                self._lost_nodes.discard(node_rank)
-                self._peers.add(node_rank)
-                _log(f"node {node_rank} rejoined the job")
-        heartbeats = {}
-        for node_rank in self._peers.peers:
-            if self._store.check([node_done_key(node_rank)]):
-                self._peers.forget(node_rank)
-            else:
-                heartbeats[node_rank] = self._store.add(node_heartbeat_key(node_rank), 0)
+        """Follow the changes of the nodes, and declare lost a watched node that fell silent."""
+        self._read_running_nodes()
+        # add, not multi_get, which would wait for the counter of a node that never beat
+        heartbeats = {n: self._store.add(node_heartbeat_key(n), 0) for n in self._peers.peers}
         for node_rank, silence_s in self._peers.read(heartbeats, time.monotonic()).items():
             self._peers.forget(node_rank)
-            self._lost_nodes.add(node_rank)
             self._declare_lost(node_rank, silence_s)
 
     def _declare_lost(self, node_rank: int, silence_s: float) -> None:
         """Fence the node first (if it comes back, its agent kills its workers), then record
-        the deaths of its workers that have not already ended."""
+        the deaths of its workers that have not already ended. Only the first agent to declare
+        it does so: another watcher may have found it silent too."""
         now = time.time()
-        self._store.set(node_lost_key(node_rank), json.dumps({"time": now, "silence_s": silence_s}))
+        mine = json.dumps({"time": now, "silence_s": silence_s, "by": self._config.node_rank})
+        if self._store.compare_set(node_lost_key(node_rank), "", mine).decode() != mine:
+            return
+        change_node_state(self._store, node_rank, "lost")
         already_dead = {(death.rank, death.pid) for death in read_deaths(self._store)}
         recorded = []
         for local_rank in range(self._config.nproc_per_node):
@@ -872,12 +987,12 @@ class _NodeAgent:
                 cause=NODE_LOST,
                 time=now,
             )
-            record_death(self._store, death, self._config.world_size)
+            record_death(self._store, death)
             recorded.append(rank)
         deaths = f"recorded deaths for {_ranks(recorded)}" if recorded else "no worker left"
         _log(f"node {node_rank} lost: no heartbeat for {silence_s:.1f} s; {deaths}")
 
-    def _with_store(self, call: Callable[[TCPStore], _T], default: _T | None = None) -> _T | None:
+    def _with_store(self, call: Callable[[Store], _T], default: _T | None = None) -> _T | None:
         """Run a store call; ``default`` once the store is gone (its host died), which the
         supervision loop then acts on."""
         if self._store_lost is not None:
@@ -890,7 +1005,7 @@ class _NodeAgent:
 
     # ---- fencing ------------------------------------------------------------------------------
 
-    def _read_decision(self, store: TCPStore) -> Decision | None:
+    def _read_decision(self, store: Store) -> Decision | None:
         """The decision that ended generation :attr:`_next_generation`, if committed."""
         key = decision_key(self._next_generation)
         return Decision.from_json(store.get(key)) if store.check([key]) else None

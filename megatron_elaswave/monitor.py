@@ -1,18 +1,24 @@
 """Failure detection: one :class:`FailureMonitor` per rank, watching the members of its generation.
 
 The monitor is a background thread with its own connection to the job store, and a second one
-that waits in the store for the next alert, so that a quiet job costs no store traffic between
-heartbeats. It notices a failure in any of three ways:
+that polls the job's alert count as its launcher relays it (:mod:`megatron_elaswave.alerts`), so
+that a quiet job costs the store two requests per rank and heartbeat, whatever its size. It
+notices a failure in any of three ways:
 
 * **Death records.** The launcher records a worker that exits with a non-zero code or is killed
   by a signal within 50 ms (:mod:`megatron_elaswave.store`) and raises an alert; the monitor
-  reads the records as soon as the alert arrives, so every survivor knows the dead rank well
-  within a second.
-* **Heartbeats.** Every rank bumps a counter in the store every ``heartbeat_interval_s``; a
-  member whose counter has not moved for ``heartbeat_timeout_s`` (a stopped or hung process)
-  is declared failed. Counters are compared on the watcher's own clock, so clocks need not agree,
-  and a pause of the watcher itself is not counted (:mod:`megatron_elaswave.silence`): a job
-  stopped and resumed as a whole goes on without excluding anyone.
+  reads the records at its next poll of the alert count (``poll_interval_s``), so every survivor
+  knows the dead rank well within a second.
+* **Heartbeats.** Every rank bumps a counter in the store every ``heartbeat_interval_s`` and
+  reads the counters of the :data:`WATCHED_NEIGHBOURS` members that follow it in the
+  generation's order (:func:`~megatron_elaswave.silence.ring_neighbours`); a neighbour whose
+  counter has not moved for ``heartbeat_timeout_s`` (a stopped or hung process) is reported
+  (``rt/gen<g>/silent/<i>``, and an alert), and every monitor suspects it from the report. A
+  neighbour found failed is passed over for the next member, so a run of stopped ranks is
+  found one after the other. Counters are compared on the watcher's own clock, so clocks need
+  not agree, and a pause of the watcher itself is not counted
+  (:mod:`megatron_elaswave.silence`): a job stopped and resumed as a whole goes on without
+  excluding anyone.
 * **Collective errors.** The training code passes the errors of its collectives (including
   their timeouts) to :meth:`FailureMonitor.report_error`.
 
@@ -29,13 +35,18 @@ outlive the abort, though (gloo sometimes keeps a resumed rank's all-reduce wait
 timeout although every pair is closed), so the monitor ends the process itself, with the same
 message and status, once the committed decision has excluded it for ``exclusion_grace_s``.
 
-Its keys are ``rt/heartbeat/<rank>`` (a counter), ``rt/gen<g>/round`` (the first
-:class:`FailureNotice` of generation ``g``; its presence starts the agreement),
-``rt/join/<rank>`` (a replacement asks to join) and ``rt/alerts`` (a count bumped after every
-death record and announcement, then ``rt/alerts/<count>/<rank>`` set for every rank: the key
-the monitor of ``<rank>`` waits on),
-named in :mod:`megatron_elaswave.keys`. Every heartbeat interval it also reads the deaths and the
-announcement whatever the alerts say, in case a writer died before raising its alert.
+Its keys are ``rt/heartbeat/<rank>`` (a counter), ``rt/gen<g>/silent/*`` (silences its
+neighbours' watchers reported), ``rt/gen<g>/round`` (the first :class:`FailureNotice` of
+generation ``g``; its presence starts the agreement), ``rt/join/<rank>`` (a replacement asks to
+join) and ``rt/alerts`` (a count bumped after every death record, silence, announcement and
+request to join), named in :mod:`megatron_elaswave.keys`. It reads what every member reads alike
+(the deaths, the silences, the announcement, the decision, the requests to join) at an alert,
+after a pause of its own, during a failure, and at one beat in :data:`BACKSTOP_BEATS` whatever
+the alerts say, in case a writer died before raising its alert.
+
+The lowest survivor of each generation deletes the keys of the generation two before
+(:func:`~megatron_elaswave.store.collect_generations`), on a thread of its own, so that a job
+that recovers many times does not fill its store.
 
 Ranks are launch ranks (``RANK`` as set by the launcher) throughout: they identify a process for
 the whole job, whatever its rank in the process group of the current generation.
@@ -61,8 +72,16 @@ from megatron_elaswave.keys import (
     join_key,
     round_key,
 )
-from megatron_elaswave.silence import HeartbeatSilence
-from megatron_elaswave.store import WorkerDeath, raise_alert, read_deaths
+from megatron_elaswave.silence import HeartbeatSilence, ring_neighbours
+from megatron_elaswave.store import (
+    Silence,
+    WorkerDeath,
+    collect_generations,
+    raise_alert,
+    read_deaths,
+    read_silences,
+    report_silence,
+)
 from megatron_elaswave.world import abort_collectives
 
 if TYPE_CHECKING:
@@ -80,6 +99,15 @@ ANNOUNCED = "announced"
 STORE_ERROR = "store_error"
 """The monitor lost the job store; it stops watching."""
 
+BACKSTOP_BEATS = 10
+"""Every this many beats a monitor reads the deaths, silences and announcement even without an
+alert, in case their writer died before raising it."""
+
+WATCHED_NEIGHBOURS = 2
+"""How many members each monitor watches the heartbeat of, and so how many watch each member:
+a member goes unnoticed only if it and every one of its watchers stop at once (it is then
+found when its watchers' failure passes the watch on, or in the agreement)."""
+
 
 @dataclass(frozen=True)
 class MonitorConfig:
@@ -91,8 +119,8 @@ class MonitorConfig:
     """Heartbeat silence after which a member is declared failed. This bounds how fast a
     stopped or hung process is detected; too small, and a rank starved of CPU is excluded."""
     poll_interval_s: float = 0.05
-    """How often the agreement looks for its members and its decision in the store. (The monitor
-    does not poll: it wakes at each alert.)"""
+    """How often the monitor reads the job's alert count (the bound on how late it learns of a
+    death record), and how often the agreement looks for its members and its decision."""
     agreement_timeout_s: float = 45.0
     """How long the agreement waits for a member to take part (or for the rank that proposes
     to commit) before treating it as failed. Longer than ``collective_timeout_s``: a survivor
@@ -230,6 +258,9 @@ class FailureMonitor:
         """The recorded death of each rank's current process, as read so far, and when it was
         read."""
         self._death_cursor = len(read_deaths(self._store)) if skip_recorded_deaths else 0
+        self._silence_cursor = 0
+        """The silences of the current generation read so far."""
+        self._collector: threading.Thread | None = None
         self._wake = threading.Event()
         """Set by an alert, a new generation or :meth:`stop`: the loop reads deaths and the
         announcement at once instead of at the next beat."""
@@ -237,14 +268,16 @@ class FailureMonitor:
         self._waiting: frozenset[int] = frozenset()
         self._beats = self._fresh_beats()
         self._beat_keys_made: set[int] = set()
-        """Peers whose heartbeat counter exists in the store (one ``multi_get`` reads them)."""
+        """Neighbours whose heartbeat counter exists in the store (one ``multi_get`` reads
+        them)."""
         self._stopping = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"elaswave-monitor-{rank}", daemon=True
         )
-        self._alerts = AlertListener(store, rank, on_alert=self._wake.set, on_lost=self._lose_store,
+        self._alerts = AlertListener(store, on_alert=self._wake.set, on_lost=self._lose_store,
                                      stop_timeout_s=config.heartbeat_timeout_s,
-                                     name=f"elaswave-alerts-{rank}")
+                                     name=f"elaswave-alerts-{rank}",
+                                     poll_interval_s=config.poll_interval_s)
 
     # --- what the training loop calls ---------------------------------------------------------
 
@@ -325,11 +358,31 @@ class FailureMonitor:
             self._failure = None
             self._suspects = {}
             self._beats = self._fresh_beats()
+            self._silence_cursor = 0
             self._waiting = frozenset()
             for rank in decision.joined:
                 self._dead.pop(rank, None)
         self.failure_detected.clear()
         self._wake.set()  # the new generation's round may be announced already
+        if decision.survivors[0] == self.rank and decision.generation >= 2:
+            self._collect(below=decision.generation - 1)
+
+    def _collect(self, below: int) -> None:
+        """Delete the keys of the generations below ``below``, on a thread (one at a time): a
+        collection left undone, by a rank that died, is done by the next one."""
+        if self._collector is not None and self._collector.is_alive():
+            return
+        store = self._store.clone()
+
+        def collect() -> None:
+            try:
+                collect_generations(store, below)
+            except RuntimeError:
+                pass  # the store is lost: the monitor says so
+
+        self._collector = threading.Thread(target=collect, name=f"elaswave-collect-{self.rank}",
+                                           daemon=True)
+        self._collector.start()
 
     def start(self) -> None:
         """Start watching (once; later calls do nothing)."""
@@ -347,6 +400,8 @@ class FailureMonitor:
         self._alerts.stop()
         if self._thread.is_alive():
             self._thread.join()
+        if self._collector is not None:
+            self._collector.join(self.config.heartbeat_timeout_s)
 
     def __enter__(self) -> FailureMonitor:
         self.start()
@@ -358,28 +413,41 @@ class FailureMonitor:
     # --- the watching thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        next_beat = 0.0
+        next_beat, last_pass, beats = 0.0, time.monotonic(), 0
         try:
             while not self._stopping.is_set():
                 now = time.monotonic()
+                paused = now - last_pass > 2 * self.config.heartbeat_interval_s
+                last_pass = now
                 beating = now >= next_beat
                 if beating:
-                    if not self.excluded():
-                        self._beat()
-                        self._check_heartbeats()
-                        self._check_join_requests()
-                    next_beat = now + self.config.heartbeat_interval_s
+                    next_beat, beats = now + self.config.heartbeat_interval_s, beats + 1
                 # Cleared before reading, so that an alert raised meanwhile wakes the next pass.
                 alerted = self._wake.is_set()
                 self._wake.clear()
-                if beating or alerted:
-                    self._read_deaths()
-                    self._check_announcement()
+                excluded = False
+                if (alerted or paused or self.failure is not None
+                        or (beating and beats % BACKSTOP_BEATS == 1)):
+                    self._read_shared_state()
+                    # Only a decision can exclude this rank, and one comes after an alert or
+                    # while this rank was paused: read it then, before writing anything.
+                    excluded = self.excluded()
+                    if not excluded:
+                        self._check_join_requests()
+                if beating and not excluded:
+                    self._beat()
+                    self._check_heartbeats()
                 self._suspect_dead_members()
                 self._check_exclusion()
                 self._wake.wait(max(0.0, next_beat - time.monotonic()))
         except RuntimeError as error:  # torch's store errors
             self._lose_store(error)
+
+    def _read_shared_state(self) -> None:
+        """What every member reads alike: the deaths, the silences, the announcement."""
+        self._read_deaths()
+        self._read_silences()
+        self._check_announcement()
 
     def _lose_store(self, error: RuntimeError) -> None:
         self._store_lost = str(error).splitlines()[0] if str(error) else type(error).__name__
@@ -389,33 +457,63 @@ class FailureMonitor:
         self._store.add(heartbeat_key(self.rank), 1)
 
     def _fresh_beats(self) -> HeartbeatSilence:
-        """The heartbeat silence of the peers, from now on."""
-        return HeartbeatSilence((rank for rank in self._members if rank != self.rank),
+        """The heartbeat silence of this rank's neighbours, from now on."""
+        return HeartbeatSilence(ring_neighbours(self._members, self.rank, WATCHED_NEIGHBOURS),
                                 interval_s=self.config.heartbeat_interval_s,
                                 timeout_s=self.config.heartbeat_timeout_s, now=time.monotonic())
 
     def _check_heartbeats(self) -> None:
         with self._lock:
             generation, beats = self._generation, self._beats
-        peers = beats.peers
+            # A neighbour found failed is watched no more: the next member is, from now on.
+            wanted = ring_neighbours(self._members, self.rank, WATCHED_NEIGHBOURS,
+                                     skip=self._suspects)
+            for rank in set(beats.peers) - set(wanted):
+                beats.forget(rank)
+            for rank in wanted:
+                if rank not in beats.peers:
+                    beats.add(rank)
+            peers = beats.peers
         for rank in set(peers) - self._beat_keys_made:  # a multi_get waits for missing keys
             self._store.add(heartbeat_key(rank), 0)
             self._beat_keys_made.add(rank)
-        values = self._store.multi_get([heartbeat_key(rank) for rank in peers])
+        values = self._store.multi_get([heartbeat_key(rank) for rank in peers]) if peers else []
         with self._lock:
             if beats is not self._beats:
                 return  # the generation changed meanwhile
             silent = beats.read(dict(zip(peers, map(int, values))), time.monotonic())
-        for rank, silence in silent.items():
-            detail = f"no heartbeat for {silence:.1f} s"
-            self._suspect(Suspicion(rank, HEARTBEAT, time.time(), detail), generation=generation)
+        for rank, silent_s in silent.items():
+            silence = Silence(generation, rank, self.rank, silent_s, time.time())
+            with self._lock:
+                reported = rank in self._suspects
+            if not reported:  # before the announcement: the others read both at one alert
+                report_silence(self._store, silence)
+            self._suspect(self._suspicion(silence), generation=generation)
+
+    @staticmethod
+    def _suspicion(silence: Silence) -> Suspicion:
+        return Suspicion(silence.rank, HEARTBEAT, silence.time,
+                         f"no heartbeat for {silence.silent_s:.1f} s")
+
+    def _read_silences(self) -> None:
+        """Suspect the members that their watchers reported silent in this generation."""
+        generation = self.generation
+        silences = read_silences(self._store, generation, start=self._silence_cursor)
+        with self._lock:
+            if generation != self._generation:
+                return
+            self._silence_cursor += len(silences)
+        for silence in silences:
+            self._suspect(self._suspicion(silence), generation=generation)
 
     def _check_join_requests(self) -> None:
-        members = set(self.members)
+        """Look for ranks that ask to join (a request raises an alert): one key per missing
+        rank."""
+        members = self.members
         waiting = frozenset(rank for rank in range(self._job_size)
                             if rank not in members and self._store.check([join_key(rank)]))
         with self._lock:
-            if set(self._members) == members:  # not a generation behind
+            if self._members == members:  # not a generation behind
                 self._waiting = waiting
 
     def _read_deaths(self) -> None:
@@ -470,8 +568,9 @@ class FailureMonitor:
     # --- reacting ------------------------------------------------------------------------------
 
     def _suspect(self, suspicion: Suspicion, *, generation: int | None = None) -> None:
-        """Record ``suspicion`` if its rank is a member; ``generation``, when given, is the one
-        the evidence belongs to: evidence about a generation that has since ended is dropped."""
+        """Record ``suspicion`` if its rank is a member not suspected yet; ``generation``, when
+        given, is the one the evidence belongs to: evidence about a generation that has since
+        ended is dropped."""
         with self._lock:
             if (
                 generation not in (None, self._generation)
@@ -496,7 +595,7 @@ class FailureMonitor:
         self._on_failure()
         if announce and not self.excluded():
             self._store.compare_set(round_key(notice.generation), "", notice.to_json())
-            raise_alert(self._store, self._job_size)
+            raise_alert(self._store)
 
 
 def leave_job(excluded: Excluded) -> None:

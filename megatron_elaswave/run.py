@@ -68,13 +68,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         *_flag("master-addr"),
         default=_default("master_addr"),
-        help="address of node rank 0, whose launcher hosts the job store",
+        help="address of node rank 0, whose launcher hosts the job store (without --store)",
     )
     parser.add_argument(
         *_flag("master-port"),
         type=int,
         default=_default("master_port"),
-        help="port of the job store",
+        help="port of the job store (without --store)",
+    )
+    parser.add_argument(
+        "--store",
+        default=_default("store"),
+        metavar="etcd://HOST:PORT[,HOST:PORT...]",
+        help="keep the job store on this etcd cluster instead of in node rank 0's launcher, so "
+        "that any node, node 0 included, can be lost",
     )
     parser.add_argument(
         *_flag("run-id"), default=_default("run_id"), help="job id, the same on every node"
@@ -87,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     _seconds(parser, "join-timeout", "join_timeout_s",
              "how long to wait for the job store and for all node launchers to join")
     _seconds(parser, "node-timeout", "node_timeout_s",
-             "heartbeat silence after which node rank 0 declares a node lost")
+             "heartbeat silence after which the nodes that watch a node declare it lost")
     parser.add_argument(
         "--rejoin",
         action="store_true",
@@ -140,6 +147,7 @@ def parse_config(argv: Sequence[str] | None = None) -> LaunchConfig:
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        store=args.store,
         run_id=args.run_id,
         log_dir=args.log_dir,
         shutdown_grace_s=args.shutdown_grace,

@@ -1,17 +1,20 @@
-"""How long each peer's heartbeat has been silent, as seen by a watcher that may itself pause.
+"""How long each peer's heartbeat has been silent, as seen by a watcher that may itself pause,
+and whom each member watches.
 
-A watcher (a worker's failure monitor, node rank 0's launcher) reads its peers' heartbeat
-counters every ``interval_s``. A counter that has not moved since the previous read adds the
-time between the two reads to that peer's silence, but never more than ``2 * interval_s`` per
-read: the rest of a longer gap is the watcher's own pause. While the watcher was stopped, starved
-of CPU or waiting on a stalled store, its peers' beats could not reach it either, so it gives
-them a fresh window on its return rather than declaring them all failed at once. A peer that
-really fell silent is still declared after ``timeout_s`` of the watcher's attentive time.
+A watcher (a worker's failure monitor, a node's launcher) reads its peers' heartbeat counters
+every ``interval_s``; its peers are a few neighbours (:func:`ring_neighbours`), not everyone, so
+that the reads of the whole job grow with its size, not with its square. A counter that has not
+moved since the previous read adds the time between the two reads to that peer's silence, but
+never more than ``2 * interval_s`` per read: the rest of a longer gap is the watcher's own
+pause. While the watcher was stopped, starved of CPU or waiting on a stalled store, its peers'
+beats could not reach it either, so it gives them a fresh window on its return rather than
+declaring them all failed at once. A peer that really fell silent is still declared after
+``timeout_s`` of the watcher's attentive time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -73,3 +76,14 @@ class HeartbeatSilence:
             if state.silent_s > self._timeout_s:
                 silent[peer] = state.silent_s
         return silent
+
+
+def ring_neighbours(members: Sequence[int], me: int, count: int,
+                    skip: Collection[int] = ()) -> list[int]:
+    """The ``count`` members that follow ``me`` in ``members``' order, wrapping around, passing
+    over those in ``skip`` (found failed already): whom ``me`` watches, so that every member is
+    watched by ``count`` others while each reads ``count`` heartbeats, whatever the size of the
+    job. ``me`` must be a member."""
+    position = members.index(me)
+    following = [*members[position + 1:], *members[:position]]
+    return [member for member in following if member not in skip][:count]

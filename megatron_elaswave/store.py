@@ -1,8 +1,10 @@
 """The job store: what the launcher publishes about a job's processes, and how to read it.
 
 ``elaswave-run`` hosts one ``torch.distributed.TCPStore`` per job, inside the launcher of node
-rank 0, at ``MASTER_ADDR:MASTER_PORT``. Because no worker hosts it, it stays reachable when any
-worker dies, including rank 0. Workers reach it with :func:`connect_store`.
+rank 0, at ``MASTER_ADDR:MASTER_PORT``, or keeps it on an etcd cluster with ``--store etcd://...``
+(:mod:`megatron_elaswave.etcd_store`). Because no worker hosts it, it stays reachable when any
+worker dies, including rank 0; on etcd, when any node is lost, node 0 included. Workers reach
+it with :func:`connect_store`.
 
 The launchers own every key under ``elaswave/``; workers only read them. Workers keep their own
 keys under ``rt/``, namespaced by generation where a job outlives its process groups, so that a
@@ -29,18 +31,27 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from megatron_elaswave.keys import (
     ALERT_COUNT_KEY,
+    COLLECTED_KEY,
     DEATH_COUNT_KEY,
-    alert_key,
+    NODE_CHANGES_KEY,
+    NODES_STATE_KEY,
     death_key,
+    decision_key,
     exit_key,
+    generation_prefixes,
+    silence_count_key,
+    silence_key,
     worker_key,
 )
 
 if TYPE_CHECKING:
-    from torch.distributed import Store, TCPStore
+    from torch.distributed import Store
 
 STORE_ADDR_ENV = "ELASWAVE_STORE_ADDR"
+"""The host of the job's ``TCPStore``, or the etcd URL of its namespace (``etcd://...``)."""
 STORE_PORT_ENV = "ELASWAVE_STORE_PORT"
+ETCD_URL_SCHEME = "etcd://"
+DEFAULT_ETCD_NAMESPACE = "elaswave"
 REJOIN_ENV = "ELASWAVE_REJOIN"
 """Set to ``1`` in a worker that replaces a dead one in a running job: it joins the job at a step
 boundary instead of forming generation 0 with the others."""
@@ -140,18 +151,127 @@ class WorkerDeath:
         return f"killed by {self.signal}" if self.signal else f"exited with {self.exit_code}"
 
 
-def connect_store(timeout: timedelta = timedelta(seconds=300)) -> TCPStore:
-    """A client of the job store, from inside a worker started by ``elaswave-run``.
+class StoreURLError(ValueError):
+    """An ``etcd://`` URL that names no usable endpoint; the message is one line."""
+
+
+@dataclass(frozen=True)
+class EtcdAddress:
+    """Where a job's store lives on an etcd cluster."""
+
+    endpoints: tuple[tuple[str, int], ...]
+    """``(host, port)`` of the members' client URLs, tried in this order."""
+    namespace: str
+    """Prefix of every key of the job, ending with ``/``."""
+
+    @classmethod
+    def parse(cls, url: str, run_id: str | None = None) -> EtcdAddress:
+        """``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``; the namespace is ``PREFIX/`` (default
+        ``elaswave/``) followed by ``run_id/`` when one is given. Raises :class:`StoreURLError`."""
+        if not url.startswith(ETCD_URL_SCHEME):
+            raise StoreURLError(
+                f"{url!r} is not an etcd URL ({ETCD_URL_SCHEME}HOST:PORT[,HOST:PORT...])")
+        hosts, _, prefix = url[len(ETCD_URL_SCHEME):].partition("/")
+        endpoints = []
+        for endpoint in hosts.split(","):
+            host, _, port = endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 2**16:
+                raise StoreURLError(f"{url!r}: {endpoint!r} is not HOST:PORT")
+            endpoints.append((host.strip("[]"), int(port)))
+        namespace = (prefix.strip("/") or DEFAULT_ETCD_NAMESPACE) + "/"
+        if run_id is not None:
+            namespace += f"{run_id}/"
+        return cls(tuple(endpoints), namespace)
+
+    @property
+    def url(self) -> str:
+        """The URL that names this address, namespace included (what workers are handed)."""
+        hosts = ",".join(f"{host}:{port}" for host, port in self.endpoints)
+        return f"{ETCD_URL_SCHEME}{hosts}/{self.namespace.rstrip('/')}"
+
+    def describe(self) -> str:
+        """The cluster, for messages: ``etcd://HOST:PORT,...``."""
+        return ETCD_URL_SCHEME + ",".join(f"{host}:{port}" for host, port in self.endpoints)
+
+
+def connect_store(timeout: timedelta = timedelta(seconds=300)) -> Store:
+    """A client of the job store, from inside a worker started by ``elaswave-run``: the
+    ``TCPStore`` of node 0's launcher, or the job's namespace on an etcd cluster
+    (:mod:`megatron_elaswave.etcd_store`) when the launcher ran with ``--store etcd://...``.
 
     ``timeout`` bounds both connecting and every later blocking call (``get``, ``wait``).
     """
     from torch.distributed import TCPStore
 
     try:
-        host, port = os.environ[STORE_ADDR_ENV], int(os.environ[STORE_PORT_ENV])
+        host = os.environ[STORE_ADDR_ENV]
+        if host.startswith(ETCD_URL_SCHEME):
+            from megatron_elaswave.etcd_store import EtcdStore
+
+            return EtcdStore(EtcdAddress.parse(host), timeout)
+        port = int(os.environ[STORE_PORT_ENV])
     except KeyError as missing:
         raise RuntimeError(f"{missing} is not set: this process was not started by elaswave-run")
     return TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+_default_group_stores: list[Store] = []
+"""The job stores written in Python that default groups rendezvous on: torch keeps only their
+C++ half, so the Python objects must live as long as the groups."""
+
+
+def default_group_store(timeout: timedelta) -> Store | None:
+    """Where a worker's first default group rendezvous when the job store is on etcd (there is
+    no launcher's ``TCPStore`` for ``init_method="env://"`` to connect to), or ``None``: then
+    ``env://`` connects to node 0's launcher."""
+    if not os.environ.get(STORE_ADDR_ENV, "").startswith(ETCD_URL_SCHEME):
+        return None
+    from torch.distributed import PrefixStore
+
+    _default_group_stores.append(connect_store(timeout))
+    return PrefixStore("default_pg/", _default_group_stores[-1])
+
+
+def store_address() -> str:
+    """Where the job store of this worker is, for messages: ``HOST:PORT`` or the etcd cluster."""
+    host = os.environ.get(STORE_ADDR_ENV, "")
+    if host.startswith(ETCD_URL_SCHEME):
+        return EtcdAddress.parse(host).describe()
+    return f"{host}:{os.environ.get(STORE_PORT_ENV, '')}"
+
+
+@dataclass(frozen=True)
+class NodeStates:
+    """Which nodes of the job were declared lost and which are done, kept in one key
+    (``elaswave/nodes/state``) so that a launcher reads them in one request."""
+
+    lost: frozenset[int] = frozenset()
+    done: frozenset[int] = frozenset()
+
+    def running(self, nnodes: int) -> set[int]:
+        return set(range(nnodes)) - self.lost - self.done
+
+
+def read_node_states(store: Store) -> NodeStates:
+    if not store.check([NODES_STATE_KEY]):
+        return NodeStates()
+    raw = json.loads(store.get(NODES_STATE_KEY))
+    return NodeStates(frozenset(raw["lost"]), frozenset(raw["done"]))
+
+
+def change_node_state(store: Store, node_rank: int, state: str | None) -> None:
+    """Mark ``node_rank`` ``"lost"``, ``"done"``, or neither (``None``: it was replaced), then
+    bump ``elaswave/nodes/changes``. Safe against launchers changing other nodes at once."""
+    while True:
+        current = store.compare_set(NODES_STATE_KEY, "", "")  # the value, created if missing
+        states = json.loads(current) if current else {"lost": [], "done": []}
+        for name in ("lost", "done"):
+            members = set(states[name]) - {node_rank}
+            states[name] = sorted(members | ({node_rank} if state == name else set()))
+        desired = json.dumps(states, sort_keys=True)
+        if store.compare_set(NODES_STATE_KEY, current, desired).decode() == desired:
+            break
+    store.add(NODE_CHANGES_KEY, 1)
 
 
 def publish_worker(store: Store, worker: WorkerRecord) -> None:
@@ -174,24 +294,74 @@ def read_exit(store: Store, rank: int) -> WorkerExit | None:
     return from_json(WorkerExit, store.get(key)) if store.check([key]) else None
 
 
-def record_death(store: Store, death: WorkerDeath, job_size: int) -> int:
-    """Append ``death`` to the job's death list and alert the workers of launch ranks
-    ``0 .. job_size - 1``; returns its index."""
+def record_death(store: Store, death: WorkerDeath) -> int:
+    """Append ``death`` to the job's death list and raise an alert; returns its index."""
     index = store.add(DEATH_COUNT_KEY, 1) - 1
     store.set(death_key(index), to_json(death))
-    raise_alert(store, job_size)
+    raise_alert(store)
     return index
 
 
-def raise_alert(store: Store, job_size: int) -> None:
-    """Wake the alert listeners (:mod:`megatron_elaswave.alerts`) of launch ranks
-    ``0 .. job_size - 1`` after a write they must read (a death record, a failure announcement):
-    bumps the alert count to ``n``, then sets ``alert_key(n, rank)`` for each rank, and the keys
-    of alert ``n - 1`` again, in case its writer died between its count and its keys."""
-    index = store.add(ALERT_COUNT_KEY, 1)
-    keys = [alert_key(i, rank) for i in range(max(index - 1, 1), index + 1)
-            for rank in range(job_size)]
-    store.multi_set(keys, [""] * len(keys))
+def raise_alert(store: Store) -> None:
+    """Tell every alert listener (:mod:`megatron_elaswave.alerts`) that something they must read
+    was written (a death record, a failure announcement, a silence): one write, whatever the
+    size of the job."""
+    store.add(ALERT_COUNT_KEY, 1)
+
+
+@dataclass(frozen=True)
+class Silence:
+    """A member of a generation whose heartbeat a neighbour found silent for its timeout."""
+
+    generation: int
+    """The generation in which it was found silent."""
+    rank: int
+    """Launch rank of the silent member."""
+    watcher: int
+    """Launch rank of the member that watched it."""
+    silent_s: float
+    """Seconds of silence the watcher counted (its own pauses left out)."""
+    time: float
+    """Unix time at which the watcher concluded it."""
+
+
+def report_silence(store: Store, silence: Silence) -> None:
+    """Append ``silence`` to its generation's list and raise an alert."""
+    index = store.add(silence_count_key(silence.generation), 1) - 1
+    store.set(silence_key(silence.generation, index), to_json(silence))
+    raise_alert(store)
+
+
+def read_silences(store: Store, generation: int, start: int = 0) -> list[Silence]:
+    """Silences reported in ``generation`` from index ``start`` on, in order; never blocks (as
+    :func:`read_deaths`)."""
+    count = store.add(silence_count_key(generation), 0)
+    silences = []
+    for index in range(start, count):
+        key = silence_key(generation, index)
+        if not store.check([key]):
+            break
+        silences.append(from_json(Silence, store.get(key)))
+    return silences
+
+
+def collect_generations(store: Store, below: int) -> int:
+    """Delete the keys of every generation below ``below`` not yet collected (all but their
+    decisions, :func:`megatron_elaswave.keys.generation_prefixes`); returns how many keys were
+    deleted. Call it once generation ``below + 1`` has started: nobody reads those keys any
+    more. Safe to call from several processes at once."""
+    first = store.add(COLLECTED_KEY, 0)
+    if first >= below:
+        return 0
+    prefixes = tuple(prefix for generation in range(first, below)
+                     for prefix in generation_prefixes(generation))
+    kept = {decision_key(generation) for generation in range(first, below)}
+    deleted = 0
+    for key in store.list_keys():
+        if key.startswith(prefixes) and key not in kept:
+            deleted += bool(store.delete_key(key))
+    store.compare_set(COLLECTED_KEY, str(first), str(below))  # another collector may be ahead
+    return deleted
 
 
 def read_deaths(store: Store, start: int = 0) -> list[WorkerDeath]:

@@ -124,6 +124,10 @@ REQUIRED: tuple[TorchAPI, ...] = (
              _attribute("torch.distributed.get_process_group_ranks")),
     # megatron_elaswave.training.startup
     TorchAPI("torch.distributed.DistError", "2.2", _attribute("torch.distributed.DistError")),
+    # megatron_elaswave.store.collect_generations: a generation's keys, found to be deleted
+    # (pytorch/pytorch#167883).
+    TorchAPI("torch.distributed.Store.list_keys", "2.10",
+             _attribute("torch.distributed.Store.list_keys")),
     # megatron_elaswave.launcher: the job store outlives the workers it waits for.
     TorchAPI("torch.distributed.TCPStore(wait_for_workers=...)", None,
              _documented_parameter("torch.distributed.TCPStore.__init__", "wait_for_workers")),

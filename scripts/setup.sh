@@ -40,6 +40,15 @@ python_for_release() {
   exit 2
 }
 
+# etcd for the job store on an etcd cluster (elaswave-run --store etcd://..., tests/test_etcd.py,
+# which skip where it is missing): Debian's etcd-server, where apt is at hand and we may use it.
+if ! command -v etcd >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 \
+    && [ "$(id -u)" = 0 ] && [ "${1:-}" != "--torch-only" ]; then
+  (apt-get install -y -qq etcd-server >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq etcd-server >/dev/null 2>&1; }) \
+    || echo "note: could not install etcd-server; the tests of the store on etcd will be skipped" >&2
+fi
+
 if [ ! -x "$venv/bin/python" ]; then
   python_cmd=$(python_for_release)
   $python_cmd -m venv "$venv"

@@ -13,7 +13,9 @@
   the test must be gone within ``LEFTOVER_GRACE_S``; survivors are killed and the test fails.
   The token finds them even when they were orphaned or left the process tree.
 
-It also provides ``store``: a job store (``TCPStore``) hosted by the test itself.
+It also provides ``store``: a job store (``TCPStore``) hosted by the test itself, and
+``etcd_cluster``: a three-member etcd cluster on loopback ports, stopped after the test (skipped,
+with the reason, where etcd or its client is not installed).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from datetime import timedelta
 
 import psutil
 import pytest
-from harness import free_port
+from harness import EtcdCluster, etcd_missing, free_port
 from torch.distributed import TCPStore
 
 DEFAULT_TIMEOUT_S = 300.0
@@ -140,3 +142,17 @@ def _kill(process: psutil.Process) -> None:
 def store() -> TCPStore:
     """A job store hosted by the test, on a free port."""
     return TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=10))
+
+
+@pytest.fixture
+def etcd_cluster() -> Iterator[EtcdCluster]:
+    """Three etcd members on 127.0.0.1, killed after the test."""
+    missing = etcd_missing()
+    try:
+        import etcd3gw  # noqa: F401
+    except ImportError:
+        missing = missing or "the etcd3gw package is not installed"
+    if missing:
+        pytest.skip(missing)
+    with EtcdCluster(3) as cluster:
+        yield cluster

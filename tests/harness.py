@@ -26,16 +26,20 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 
 import psutil
 import pytest
-from torch.distributed import TCPStore
+from torch.distributed import Store, TCPStore
 
 from megatron_elaswave.launcher import accepts_connections
-from megatron_elaswave.store import WorkerDeath, read_deaths, read_worker
+from megatron_elaswave.store import EtcdAddress, WorkerDeath, read_deaths, read_worker
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from etcd_cluster import EtcdCluster, etcd_missing  # noqa: E402
 
 WORKERS_DIR = Path(__file__).resolve().parent / "workers"
 STORE_TIMEOUT = timedelta(seconds=30)
@@ -85,14 +89,17 @@ class LaunchedJob:
         master_port: int,
         output_path: Path,
         owns_output: bool,
+        etcd: EtcdAddress | None = None,
     ) -> None:
         self.process = process
         self.node_rank = node_rank
         self.nproc_per_node = nproc_per_node
         self.master_port = master_port
+        self.etcd = etcd
+        """The job's namespace, when its store is on etcd."""
         self.output_path = output_path
         self._owns_output = owns_output
-        self._store: TCPStore | None = None
+        self._store: Store | None = None
 
     @property
     def pid(self) -> int:
@@ -141,8 +148,12 @@ class LaunchedJob:
                 )
             time.sleep(poll_s)
 
-    def store(self, timeout: float = 30.0) -> TCPStore:
+    def store(self, timeout: float = 30.0) -> Store:
         """A client of the job store (connected on first use)."""
+        if self._store is None and self.etcd is not None:
+            from megatron_elaswave.etcd_store import EtcdStore
+
+            self._store = EtcdStore(self.etcd, STORE_TIMEOUT)
         if self._store is None:
             address = ("127.0.0.1", self.master_port)
             self.wait_for(lambda: accepts_connections(address), timeout, "the job store")
@@ -216,10 +227,13 @@ def launch(
     launcher_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     log_path: str | os.PathLike | None = None,
+    etcd: str | None = None,
+    run_id: str = "none",
 ) -> LaunchedJob:
     """Start ``python -m megatron_elaswave.run ... *args`` in a session of its own.
 
-    ``args`` is the script and its arguments; ``launcher_args`` are extra launcher flags.
+    ``args`` is the script and its arguments; ``launcher_args`` are extra launcher flags;
+    ``etcd`` (a ``--store`` URL) keeps the job store on that cluster, under ``run_id``.
     Workers get ``OMP_NUM_THREADS=1`` unless ``env`` says otherwise. Output goes to
     ``log_path``, or to a temporary file removed when the job is closed.
     """
@@ -232,6 +246,8 @@ def launch(
         f"--node-rank={node_rank}",
         "--master-addr=127.0.0.1",
         f"--master-port={master_port}",
+        f"--run-id={run_id}",
+        *([f"--store={etcd}"] if etcd else []),
         *launcher_args,
         *args,
     ]
@@ -258,6 +274,7 @@ def launch(
         master_port=master_port,
         output_path=output_path,
         owns_output=owns_output,
+        etcd=None if etcd is None else EtcdAddress.parse(etcd, run_id),
     )
 
 
@@ -269,13 +286,17 @@ def launch_nodes(
     master_port: int,
     log_dir: str | os.PathLike,
     node_args: Sequence[Sequence[str]] = ((), ()),
+    etcd: str | None = None,
 ) -> list[LaunchedJob]:
     """Start one launcher per node of a job on this machine, ``len(node_args)`` of them, node
     ``n`` with the extra launcher flags ``node_args[n]`` and its output in
-    ``log_dir/node<n>.log``. Each is entered on ``stack``, so it is closed with it."""
+    ``log_dir/node<n>.log``. Each is entered on ``stack``, so it is closed with it. ``etcd``
+    keeps the job store on that cluster (under a run id of the job's own)."""
+    run_id = f"test-{uuid.uuid4().hex[:12]}" if etcd else "none"
     return [
         stack.enter_context(launch(args, nproc_per_node, nnodes=len(node_args), node_rank=node,
                                    master_port=master_port, launcher_args=extra,
-                                   log_path=Path(log_dir) / f"node{node}.log"))
+                                   log_path=Path(log_dir) / f"node{node}.log", etcd=etcd,
+                                   run_id=run_id))
         for node, extra in enumerate(node_args)
     ]

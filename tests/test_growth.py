@@ -119,7 +119,7 @@ def test_the_monitor_sees_join_requests_and_forgets_the_deaths_of_ranks_taken_ba
     with FailureMonitor(store, 0, Decision.initial(2), config, job_size=3,
                         on_failure=lambda: detected.append(time.time())) as monitor:
         record_death(store, WorkerDeath(rank=1, local_rank=1, node_rank=0, pid=11, exit_code=None,
-                                        signal="SIGKILL", cause="signal", time=time.time()), 3)
+                                        signal="SIGKILL", cause="signal", time=time.time()))
         deadline = time.monotonic() + 5
         while monitor.failure is None and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -142,7 +142,7 @@ def test_a_rank_taken_back_and_lost_again_is_not_blamed_on_its_first_death(store
     config = MonitorConfig(heartbeat_interval_s=0.05, heartbeat_timeout_s=0.5)
     first_death = time.time() - 100
     record_death(store, WorkerDeath(rank=1, local_rank=1, node_rank=0, pid=11, exit_code=None,
-                                    signal="SIGKILL", cause="signal", time=first_death), 2)
+                                    signal="SIGKILL", cause="signal", time=first_death))
     with FailureMonitor(store, 0, Decision(1, (0,), (1,)), config, job_size=2) as monitor:
         time.sleep(0.2)  # the monitor has read the death record
         monitor.advance(Decision(2, (0, 1), (), joined=(1,)))

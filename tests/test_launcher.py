@@ -23,8 +23,15 @@ from harness import free_port, is_gone, launch, wait_until, worker_script
 from megatron_elaswave.launcher import LaunchConfig, accepts_connections, job_exit_status
 from megatron_elaswave.proctitle import worker_title
 from megatron_elaswave.run import parse_config
-from megatron_elaswave.keys import death_key, worker_key
-from megatron_elaswave.store import WorkerDeath, read_deaths, read_exit, record_death
+from megatron_elaswave.keys import NODE_CHANGES_KEY, death_key, worker_key
+from megatron_elaswave.store import (
+    WorkerDeath,
+    change_node_state,
+    read_deaths,
+    read_exit,
+    read_node_states,
+    record_death,
+)
 
 multiprocess = pytest.mark.multiprocess
 
@@ -107,11 +114,28 @@ def test_read_deaths_stops_at_a_numbered_but_unwritten_record():
         rank=1, local_rank=1, node_rank=0, pid=9, exit_code=3, signal=None, cause="exit", time=1.0
     )
     store.add("elaswave/deaths/count", 1)  # a writer numbered death 0 but has not written it
-    assert record_death(store, death, 2) == 1
+    assert record_death(store, death) == 1
     assert read_deaths(store) == []
     store.set(death_key(0), json.dumps({**asdict(death), "rank": 0, "future_field": 1}))
     assert [d.rank for d in read_deaths(store)] == [0, 1]
     assert read_deaths(store, start=1) == [death]
+
+
+def test_the_node_states_change_one_node_at_a_time_from_many_launchers(store):
+    import threading
+
+    changes = [(node, "lost" if node % 3 == 0 else "done") for node in range(12)]
+    threads = [threading.Thread(target=change_node_state, args=(store.clone(), node, state))
+               for node, state in changes]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    states = read_node_states(store)
+    assert states.lost == {0, 3, 6, 9} and states.done == set(range(12)) - {0, 3, 6, 9}
+    assert store.add(NODE_CHANGES_KEY, 0) == 12
+    change_node_state(store, 3, None)  # a launcher replaced lost node 3
+    assert read_node_states(store).running(13) == {3, 12}
 
 
 # --- one node -------------------------------------------------------------------------------
@@ -442,7 +466,7 @@ def test_a_taken_node_rank_needs_rejoin_and_a_lost_node(tmp_path):
     assert_one_line_error(refused, 2, "node rank 1 has already joined this job")
     assert "--rejoin" in refused.stderr
     assert waited.returncode == 1
-    assert "waiting until node rank 0 declares it lost" in waited.stderr
+    assert "waiting until the nodes that watch it declare it lost" in waited.stderr
     assert "to be declared lost" in waited.stderr.strip().splitlines()[-1]
 
 

@@ -37,8 +37,16 @@ from megatron_elaswave.monitor import (
     FailureNotice,
     MonitorConfig,
 )
-from megatron_elaswave.silence import HeartbeatSilence
-from megatron_elaswave.store import WorkerDeath, record_death
+from megatron_elaswave.silence import HeartbeatSilence, ring_neighbours
+from megatron_elaswave.store import (
+    Silence,
+    WorkerDeath,
+    collect_generations,
+    raise_alert,
+    read_silences,
+    record_death,
+    report_silence,
+)
 
 multiprocess = pytest.mark.multiprocess
 
@@ -189,7 +197,8 @@ class RecordingStore:
         return call
 
 
-def test_a_quiet_monitor_makes_no_store_call_between_beats_and_reads_a_death_at_once(store):
+def test_a_quiet_monitor_only_polls_the_alert_count_between_beats_and_reads_a_death_at_once(
+        store):
     beat_s = 2.0
     config = MonitorConfig(heartbeat_interval_s=beat_s, heartbeat_timeout_s=10.0)
     recording = RecordingStore(store)
@@ -197,36 +206,86 @@ def test_a_quiet_monitor_makes_no_store_call_between_beats_and_reads_a_death_at_
                         on_failure=lambda: None) as monitor:
         started = time.monotonic()
         time.sleep(beat_s / 2)  # the one beat at the start, then nothing until the next
-        quiet = [(name, args) for at, name, args in recording.calls if at > started + 0.2]
-        assert quiet == []
+        quiet = {(name, args) for at, name, args in recording.calls if at > started + 0.2}
+        assert quiet == {("add", (ALERT_COUNT_KEY, 0))}  # one key, however large the job
         died_at = time.monotonic()
         record_death(store, WorkerDeath(rank=2, local_rank=2, node_rank=0, pid=12, exit_code=None,
-                                        signal="SIGKILL", cause="signal", time=time.time()), 3)
+                                        signal="SIGKILL", cause="signal", time=time.time()))
         wait_until(lambda: monitor.failure is not None, 5, "the death to be noticed")
         assert time.monotonic() - died_at < 0.2  # at its alert, not at the next beat
         assert list(monitor.suspects()) == [2]
         stopping_at = time.monotonic()
-    # stop() ends the wait for the next alert at once (it would bound it by heartbeat_timeout_s)
     assert time.monotonic() - stopping_at < 1.0
     assert not [t for t in threading.enumerate()
                 if t.name in ("elaswave-monitor-0", "elaswave-alerts-0")]
 
 
-def test_an_alert_whose_writer_died_before_its_keys_is_delivered_with_the_next_one(store):
-    config = MonitorConfig(heartbeat_interval_s=2.0, heartbeat_timeout_s=4.0)
-    with FailureMonitor(store, 0, Decision.initial(2), config, on_failure=lambda: None) as monitor:
-        started = time.monotonic()
-        time.sleep(0.3)
-        store.add(ALERT_COUNT_KEY, 1)  # a writer bumped the count and died before its keys
-        while time.monotonic() < started + 3.0:  # between the beats at 2 s and 4 s
+def test_an_alert_writes_one_key_whatever_the_size_of_the_job(store):
+    before = store.num_keys()
+    raise_alert(store)
+    raise_alert(store)
+    assert store.num_keys() - before <= 1 and store.add(ALERT_COUNT_KEY, 0) == 2
+
+
+def test_each_member_watches_the_next_ones_and_passes_over_those_found_failed():
+    members = (0, 2, 3, 5, 7)
+    assert ring_neighbours(members, 0, 2) == [2, 3]
+    assert ring_neighbours(members, 5, 2) == [7, 0]
+    assert ring_neighbours(members, 7, 2, skip={0, 2}) == [3, 5]
+    assert ring_neighbours((4, 9), 9, 2) == [4]
+    watchers = {rank: ring_neighbours(members, rank, 2) for rank in members}
+    assert all(sum(rank in watched for watched in watchers.values()) == 2 for rank in members)
+
+
+def test_a_monitor_reads_its_neighbours_heartbeats_and_reports_a_silent_one(store):
+    """Rank 0 of six watches ranks 1 and 2 only; rank 2 falls silent: rank 0 reports it for
+    every monitor, and watches rank 3 in its place."""
+    config = MonitorConfig(heartbeat_interval_s=0.1, heartbeat_timeout_s=0.5)
+    recording = RecordingStore(store)
+    with FailureMonitor(recording, 0, Decision.initial(6), config,
+                        on_failure=lambda: None) as monitor:
+        deadline = time.monotonic() + 5
+        while monitor.failure is None and time.monotonic() < deadline:
             store.add(heartbeat_key(1), 1)
-            time.sleep(min(0.5, max(0.0, started + 3.0 - time.monotonic())))
-        died_at = time.monotonic()
-        record_death(store, WorkerDeath(rank=1, local_rank=1, node_rank=0, pid=11, exit_code=1,
-                                        signal=None, cause="exit", time=time.time()), 2)
-        wait_until(lambda: monitor.failure is not None, 5, "the death to be noticed")
-        assert time.monotonic() - died_at < 0.5  # at its alert, not at the beat at 4 s
+            time.sleep(0.05)
+        assert list(monitor.suspects()) == [2]
+        assert monitor.suspects()[2].cause == HEARTBEAT
+        [silence] = read_silences(store, 0)
+        assert (silence.rank, silence.watcher) == (2, 0) and silence.silent_s > 0.5
+        time.sleep(0.3)  # a few beats more, watching rank 3 in rank 2's place
+    read = {key for _, name, args in recording.calls if name == "multi_get" for key in args[0]}
+    assert read == {heartbeat_key(rank) for rank in (1, 2, 3)}
+
+
+def test_a_silence_its_watcher_reported_is_suspected_by_every_monitor(store):
+    config = MonitorConfig(heartbeat_interval_s=2.0, heartbeat_timeout_s=10.0)
+    with FailureMonitor(store, 3, Decision.initial(6), config, on_failure=lambda: None) as monitor:
+        time.sleep(0.2)
+        reported_at = time.monotonic()
+        report_silence(store, Silence(0, 1, 0, 2.5, time.time()))
+        wait_until(lambda: monitor.failure is not None, 5, "the silence to be read")
+        assert time.monotonic() - reported_at < 0.5  # at its alert, not at the next beat
+        suspicion = monitor.suspects()[1]
+        assert (suspicion.cause, suspicion.detail) == (HEARTBEAT, "no heartbeat for 2.5 s")
+        report_silence(store, Silence(1, 4, 0, 2.5, time.time()))  # a later generation's
+        time.sleep(0.3)
         assert list(monitor.suspects()) == [1]
+
+
+def test_the_keys_of_generations_two_behind_are_deleted_but_their_decisions(store):
+    for generation in range(4):
+        store.set(round_key(generation), "notice")
+        store.set(joined_key(generation, 1), "")
+        store.set(decision_key(generation), "decision")
+        store.set(f"gen{generation}//0", "torch's rendezvous")
+    store.set("elaswave/nodes/0", "node")
+    assert collect_generations(store, below=2) == 6
+    left = set(store.list_keys())
+    assert {decision_key(0), decision_key(1), "elaswave/nodes/0"} <= left
+    assert not any(key.startswith(("rt/gen0/", "rt/gen1/", "gen0/", "gen1/"))
+                   for key in left - {decision_key(0), decision_key(1)})
+    assert {round_key(3), joined_key(2, 1), "gen3//0"} <= left
+    assert collect_generations(store, below=2) == 0  # done already
 
 
 def test_an_announcement_whose_writer_died_before_bumping_the_alerts_is_read_at_a_beat(store):

@@ -52,13 +52,13 @@ def test_a_death_before_every_rank_is_ready_stops_each_and_one_after_is_left_to_
         ready.start()
         first.wait_until_started(timedelta(seconds=10))
         ready.join()
-        record_death(store, death_of(1), 2)
+        record_death(store, death_of(1))
         time.sleep(0.5)  # the watch would have read the death at its alert
     assert stops == [] and store.get(START_VERDICT_KEY).decode() == STARTED
 
     store = TCPStore("127.0.0.1", free_port(), is_master=True, timeout=timedelta(seconds=10))
     with watch(store, 0, stops), watch(store, 1, stops):
-        record_death(store, death_of(1), 2)
+        record_death(store, death_of(1))
         deadline = time.monotonic() + 5
         while len(stops) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -9,6 +9,7 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_elaswave.device import DeviceBackend
+from megatron_elaswave.store import default_group_store
 
 
 def init_default_group(rank: int, world_size: int, local_rank: int, backend: DeviceBackend,
@@ -16,7 +17,10 @@ def init_default_group(rank: int, world_size: int, local_rank: int, backend: Dev
     """Join the job's default process group (a one-rank world without a launcher)."""
     backend.set_device(local_rank)
     timeout = datetime.timedelta(minutes=timeout_minutes)
-    if "MASTER_ADDR" in os.environ:
+    if (store := default_group_store(timeout)) is not None:  # the job store is on etcd
+        dist.init_process_group(backend.dist_backend, store=store, rank=rank,
+                                world_size=world_size, timeout=timeout)
+    elif "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend.dist_backend, init_method="env://", rank=rank,
                                 world_size=world_size, timeout=timeout)
     else:

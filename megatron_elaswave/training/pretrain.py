@@ -83,6 +83,8 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
     from megatron_elaswave.patches import UnsupportedMegatronVersion, UnsupportedTorch
 
     from megatron_elaswave.dvfs import DvfsError
+    from megatron_elaswave.etcd_store import StoreLost
+    from megatron_elaswave.store import store_address
 
     from .checkpoint import CheckpointError
     from .recovery import cannot_continue_line
@@ -106,6 +108,9 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
     except (CannotContinue, StateLost) as error:
         # Every survivor reaches the same verdict; each says it, since rank 0 may be gone.
         say(cannot_continue_line(error, args.save))
+        return exit_status.CANNOT_CONTINUE
+    except StoreLost as error:  # met outside a recovery: the training thread used the store
+        say(f"cannot continue: lost the job store at {store_address()} ({error})")
         return exit_status.CANNOT_CONTINUE
     except StepFailed as error:
         if error.announce:

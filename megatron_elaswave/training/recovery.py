@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from megatron_elaswave.agreement import agree
 from megatron_elaswave.communicator import EditMode, group_specs, member_lists
 from megatron_elaswave.planner.replan import PlanError
-from megatron_elaswave.store import STORE_ADDR_ENV, STORE_PORT_ENV
+from megatron_elaswave.store import store_address
 
 from . import relayout
 from .checkpoint import resume_hint
@@ -151,8 +151,8 @@ class Recovery:
                 log(f" rank {self.trainer.rank}: {type(error).__name__}: {error}; no rank "
                     "failed, so the iteration runs again from its snapshot")
             if monitor.store_lost:
-                address = f"{os.environ.get(STORE_ADDR_ENV)}:{os.environ.get(STORE_PORT_ENV)}"
-                raise CannotContinue(f"lost the job store at {address} ({monitor.store_lost})")
+                raise CannotContinue(f"lost the job store at {store_address()} "
+                                     f"({monitor.store_lost})")
             try:
                 self._recover_once(error, raised_at)
                 return

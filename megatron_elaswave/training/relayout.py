@@ -42,6 +42,7 @@ from megatron_elaswave.decisions import Decision
 from megatron_elaswave.keys import FINISHED_KEY, accepted_key, change_key, decision_key, join_key
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.planner.frequency import ClockPlan
+from megatron_elaswave.store import raise_alert
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -135,6 +136,7 @@ def request_join(store: Store, rank: int) -> None:
     of the rank is cleared first)."""
     store.delete_key(accepted_key(rank))
     store.set(join_key(rank), json.dumps({"pid": os.getpid(), "time": time.time()}))
+    raise_alert(store)  # the monitors look for requests at alerts
 
 
 def wait_for_acceptance(store: Store, rank: int) -> LayoutChange:

@@ -68,7 +68,7 @@ class StartupWatch:
         self._stop = stop
         self._closed = threading.Event()
         self._deaths_read = threading.Lock()
-        self._alerts = AlertListener(store, rank, on_alert=self._check_deaths,
+        self._alerts = AlertListener(store, on_alert=self._check_deaths,
                                      on_lost=lambda error: None, stop_timeout_s=_STOP_TIMEOUT_S,
                                      name="elaswave-startup-watch")
 

@@ -16,7 +16,11 @@ soak sends, at random moments (seeded), faults drawn from:
   took its replacement back in (the damaged replica's layers move back at that step boundary):
   a failure right after a layer move;
 * ``consecutive``: SIGKILL of one worker, then of another as soon as the job records the
-  recovery from the first: failures in consecutive iterations.
+  recovery from the first: failures in consecutive iterations;
+* ``node0`` (with ``--store etcd`` only): node 0's launcher SIGKILLed with its workers; a new
+  launcher takes its place. With the job store in node 0's launcher (the default) this ends the
+  job; with ``--store etcd`` the soak starts a three-member etcd cluster on loopback ports
+  (``scripts/etcd_cluster.py``) and keeps the job store there, and node 0 is lost like node 1.
 
 The first faults are every kind once, in a seeded order; the rest are drawn at random. Every
 dead worker is started again (``--rejoin``) and joins at a step boundary. Before the next
@@ -38,11 +42,13 @@ the reasons on stderr, when a sample was lost, the trajectory left the reference
 never recovered from, or the job ended before every fault was sent.
 
     python scripts/bench/chaos.py --faults 50 --seed 1 --json-out chaos.json
+    python scripts/bench/chaos.py --faults 18 --seed 1 --store etcd    # node0 faults too
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -65,6 +71,8 @@ from megatron_elaswave.store import WorkerDeath, read_deaths, read_worker
 NODES, PER_NODE = 2, 4
 RANKS = NODES * PER_NODE
 KINDS = ("kill", "stop", "recovery-kill", "burst", "node", "join-kill", "grow-kill", "consecutive")
+ETCD_KINDS = (*KINDS, "node0")
+"""The kinds a soak with the job store on etcd draws from: node 0 can be lost too."""
 SECOND_KILL = {"join-kill", "grow-kill", "consecutive"}
 """The kinds that SIGKILL a second worker at a moment the first one's handling reports."""
 LOSS_TOLERANCE = 1e-4
@@ -125,12 +133,15 @@ class Node:
     """One node's launcher, started in a session of its own."""
 
     def __init__(self, node_rank: int, port: int, flags: list[str], workdir: Path,
-                 rejoin_delay_s: float, rejoin_node: bool = False) -> None:
+                 rejoin_delay_s: float, rejoin_node: bool = False,
+                 store: tuple[str, str] | None = None) -> None:
+        """``store``: the etcd URL and run id of a job whose store is on etcd."""
         name = f"node{node_rank}{'-replacement' if rejoin_node else ''}"
         self.log = open(workdir / f"{name}.log", "a")
+        etcd = [f"--store={store[0]}", f"--run-id={store[1]}"] if store else []
         command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={PER_NODE}",
                    f"--nnodes={NODES}", f"--node-rank={node_rank}", f"--master-port={port}",
-                   f"--node-timeout={NODE_TIMEOUT_S:g}", "--rejoin",
+                   f"--node-timeout={NODE_TIMEOUT_S:g}", "--rejoin", *etcd,
                    f"--rejoin-delay={rejoin_delay_s:g}", "--max-rejoins=1000",
                    str(SCRIPTS / "pretrain_gpt.py"), *flags]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -165,6 +176,8 @@ class Soak:
     flags: list[str]
     rng: random.Random
     rejoin_delay_s: float
+    etcd: tuple[str, str] | None = None
+    """The etcd URL and run id, when the job store is on etcd."""
     nodes: list[Node] = field(default_factory=list)
     _store: object = None
     _follower: MetricsFollower = field(init=False)
@@ -181,16 +194,25 @@ class Soak:
     def store(self):
         from torch.distributed import TCPStore
 
+        if self._store is None and self.etcd is not None:
+            from megatron_elaswave.etcd_store import EtcdStore
+            from megatron_elaswave.store import EtcdAddress
+
+            self._store = EtcdStore(EtcdAddress.parse(*self.etcd), timedelta(seconds=30))
         if self._store is None:
             self._store = TCPStore("127.0.0.1", self.port, is_master=False,
                                    timeout=timedelta(seconds=30))
         return self._store
 
+    def node(self, node_rank: int, rejoin_node: bool = False) -> Node:
+        return Node(node_rank, self.port, self.flags, self.workdir, self.rejoin_delay_s,
+                    rejoin_node, self.etcd)
+
     def iterations(self) -> list[dict]:
         return [r for r in self.records() if r["event"] == "iteration"]
 
     def running(self) -> bool:
-        return self.nodes[0].process.poll() is None
+        return any(node.process.poll() is None for node in self.nodes)
 
     def wait(self, condition, timeout: float) -> bool:
         """Whether ``condition`` came true within ``timeout`` while the job runs."""
@@ -238,8 +260,9 @@ class Soak:
         elif kind == "burst":
             victims = self.rng.sample(ranks, self.rng.randint(2, 4))
         else:
-            victims = list(range(PER_NODE, 2 * PER_NODE))
-        pids = [self.pid(rank) for rank in victims] if kind != "node" else []
+            lost = 0 if kind == "node0" else 1
+            victims = list(range(lost * PER_NODE, (lost + 1) * PER_NODE))
+        pids = [self.pid(rank) for rank in victims] if kind not in ("node", "node0") else []
         deaths = len(read_deaths(self.store())) if kind == "recovery-kill" else 0
         records = len(self.records())
         started = time.time()
@@ -264,10 +287,10 @@ class Soak:
                 time.sleep(max(0.0, started + at - time.time()))
                 send(pid, signal.SIGKILL)
         else:
-            self.nodes[1].kill()
-            time.sleep(NODE_TIMEOUT_S + 1.0)  # until node 0 has declared the node lost
-            self.nodes[1] = Node(1, self.port, self.flags, self.workdir, self.rejoin_delay_s,
-                                 rejoin_node=True)
+            lost = 0 if kind == "node0" else 1
+            self.nodes[lost].kill()
+            time.sleep(NODE_TIMEOUT_S + 1.0)  # until its watcher has declared the node lost
+            self.nodes[lost] = self.node(lost, rejoin_node=True)
         return Fault(kind, sorted(victims), started)
 
 
@@ -284,14 +307,15 @@ def percentile(values: list[float], share: float) -> float:
 
 
 def run_soak(faults: int, seed: int, kinds: tuple[str, ...], workdir: Path,
-             rejoin_delay_s: float = REJOIN_DELAY_S,
+             rejoin_delay_s: float = REJOIN_DELAY_S, etcd: str | None = None,
              ) -> tuple[list[Fault], list[dict], list[WorkerDeath], str]:
     train_iters = ITERATIONS_PER_FAULT * faults + 50
     metrics = workdir / "soak.jsonl"
     port = free_port()
     flags = [*model_flags(train_iters), "--elastic-metrics-file", str(metrics)]
-    soak = Soak(workdir, metrics, port, flags, random.Random(seed), rejoin_delay_s)
-    soak.nodes = [Node(rank, port, flags, workdir, rejoin_delay_s) for rank in range(NODES)]
+    soak = Soak(workdir, metrics, port, flags, random.Random(seed), rejoin_delay_s,
+                None if etcd is None else (etcd, f"chaos-seed{seed}-{os.getpid()}"))
+    soak.nodes = [soak.node(rank) for rank in range(NODES)]
     order = soak.rng.sample(kinds, len(kinds))  # every kind once first, in a seeded order
     injected: list[Fault] = []
     deaths: list[WorkerDeath] = []
@@ -407,14 +431,15 @@ def summarise(faults: list[Fault], records: list[dict], deaths: list[WorkerDeath
     off = off_trajectory(differences, floor)
     lost = gbs * (len(missing) + len(seen) - len(set(seen)) + len(other_samples))
     mttr = {}
-    for kind in KINDS:
+    kinds = ETCD_KINDS if any(f.kind == "node0" for f in faults) else KINDS
+    for kind in kinds:
         values = [f.mttr_s for f in faults if f.kind == kind and f.mttr_s is not None]
         if values:
             mttr[kind] = {"count": len(values), "median_s": statistics.median(values),
                           "p90_s": percentile(values, 0.9), "max_s": max(values)}
     return {
         "faults": len(faults),
-        "faults_per_kind": {kind: sum(f.kind == kind for f in faults) for kind in KINDS},
+        "faults_per_kind": {kind: sum(f.kind == kind for f in faults) for kind in kinds},
         "faults_without_recovery": [(f.kind, f.victims) for f in faults if f.mttr_s is None],
         "recoveries": len(recoveries),
         "grows": sum(r["event"] == "grow" for r in records),
@@ -443,8 +468,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json-out", default=None, help="write the summary here as JSON")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON, last")
-    parser.add_argument("--kinds", default=",".join(KINDS),
-                        help=f"comma-separated fault kinds to draw from (default: {','.join(KINDS)})")
+    parser.add_argument("--kinds", default=None,
+                        help=f"comma-separated fault kinds to draw from (default: {','.join(KINDS)}"
+                        ", and node0 with --store etcd)")
+    parser.add_argument("--store", choices=("tcp", "etcd"), default="tcp",
+                        help="where the job store lives: in node 0's launcher (default), or on a "
+                        "three-member etcd cluster this soak starts on loopback ports")
     parser.add_argument("--workdir", default=None,
                         help="keep logs and metrics here (default: runs/chaos-seed<SEED>, emptied "
                              "first)")
@@ -452,16 +481,27 @@ def main() -> None:
                         help="seconds before a dead worker's replacement starts (default: "
                              f"{REJOIN_DELAY_S:g})")
     args = parser.parse_args()
-    kinds = tuple(args.kinds.split(","))
-    if not set(kinds) <= set(KINDS) or args.faults < 1:
-        parser.error(f"--kinds takes some of {', '.join(KINDS)}; --faults must be positive")
+    allowed = ETCD_KINDS if args.store == "etcd" else KINDS
+    kinds = tuple(args.kinds.split(",")) if args.kinds else allowed
+    if not set(kinds) <= set(allowed) or args.faults < 1:
+        parser.error(f"--kinds takes some of {', '.join(allowed)} (node0 needs --store etcd); "
+                     "--faults must be positive")
     workdir = Path(args.workdir) if args.workdir else SCRIPTS.parent / "runs" / f"chaos-seed{args.seed}"
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)  # the launchers' logs are appended to
     workdir.mkdir(parents=True, exist_ok=True)
     print(f"soak: {args.faults} faults, seed {args.seed}, logs in {workdir}", flush=True)
-    faults, records, deaths, output = run_soak(args.faults, args.seed, kinds, workdir,
-                                               args.rejoin_delay)
+    with contextlib.ExitStack() as stack:
+        etcd = None
+        if args.store == "etcd":
+            sys.path.insert(0, str(SCRIPTS))
+            from etcd_cluster import EtcdCluster, etcd_missing
+
+            if (missing := etcd_missing()) is not None:
+                parser.error(f"--store etcd: {missing}")
+            etcd = stack.enter_context(EtcdCluster(3)).url
+        faults, records, deaths, output = run_soak(args.faults, args.seed, kinds, workdir,
+                                                   args.rejoin_delay, etcd)
     print("failure-free reference run", flush=True)
     trained = max((r["iteration"] for r in records if r["event"] == "iteration"), default=0)
     reference = reference_run(ITERATIONS_PER_FAULT * args.faults + 50, trained, workdir)

@@ -1,0 +1,301 @@
+"""The job store on an etcd cluster: a ``torch.distributed.Store`` whose keys live in etcd.
+
+``elaswave-run --store etcd://HOST:PORT[,HOST:PORT...]`` keeps the job store on an etcd cluster
+instead of in node 0's launcher, so that no node is a single point of failure: every launcher
+and worker reaches the cluster through :class:`EtcdStore`, and torch's process groups rendezvous
+on it as on a ``TCPStore`` (``init_process_group(store=...)``, ``new_group``, ``PrefixStore``).
+
+It speaks etcd's v3 API through the cluster's gRPC gateway (JSON over HTTP) with ``etcd3gw``, the
+maintained client of the OpenStack project (``docs/launcher.md`` says why this one). Every key of
+a job lives under one namespace (``<prefix>/<run id>/``), so that jobs can share a cluster.
+
+Guarantees, the ``TCPStore``'s semantics kept:
+
+* ``add`` and ``compare_set`` are atomic (etcd transactions on the key's revision); ``add``
+  creates a missing key from 0 and keeps the value in decimal, as ``TCPStore`` does, so a
+  counter reads the same through ``get``. A request whose answer was lost (a member died or
+  lost the leader after it committed) is sent again, so each ``add`` writes a token of its own
+  beside the counter (outside the job's namespace, deleted with the key) and counts once.
+* ``get``, ``wait`` and ``multi_get`` wait for missing keys up to the store's timeout, then raise
+  ``torch.distributed.DistStoreError``.
+* **A member lost is not noticed.** A request that a member does not answer (refused, reset, no
+  leader during an election) goes to the next endpoint, round after round, for up to
+  ``unavailable_s`` (default 10 s).
+* **A quorum lost is one error.** When no member serves a request for ``unavailable_s``, the call
+  raises :class:`StoreLost` (a ``DistStoreError``, what a lost ``TCPStore`` raises), so the
+  runtime stops the job as it does when node 0's store is gone, from whichever thread meets it
+  first. Every later call of the process on the same cluster raises it at once, so that a
+  worker's threads do not each wait out ``unavailable_s`` on the way out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from megatron_elaswave.store import EtcdAddress
+
+DEFAULT_UNAVAILABLE_S = 10.0
+_REQUEST_TIMEOUT_S = 2.0
+"""Bounds one HTTP request; a member that does not answer within it counts as unavailable."""
+_MAX_TXN_OPS = 128
+"""etcd's default ``--max-txn-ops``: longer batches are split."""
+_FIRST_POLL_S = 0.001
+_MAX_POLL_S = 0.02
+
+
+class StoreLost(dist.DistStoreError):
+    """No member of the cluster served a request for ``unavailable_s``: the quorum is lost (or
+    the network to it). The message says why, without the cluster's address."""
+
+
+_lost: dict[EtcdAddress, str] = {}
+"""Why each cluster this process found lost was (a lost quorum does not come back to a job)."""
+
+
+class EtcdStore(dist.Store):
+    """A ``torch.distributed.Store`` on an etcd cluster (see the module docstring).
+
+    Thread-safe: each thread talks to the cluster on connections of its own.
+    """
+
+    def __init__(self, address: EtcdAddress, timeout: timedelta = timedelta(seconds=300),
+                 unavailable_s: float = DEFAULT_UNAVAILABLE_S) -> None:
+        """``timeout`` bounds the waits for missing keys; ``unavailable_s`` how long a request
+        is retried on the members before the cluster counts as lost."""
+        super().__init__()
+        self.address = address
+        self._timeout = timeout
+        self._unavailable_s = unavailable_s
+        self._local = threading.local()
+        self._preferred = 0
+        """The endpoint that answered last: requests start there."""
+
+    # -- the Store interface ---------------------------------------------------------------------
+
+    def clone(self) -> EtcdStore:
+        return EtcdStore(self.address, self._timeout, self._unavailable_s)
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._timeout
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._call("kv/put", {"key": self._key(key), "value": _encode(value)})
+
+    def get(self, key: str) -> bytes:
+        [value] = self.multi_get([key])
+        return value
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """The values of ``keys``, once they all exist (up to the timeout)."""
+        self.wait(keys)
+        values = {}
+        for response in self._ranges(keys):
+            for kv in response.get("kvs", ()):
+                values[_decode(kv["key"])] = _decode(kv.get("value", ""))
+        try:
+            return [values[self._key_bytes(key)] for key in keys]
+        except KeyError as missing:  # deleted between the wait and the read
+            raise dist.DistStoreError(f"key {missing} was deleted while it was read") from None
+
+    def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
+        puts = [{"request_put": {"key": self._key(key), "value": _encode(value)}}
+                for key, value in zip(keys, values, strict=True)]
+        for chunk in _chunks(puts):
+            self._call("kv/txn", {"success": chunk})
+
+    def add(self, key: str, amount: int) -> int:
+        token = uuid.uuid4().hex.encode()
+        while True:
+            kv, applied = self._read_counter(key)
+            if applied == token:  # an attempt whose answer was lost committed
+                return int(_decode(kv["value"]))
+            if kv is None:
+                condition = {"target": "CREATE", "create_revision": "0"}
+                total = amount
+            elif amount == 0:
+                return int(_decode(kv.get("value", "")) or 0)
+            else:
+                condition = {"target": "MOD", "mod_revision": kv["mod_revision"]}
+                total = int(_decode(kv.get("value", "")) or 0) + amount
+            if self._commit_if(key, condition, str(total), token=token):
+                return total
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        """As ``TCPStore``: sets ``desired`` if the value is ``expected`` (or the key is missing
+        and ``expected`` empty); returns the value the key then holds (``expected`` when the key
+        is missing and ``expected`` is not empty)."""
+        expected, desired = _bytes(expected), _bytes(desired)
+        while True:
+            kv = self._read(key)
+            if kv is None:
+                if expected:
+                    return expected
+                condition = {"target": "CREATE", "create_revision": "0"}
+            else:
+                current = _decode(kv.get("value", ""))
+                if current != expected:
+                    return current
+                condition = {"target": "MOD", "mod_revision": kv["mod_revision"]}
+            if self._commit_if(key, condition, desired):
+                return desired
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return all(int(response.get("count", 0)) > 0
+                   for response in self._ranges(keys, count_only=True))
+
+    def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
+        limit = (timeout or self._timeout).total_seconds()
+        deadline = time.monotonic() + limit
+        pause = _FIRST_POLL_S
+        while not self.check(keys):
+            if time.monotonic() >= deadline:
+                raise dist.DistStoreError(f"wait timeout after {limit * 1000:.0f}ms, keys: "
+                                          f"{', '.join(keys)}")
+            time.sleep(pause)
+            pause = min(2 * pause, _MAX_POLL_S)
+
+    def delete_key(self, key: str) -> bool:
+        deletes = [{"request_delete_range": {"key": self._key(key)}},
+                   {"request_delete_range": {"key": self._token_key(key)}}]
+        response = self._call("kv/txn", {"success": deletes})
+        first = response.get("responses", [{}])[0].get("response_delete_range", {})
+        return int(first.get("deleted", 0)) > 0
+
+    def num_keys(self) -> int:
+        return int(self._call("kv/range", {**self._namespace_range(), "count_only": True})
+                   .get("count", 0))
+
+    def list_keys(self) -> list[str]:
+        response = self._call("kv/range", {**self._namespace_range(), "keys_only": True})
+        start = len(self.address.namespace)
+        return [_decode(kv["key"])[start:].decode() for kv in response.get("kvs", ())]
+
+    # -- etcd ------------------------------------------------------------------------------------
+
+    def _key_bytes(self, key: str) -> bytes:
+        return (self.address.namespace + key).encode()
+
+    def _key(self, key: str) -> str:
+        return _encode(self._key_bytes(key))
+
+    def _token_key(self, key: str) -> str:
+        """Where the token of the last ``add`` to ``key`` is kept: beside the namespace (not in
+        it, so that listing and counting the job's keys do not see it)."""
+        return _encode(f"{self.address.namespace.rstrip('/')}.adds/{key}".encode())
+
+    def _read_counter(self, key: str) -> tuple[dict[str, Any] | None, bytes | None]:
+        """The counter at ``key`` and the token of the ``add`` that wrote it last."""
+        ranges = [{"request_range": {"key": self._key(key)}},
+                  {"request_range": {"key": self._token_key(key)}}]
+        counter, token = (response.get("response_range", {}).get("kvs")
+                          for response in self._call("kv/txn", {"success": ranges})["responses"])
+        return (counter[0] if counter else None,
+                _decode(token[0].get("value", "")) if token else None)
+
+    def _namespace_range(self) -> dict[str, str]:
+        prefix = self.address.namespace.encode()
+        return {"key": _encode(prefix), "range_end": _encode(prefix[:-1] + bytes([prefix[-1] + 1]))}
+
+    def _read(self, key: str) -> dict[str, Any] | None:
+        kvs = self._call("kv/range", {"key": self._key(key)}).get("kvs")
+        return kvs[0] if kvs else None
+
+    def _ranges(self, keys: Sequence[str], count_only: bool = False) -> Iterator[dict]:
+        """One range response per key, ``keys_only`` or ``count_only``, in as few transactions
+        as etcd allows."""
+        ranges = [{"request_range": {"key": self._key(key), "count_only": count_only}}
+                  for key in keys]
+        for chunk in _chunks(ranges):
+            for response in self._call("kv/txn", {"success": chunk}).get("responses", ()):
+                yield response.get("response_range", {})
+
+    def _commit_if(self, key: str, condition: dict[str, str], value: str | bytes,
+                   token: bytes | None = None) -> bool:
+        """Put ``value`` at ``key`` (and ``token`` beside it) if ``condition`` (an etcd
+        compare, without its key) holds."""
+        compare = {**condition, "key": self._key(key), "result": "EQUAL"}
+        puts = [{"request_put": {"key": self._key(key), "value": _encode(value)}}]
+        if token is not None:
+            puts.append({"request_put": {"key": self._token_key(key), "value": _encode(token)}})
+        return bool(self._call("kv/txn", {"compare": [compare], "success": puts})
+                    .get("succeeded", False))
+
+    def _clients(self) -> list:
+        clients = getattr(self._local, "clients", None)
+        if clients is None:
+            from etcd3gw.client import Etcd3Client
+
+            clients = self._local.clients = [
+                Etcd3Client(host=host, port=port, timeout=_REQUEST_TIMEOUT_S, api_path="/v3/")
+                for host, port in self.address.endpoints]
+        return clients
+
+    def _call(self, path: str, payload: dict) -> dict:
+        """POST ``payload`` to ``/v3/<path>`` on the first member that answers, going round the
+        members until ``unavailable_s`` has passed."""
+        from etcd3gw import exceptions
+
+        if self.address in _lost:
+            raise StoreLost(_lost[self.address])
+        clients = self._clients()
+        deadline = time.monotonic() + self._unavailable_s
+        pause = _FIRST_POLL_S
+        while True:
+            for offset in range(len(clients)):
+                index = (self._preferred + offset) % len(clients)
+                client = clients[index]
+                try:
+                    response = client.post(client.get_url(path), json=payload)
+                except (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
+                        exceptions.InternalServerError) as error:
+                    last_error = _first_line(error)
+                    continue
+                except exceptions.Etcd3Exception as error:
+                    raise dist.DistStoreError(
+                        f"the job store at {self.address.describe()} refused a request: "
+                        f"{_first_line(error)}") from None
+                self._preferred = index
+                return response
+            if time.monotonic() >= deadline:
+                _lost[self.address] = (f"no member of the etcd cluster answered for "
+                                       f"{self._unavailable_s:g} s: {last_error}")
+                raise StoreLost(_lost[self.address])
+            time.sleep(pause)
+            pause = min(2 * pause, 0.2)
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _encode(value: str | bytes) -> str:
+    from etcd3gw.utils import _encode as encode
+
+    return encode(_bytes(value))
+
+
+def _decode(value: str) -> bytes:
+    from etcd3gw.utils import _decode as decode
+
+    return decode(value)
+
+
+def _chunks(operations: list) -> Iterator[list]:
+    for start in range(0, len(operations), _MAX_TXN_OPS):
+        yield operations[start:start + _MAX_TXN_OPS]
+
+
+def _first_line(error: BaseException) -> str:
+    text = " ".join(str(part) for part in getattr(error, "args", ()) if part) or str(error)
+    return text.strip().splitlines()[0] if text.strip() else type(error).__name__

@@ -1,0 +1,193 @@
+"""The job store on an etcd cluster (``elaswave-run --store etcd://...``).
+
+Every test starts a three-member etcd cluster on loopback ports (the ``etcd_cluster`` fixture,
+skipped where etcd or its client is not installed). The store itself is checked against the
+``TCPStore`` it stands in for, and torch's gloo groups are formed on it; the jobs are two nodes
+of two workers (TP1 x PP2 x DP2) that lose node 0, one etcd member, or the etcd quorum, and end
+on the failure-free trajectory, or with one line per worker and a non-zero status.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+from harness import free_port, is_gone, launch_nodes
+from test_elastic import TRAIN_ITERS, assert_on_trajectory, small_flags, small_reference  # noqa: F401
+from test_pretrain_gpt import PRETRAIN, text_data  # noqa: F401  (fixture)
+from torch.distributed import DistStoreError
+
+from megatron_elaswave.metrics import read_metrics
+from megatron_elaswave.store import EtcdAddress
+
+pytestmark = pytest.mark.multiprocess
+
+
+def store_on(cluster, namespace: str, timeout_s: float = 2.0):
+    from megatron_elaswave.etcd_store import EtcdStore
+
+    return EtcdStore(EtcdAddress.parse(cluster.url, namespace), timedelta(seconds=timeout_s))
+
+
+def exercise(store) -> list:
+    """What a store answers to every call the runtime and torch's rendezvous make."""
+    answers = [store.set("a", "1"), store.get("a"), store.add("n", 2), store.add("n", 3),
+               store.add("n", 0), store.get("n"), store.add("fresh", 0),
+               store.compare_set("c", "", "x"), store.compare_set("c", "", "y"),
+               store.compare_set("c", "x", "z"), store.compare_set("missing", "e", "d"),
+               store.check(["a", "n"]), store.check(["a", "nope"]),
+               store.multi_set(["m1", "m2"], ["v1", b"v2"]), store.multi_get(["m1", "m2"]),
+               store.delete_key("m1"), store.delete_key("m1"), store.check(["m1"]),
+               sorted(store.list_keys()), store.num_keys()]
+    started = time.monotonic()
+    with pytest.raises(DistStoreError):
+        store.wait(["never"], timedelta(seconds=0.3))
+    answers.append(0.3 <= time.monotonic() - started < 5)
+    return answers
+
+
+@pytest.mark.timeout(120)
+def test_the_etcd_store_answers_as_the_tcpstore_does(etcd_cluster, store):
+    assert exercise(store_on(etcd_cluster, "semantics")) == exercise(store)
+
+
+GLOO_WORKER = """
+import sys, torch, torch.distributed as dist
+from datetime import timedelta
+from megatron_elaswave.etcd_store import EtcdStore
+from megatron_elaswave.store import EtcdAddress
+rank, url = int(sys.argv[1]), sys.argv[2]
+store = EtcdStore(EtcdAddress.parse(url, "gloo"), timeout=timedelta(seconds=60))
+dist.init_process_group("gloo", store=dist.PrefixStore("gen0/", store), rank=rank, world_size=3,
+                        timeout=timedelta(seconds=60))
+total = torch.tensor([rank + 1.0])
+dist.all_reduce(total)
+pair = dist.new_group([0, 2])
+if rank != 1:
+    in_pair = torch.tensor([10.0 * rank])
+    dist.all_reduce(in_pair, group=pair)
+    total += in_pair
+print(f"rank {rank}: {total.item():g}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_gloo_groups_form_on_the_etcd_store(etcd_cluster):
+    workers = [subprocess.Popen([sys.executable, "-c", GLOO_WORKER, str(rank), etcd_cluster.url],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for rank in range(3)]
+    try:
+        outputs = [worker.communicate(timeout=90)[0] for worker in workers]
+    finally:
+        for worker in workers:
+            worker.kill()
+    assert [worker.returncode for worker in workers] == [0, 0, 0], outputs
+    assert [output.strip().splitlines()[-1] for output in outputs] == [
+        "rank 0: 26", "rank 1: 6", "rank 2: 26"]
+
+
+@pytest.mark.parametrize("url, fragment", [
+    ("etcd://", "is not HOST:PORT"), ("etcd://host", "is not HOST:PORT"),
+    ("http://127.0.0.1:2379", "is not an etcd URL")])
+def test_a_bad_store_url_is_one_line_and_status_2(url, fragment):
+    result = subprocess.run([sys.executable, "-m", "megatron_elaswave.run", "--store", url,
+                             PRETRAIN], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert fragment in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def run_two_nodes(tmp_path, text_data, cluster, name: str, inject, node_timeout_s: float = 2.0):  # noqa: F811
+    """Train on two nodes of two workers with the store on ``cluster``; ``inject(nodes,
+    reached)`` sends faults. Returns the nodes' exit statuses and outputs and the metrics."""
+    metrics = tmp_path / f"{name}.jsonl"
+    flags = [PRETRAIN, *small_flags(text_data), "--elastic-metrics-file", str(metrics)]
+
+    def reached(iteration: int) -> bool:
+        return metrics.exists() and any(
+            r["iteration"] >= iteration for r in read_metrics(str(metrics), "iteration"))
+
+    with contextlib.ExitStack() as stack:
+        nodes = launch_nodes(stack, flags, 2, master_port=free_port(), log_dir=tmp_path,
+                             node_args=[[f"--node-timeout={node_timeout_s:g}"]] * 2,
+                             etcd=cluster.url)
+        inject(nodes, reached)
+        results = [node.wait(240) for node in nodes]
+    return results, metrics
+
+
+@pytest.mark.timeout(420)
+def test_node_0_lost_with_its_workers_is_recovered_from_on_etcd(text_data, small_reference,  # noqa: F811
+                                                                 etcd_cluster, tmp_path):
+    """Node 0's launcher, fork server and workers are SIGKILLed: on etcd the store lives on, node
+    1 declares node 0 lost and its workers go on without ranks 0 and 1, on the trajectory."""
+    killed = {}
+
+    def inject(nodes, reached):
+        nodes[0].wait_for(lambda: reached(3), 120, "iteration 3")
+        killed.update(nodes[0].worker_pids())
+        os.killpg(nodes[0].pid, signal.SIGKILL)
+
+    [(_, _), (node1_code, node1_output)], metrics = run_two_nodes(
+        tmp_path, text_data, etcd_cluster, "node0", inject)
+    assert node1_code == 0, node1_output[-4000:]
+    assert "node 0 lost: no heartbeat for" in node1_output
+    assert all(is_gone(pid) for pid in killed.values())
+    [recovery] = read_metrics(str(metrics), "recovery")
+    assert recovery["failed_ranks"] == [0, 1]
+    iterations = read_metrics(str(metrics), "iteration")
+    assert [r["iteration"] for r in iterations] == list(range(1, TRAIN_ITERS + 1))
+    assert all(r["world_size"] == 2 for r in iterations if r["iteration"] > recovery["iteration"])
+    assert_on_trajectory(small_reference, iterations)
+
+
+@pytest.mark.timeout(420)
+def test_one_etcd_member_lost_is_not_noticed(text_data, small_reference, etcd_cluster,  # noqa: F811
+                                             tmp_path):
+    """The leader of the etcd cluster is SIGKILLed mid-run: the others elect a new one, the
+    requests go to them, and the job ends on the trajectory without a recovery."""
+
+    def inject(nodes, reached):
+        nodes[0].wait_for(lambda: reached(3), 120, "iteration 3")
+        etcd_cluster.kill(etcd_cluster.leader())
+        nodes[0].wait_for(lambda: reached(6), 120, "iteration 6, after the member's loss")
+
+    results, metrics = run_two_nodes(tmp_path, text_data, etcd_cluster, "member", inject)
+    assert [code for code, _ in results] == [0, 0], results[0][1][-4000:] + results[1][1][-4000:]
+    assert read_metrics(str(metrics), "recovery") == []
+    iterations = read_metrics(str(metrics), "iteration")
+    assert [r["iteration"] for r in iterations] == list(range(1, TRAIN_ITERS + 1))
+    assert_on_trajectory(small_reference, iterations)
+
+
+@pytest.mark.timeout(300)
+def test_the_etcd_quorum_lost_stops_every_worker_in_one_line(text_data, etcd_cluster,  # noqa: F811
+                                                             tmp_path):
+    """Two of the three members are SIGKILLed: no request is served any more. Every worker says
+    so in one line and exits non-zero, each launcher likewise, and no process is left."""
+    pids = {}
+
+    def inject(nodes, reached):
+        nodes[0].wait_for(lambda: reached(3), 120, "iteration 3")
+        for node in nodes:
+            pids.update(node.worker_pids())
+        etcd_cluster.kill(0)
+        etcd_cluster.kill(1)
+
+    results, _ = run_two_nodes(tmp_path, text_data, etcd_cluster, "quorum", inject)
+    cluster = etcd_cluster.url
+    for code, output in results:
+        assert code != 0, output[-4000:]
+        agent_lines = re.findall(r"\[elaswave-run\] lost the job store[^\n]*", output)
+        assert len(agent_lines) == 1 and cluster in agent_lines[0], output[-4000:]
+        assert output.count(f"pretrain_gpt.py: cannot continue: lost the job store at {cluster}"
+                            ) == 2, output[-4000:]  # one per worker
+        assert "Traceback" not in output, output[-4000:]
+    assert all(is_gone(pid) for pid in pids.values())
