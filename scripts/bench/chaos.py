@@ -17,6 +17,9 @@ soak sends, at random moments (seeded), faults drawn from:
   a failure right after a layer move;
 * ``consecutive``: SIGKILL of one worker, then of another as soon as the job records the
   recovery from the first: failures in consecutive iterations;
+* ``save-kill``: SIGKILL of one worker as soon as a periodic checkpoint starts to be written
+  (its ``.partial`` directory appears; the job saves every ``SAVE_INTERVAL`` iterations): a
+  failure during a save, which must never leave the tracker naming a partial checkpoint;
 * ``node0`` (with ``--store etcd`` only): node 0's launcher SIGKILLed with its workers; a new
   launcher takes its place. With the job store in node 0's launcher (the default) this ends the
   job; with ``--store etcd`` the soak starts a three-member etcd cluster on loopback ports
@@ -39,7 +42,8 @@ loss difference, and the MTTR (from the fault's first signal to the recovery rec
 victim: the first step after the recovery done) median, p90 and max per fault kind;
 ``--json-out`` writes them as JSON, ``--json`` prints them as the last line. Exit status 1, with
 the reasons on stderr, when a sample was lost, the trajectory left the reference, a fault was
-never recovered from, or the job ended before every fault was sent.
+never recovered from, the job ended before every fault was sent, or the checkpoint its tracker
+names at the end is not complete.
 
     python scripts/bench/chaos.py --faults 50 --seed 1 --json-out chaos.json
     python scripts/bench/chaos.py --faults 18 --seed 1 --store etcd    # node0 faults too
@@ -70,7 +74,8 @@ from megatron_elaswave.store import WorkerDeath, read_deaths, read_worker
 
 NODES, PER_NODE = 2, 4
 RANKS = NODES * PER_NODE
-KINDS = ("kill", "stop", "recovery-kill", "burst", "node", "join-kill", "grow-kill", "consecutive")
+KINDS = ("kill", "stop", "recovery-kill", "burst", "node", "join-kill", "grow-kill", "consecutive",
+         "save-kill")
 ETCD_KINDS = (*KINDS, "node0")
 """The kinds a soak with the job store on etcd draws from: node 0 can be lost too."""
 SECOND_KILL = {"join-kill", "grow-kill", "consecutive"}
@@ -98,6 +103,9 @@ REJOIN_DELAY_S = 0.2
 --rejoin-delay``). On this machine the replacement starts on the cores the survivors recover on."""
 TRAILING_ITERATIONS = 5
 """Iterations trained on every rank after the last fault, before the soak stops the job."""
+SAVE_INTERVAL = 10
+"""The soak's job saves a durable checkpoint every this many iterations (``--save-interval``)."""
+TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def model_flags(train_iters: int, layout: dict[str, str] | None = None) -> list[str]:
@@ -245,6 +253,10 @@ class Soak:
     def pid(self, rank: int) -> int:
         return read_worker(self.store(), rank).pid
 
+    def saves_started(self) -> set[str]:
+        """The directories of the checkpoints whose writing has started (``.partial``) so far."""
+        return {path.name for path in (self.workdir / "checkpoints").glob("iter_*.partial*")}
+
     def inject(self, kind: str) -> Fault:
         """Inject one fault of ``kind``. The victims' pids are read from the store first: the
         fault's clock starts at its first signal, not at the soak's own look-ups (the first one
@@ -257,6 +269,8 @@ class Soak:
             victims = self.rng.sample(ranks, 2)
         elif kind in SECOND_KILL:
             victims = self.rng.sample(range(RANKS), 2)
+        elif kind == "save-kill":
+            victims = [self.rng.randrange(RANKS)]
         elif kind == "burst":
             victims = self.rng.sample(ranks, self.rng.randint(2, 4))
         else:
@@ -265,8 +279,11 @@ class Soak:
         pids = [self.pid(rank) for rank in victims] if kind not in ("node", "node0") else []
         deaths = len(read_deaths(self.store())) if kind == "recovery-kill" else 0
         records = len(self.records())
+        if kind == "save-kill":
+            saves = self.saves_started()
+            self.wait(lambda: self.saves_started() - saves, 120)
         started = time.time()
-        if kind in ("kill", "stop"):
+        if kind in ("kill", "stop", "save-kill"):
             send(pids[0], signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
         elif kind == "recovery-kill":
             send(pids[0], signal.SIGKILL)
@@ -312,7 +329,8 @@ def run_soak(faults: int, seed: int, kinds: tuple[str, ...], workdir: Path,
     train_iters = ITERATIONS_PER_FAULT * faults + 50
     metrics = workdir / "soak.jsonl"
     port = free_port()
-    flags = [*model_flags(train_iters), "--elastic-metrics-file", str(metrics)]
+    flags = [*model_flags(train_iters), "--elastic-metrics-file", str(metrics),
+             "--save", str(workdir / "checkpoints"), "--save-interval", str(SAVE_INTERVAL)]
     soak = Soak(workdir, metrics, port, flags, random.Random(seed), rejoin_delay_s,
                 None if etcd is None else (etcd, f"chaos-seed{seed}-{os.getpid()}"))
     soak.nodes = [soak.node(rank) for rank in range(NODES)]
@@ -395,6 +413,18 @@ def attribute(faults: list[Fault], recoveries: list[dict], deaths: list[WorkerDe
                             for r in mine]
 
 
+def tracked_checkpoint(checkpoints: Path) -> str | None:
+    """What is wrong with the checkpoint the tracker in ``checkpoints`` names, if anything: it
+    must be a complete one (renamed from its ``.partial`` directory, with its metadata)."""
+    tracker = checkpoints / TRACKER
+    if not tracker.exists():
+        return f"no {TRACKER} in {checkpoints}"
+    directory = checkpoints / f"iter_{int(tracker.read_text()):07d}"
+    if not (directory / "metadata.json").is_file() or not (directory / "common.pt").is_file():
+        return f"{TRACKER} names {directory.name}, which is not a complete checkpoint"
+    return None
+
+
 def relative_differences(run: list[dict], reference: list[dict]) -> dict[int, float]:
     """Per iteration of both: the relative difference of ``run``'s loss from ``reference``'s."""
     losses = {r["iteration"]: r["lm_loss"] for r in run}
@@ -415,7 +445,8 @@ def off_trajectory(differences: dict[int, float], floor: dict[int, float]) -> li
 
 
 def summarise(faults: list[Fault], records: list[dict], deaths: list[WorkerDeath],
-              reference: list[dict], other_layout: list[dict], output: str) -> dict:
+              reference: list[dict], other_layout: list[dict], output: str,
+              checkpoints: Path) -> dict:
     iterations = [r for r in records if r["event"] == "iteration"]
     recoveries = [r for r in records if r["event"] == "recovery"]
     attribute(faults, recoveries, deaths)
@@ -453,6 +484,7 @@ def summarise(faults: list[Fault], records: list[dict], deaths: list[WorkerDeath
         "other_layout_largest_relative_loss_difference": max(floor.values(), default=0.0),
         "iterations_off_trajectory": off,
         "on_trajectory": lost == 0 and not off,
+        "tracked_checkpoint_problem": tracked_checkpoint(checkpoints),
         "mttr": mttr,
         "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S,
         "node_timeout_s": NODE_TIMEOUT_S,
@@ -508,7 +540,8 @@ def main() -> None:
     print("failure-free run on another layout (summation order)", flush=True)
     other_layout = reference_run(ITERATIONS_PER_FAULT * args.faults + 50, trained, workdir,
                                  "other-layout", OTHER_LAYOUT)
-    summary = summarise(faults, records, deaths, reference, other_layout, output)
+    summary = summarise(faults, records, deaths, reference, other_layout, output,
+                        workdir / "checkpoints")
     print(f"faults injected: {summary['faults']} {summary['faults_per_kind']}")
     print(f"recoveries: {summary['recoveries']}, grows: {summary['grows']}, "
           f"clean stops: {summary['clean_stops']}")
@@ -521,7 +554,7 @@ def main() -> None:
               f"p90 {figures['p90_s']:.2f} s  max {figures['max_s']:.2f} s")
     problems = [f"{name.replace('_', ' ')}: {summary[name]}" for name in (
         "iterations_missing", "iterations_recorded_twice", "iterations_on_other_samples",
-        "iterations_off_trajectory") if summary[name]]
+        "iterations_off_trajectory", "tracked_checkpoint_problem") if summary[name]]
     if summary["faults_without_recovery"]:
         problems.append(f"faults with no recovery record: {summary['faults_without_recovery']}")
     if summary["faults"] < args.faults:
