@@ -34,7 +34,7 @@ setup(
         "numpy>=1.26",
         # dist_checkpointing's async writer needs psutil but megatron-core does not declare it.
         "psutil>=5.9",
-        # Each worker's process title names its rank and script (megatron_elaswave/proctitle.py).
+        # Each worker's process title names its rank and script (megatron_elaswave/launch/proctitle.py).
         "setproctitle>=1.3",
     ],
     extras_require={
@@ -52,7 +52,7 @@ setup(
         "npu": ["torch-npu"],
         "dvfs": ["nvidia-ml-py"],
     },
-    entry_points={"console_scripts": ["elaswave-run=megatron_elaswave.run:main"]},
+    entry_points={"console_scripts": ["elaswave-run=megatron_elaswave.launch.run:main"]},
     classifiers=[
         "License :: OSI Approved :: Apache Software License",
         "Programming Language :: Python :: 3",

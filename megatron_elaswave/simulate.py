@@ -24,9 +24,9 @@ from dataclasses import dataclass, replace
 
 from megatron_elaswave.layout import even_layer_split, megatron_rank
 from megatron_elaswave.planner.cost import CostModel
+from megatron_elaswave.planner.frequency import PowerModel
 from megatron_elaswave.planner.job import JobSpec
 from megatron_elaswave.planner.policies import POLICIES, predict_policies
-from megatron_elaswave.planner.frequency import PowerModel
 from megatron_elaswave.planner.profile import (
     Profile,
     ProfileError,

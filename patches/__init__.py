@@ -48,7 +48,7 @@ def compatibility_registry(backend: DeviceBackend, *, dropout_seeds: DropoutSeed
     """The patches any run on ``backend`` needs: device compatibility (off CUDA) and fixes.
 
     ``dropout_seeds`` adds the layout-invariant dropout RNG (:mod:`.transformer_layer`,
-    :mod:`.language_model_embedding`), seeded from it (see ``megatron_elaswave.dropout_rng``).
+    :mod:`.language_model_embedding`), seeded from it (see ``megatron_elaswave.runtime.dropout_rng``).
     Off by default.
     ``megatron_core_version``: the version of the megatron-core that will be patched, when it is
     not the installed package (a Megatron-LM checkout); checked like the installed one. Raises

@@ -36,7 +36,7 @@ is. Inert until an event is given.
 A device backend's work is left to torch: NCCL completes a work's future when the operation is
 enqueued (its ``wait`` makes the current stream wait, and blocks no host thread), so the wrapped
 wait finds it done and calls torch's at once. A device collective that waits for a dead peer is
-ended by the backend's abort instead (``megatron_elaswave.world``).
+ended by the backend's abort instead (``megatron_elaswave.runtime.world``).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ def _world_attribute(name: str) -> Callable[[], bool]:
 _C10D = "torch.distributed.distributed_c10d"
 
 REQUIRED: tuple[TorchAPI, ...] = (
-    # megatron_elaswave.communicator: group ranks in the layout's order, not sorted.
+    # megatron_elaswave.runtime.communicator: group ranks in the layout's order, not sorted.
     TorchAPI("torch.distributed.new_group(sort_ranks=...)", "2.12",
              _parameters("torch.distributed.new_group", "sort_ranks")),
     # patches.distributed_c10d.new_named_group
@@ -104,7 +104,7 @@ REQUIRED: tuple[TorchAPI, ...] = (
     TorchAPI(f"{_C10D}._get_default_group", None, _attribute(f"{_C10D}._get_default_group")),
     TorchAPI(f"{_C10D}._world.pg_group_ranks", None, _world_attribute("pg_group_ranks")),
     TorchAPI(f"{_C10D}._world.group_count", None, _world_attribute("group_count")),
-    # megatron_elaswave.communicator and .world: op timeouts and aborts of live groups.
+    # megatron_elaswave.runtime.communicator and .world: op timeouts and aborts of live groups.
     TorchAPI("torch.distributed.ProcessGroup.set_timeout", "2.9",
              _attribute("torch.distributed.ProcessGroup.set_timeout")),
     TorchAPI("torch.distributed.ProcessGroup.abort", "2.7",
@@ -124,11 +124,11 @@ REQUIRED: tuple[TorchAPI, ...] = (
              _attribute("torch.distributed.get_process_group_ranks")),
     # megatron_elaswave.training.startup
     TorchAPI("torch.distributed.DistError", "2.2", _attribute("torch.distributed.DistError")),
-    # megatron_elaswave.store.collect_generations: a generation's keys, found to be deleted
+    # megatron_elaswave.launch.store.collect_generations: a generation's keys, found to be deleted
     # (pytorch/pytorch#167883).
     TorchAPI("torch.distributed.Store.list_keys", "2.10",
              _attribute("torch.distributed.Store.list_keys")),
-    # megatron_elaswave.launcher: the job store outlives the workers it waits for.
+    # megatron_elaswave.launch.launcher: the job store outlives the workers it waits for.
     TorchAPI("torch.distributed.TCPStore(wait_for_workers=...)", None,
              _documented_parameter("torch.distributed.TCPStore.__init__", "wait_for_workers")),
 )

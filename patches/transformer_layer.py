@@ -4,7 +4,7 @@ Checked against megatron-core 0.16.1 and 0.19.2 (``megatron/core/transformer/tra
 line numbers of 0.16.1).
 
 Installed only when asked (``patches.install(backend, dropout_seeds=...)``; the training script
-does so for ``--elastic-rng invariant``, with ``megatron_elaswave.dropout_rng``). Right before a
+does so for ``--elastic-rng invariant``, with ``megatron_elaswave.runtime.dropout_rng``). Right before a
 layer's forward runs in training, the default device generator and the RNG tracker's
 ``'model-parallel-rng'`` state are reseeded from ``dropout_seeds.stream_seeds`` of
 

@@ -85,7 +85,7 @@ def launch(flags: list[str]) -> int:
         port = probe.getsockname()[1]
     environment = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
-        [sys.executable, "-m", "megatron_elaswave.run", "--nproc-per-node", "8",
+        [sys.executable, "-m", "megatron_elaswave.launch.run", "--nproc-per-node", "8",
          "--master-port", str(port), str(SCRIPTS / "pretrain_gpt.py"), *flags],
         env=environment,
     ).returncode

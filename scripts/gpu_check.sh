@@ -53,10 +53,10 @@ step tests "$PYTHON" -m pytest -q -p no:cacheprovider \
 GPT=(--num-layers 4 --hidden-size 1024 --num-attention-heads 16 --seq-length 1024
      --micro-batch-size 4 --global-batch-size 16 --lr 1e-4 --mock-data --vocab-size 32000
      --use-distributed-optimizer --bf16 --log-interval 5 --eval-interval 100000)
-step elastic_run "$PYTHON" -m megatron_elaswave.run --nproc-per-node=1 "$REPO/scripts/pretrain_gpt.py" \
+step elastic_run "$PYTHON" -m megatron_elaswave.launch.run --nproc-per-node=1 "$REPO/scripts/pretrain_gpt.py" \
     "${GPT[@]}" --train-iters 20 --elastic --elastic-metrics-file "$OUT/elastic_metrics.jsonl"
 # A step that raises on the GPU is run again from the snapshot restored into device memory.
-step elastic_rerun "$PYTHON" -m megatron_elaswave.run --nproc-per-node=1 \
+step elastic_rerun "$PYTHON" -m megatron_elaswave.launch.run --nproc-per-node=1 \
     "$REPO/scripts/pretrain_gpt.py" "${GPT[@]}" --train-iters 20 --elastic \
     --elastic-inject-failure rank=0,iteration=8,kind=raise \
     --elastic-metrics-file "$OUT/elastic_rerun_metrics.jsonl"

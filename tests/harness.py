@@ -35,8 +35,9 @@ import psutil
 import pytest
 from torch.distributed import Store, TCPStore
 
-from megatron_elaswave.launcher import accepts_connections
-from megatron_elaswave.store import EtcdAddress, WorkerDeath, read_deaths, read_worker
+from megatron_elaswave.launch.etcd_store import EtcdAddress
+from megatron_elaswave.launch.launcher import accepts_connections
+from megatron_elaswave.launch.store import WorkerDeath, read_deaths, read_worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from etcd_cluster import EtcdCluster, etcd_missing  # noqa: E402
@@ -151,7 +152,7 @@ class LaunchedJob:
     def store(self, timeout: float = 30.0) -> Store:
         """A client of the job store (connected on first use)."""
         if self._store is None and self.etcd is not None:
-            from megatron_elaswave.etcd_store import EtcdStore
+            from megatron_elaswave.launch.etcd_store import EtcdStore
 
             self._store = EtcdStore(self.etcd, STORE_TIMEOUT)
         if self._store is None:
@@ -230,7 +231,7 @@ def launch(
     etcd: str | None = None,
     run_id: str = "none",
 ) -> LaunchedJob:
-    """Start ``python -m megatron_elaswave.run ... *args`` in a session of its own.
+    """Start ``python -m megatron_elaswave.launch.run ... *args`` in a session of its own.
 
     ``args`` is the script and its arguments; ``launcher_args`` are extra launcher flags;
     ``etcd`` (a ``--store`` URL) keeps the job store on that cluster, under ``run_id``.
@@ -240,7 +241,7 @@ def launch(
     command = [
         sys.executable,
         "-m",
-        "megatron_elaswave.run",
+        "megatron_elaswave.launch.run",
         f"--nproc-per-node={nproc_per_node}",
         f"--nnodes={nnodes}",
         f"--node-rank={node_rank}",

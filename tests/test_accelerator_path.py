@@ -17,12 +17,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_elaswave import world
-from megatron_elaswave.communicator import GroupRegistry, Role
-from megatron_elaswave.dvfs import clock_backend
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.patches import distributed_work
-from megatron_elaswave.snapshot import SnapshotConfig, SnapshotStore
+from megatron_elaswave.runtime import world
+from megatron_elaswave.runtime.communicator import GroupRegistry, Role
+from megatron_elaswave.runtime.dvfs import clock_backend
+from megatron_elaswave.runtime.snapshot import SnapshotConfig, SnapshotStore
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

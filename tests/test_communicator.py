@@ -20,7 +20,10 @@ import pytest
 import torch.distributed as dist
 from harness import free_port, launch, worker_script
 
-from megatron_elaswave.communicator import (
+from megatron_elaswave.launch.store import WaitInterrupted
+from megatron_elaswave.layout import Layout, Replica, StageInstance
+from megatron_elaswave.patches.distributed_c10d import forget_unformed_default_group
+from megatron_elaswave.runtime.communicator import (
     CREATION_TIMEOUT,
     HOST_ROLES,
     SEPARATE_HOST_GROUPS_ENV,
@@ -32,10 +35,7 @@ from megatron_elaswave.communicator import (
     member_lists,
     plan_edit,
 )
-from megatron_elaswave.layout import Layout, Replica, StageInstance
-from megatron_elaswave.patches.distributed_c10d import forget_unformed_default_group
-from megatron_elaswave.store import WaitInterrupted
-from megatron_elaswave.world import InterruptibleStore
+from megatron_elaswave.runtime.world import InterruptibleStore
 
 multiprocess = pytest.mark.multiprocess
 

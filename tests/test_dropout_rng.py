@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from harness import free_port, launch
-from megatron_elaswave import dropout_rng
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.metrics import read_metrics
 from megatron_elaswave.planner import rng
+from megatron_elaswave.runtime import dropout_rng
 from megatron_elaswave.training.arguments import parse_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -87,7 +87,7 @@ def test_every_coordinate_changes_the_seeds_except_tp_rank_for_the_default_strea
 def test_seeds_are_the_same_in_another_process():
     positioned(seed=1234, iteration=9, microbatch=17)
     here = dropout_rng.stream_seeds(5, 3)
-    code = ("from megatron_elaswave import dropout_rng as d; d.set_seed(1234); d.set_iteration(9); "
+    code = ("from megatron_elaswave.runtime import dropout_rng as d; d.set_seed(1234); d.set_iteration(9); "
             "d.set_microbatch(17); s = d.stream_seeds(5, 3); print(s.default, s.model_parallel)")
     outputs = {
         subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
@@ -98,7 +98,7 @@ def test_seeds_are_the_same_in_another_process():
 
 
 def test_runtime_module_does_not_import_megatron_or_torch():
-    code = ("import sys, megatron_elaswave.dropout_rng; "
+    code = ("import sys, megatron_elaswave.runtime.dropout_rng; "
             "print(any(m.split('.')[0] in ('megatron', 'torch') for m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout == "False\n"

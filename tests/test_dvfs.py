@@ -8,15 +8,15 @@ import types
 import pytest
 import torch
 
-from megatron_elaswave.dvfs import (
+from megatron_elaswave.layout import Layout
+from megatron_elaswave.planner.frequency import ClockPlan
+from megatron_elaswave.runtime.dvfs import (
     CommandClocks,
     DvfsError,
     DvfsGovernor,
     SimulatedClocks,
     clock_backend,
 )
-from megatron_elaswave.layout import Layout
-from megatron_elaswave.planner.frequency import ClockPlan
 
 
 def plan(clocks) -> ClockPlan:

@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from harness import free_port, is_gone, launch, launch_nodes
-from megatron_elaswave.communicator import SEPARATE_HOST_GROUPS_ENV
 from megatron_elaswave.metrics import read_metrics
+from megatron_elaswave.runtime.communicator import SEPARATE_HOST_GROUPS_ENV
 from test_pretrain_gpt import PRETRAIN, model_flags, text_data  # noqa: F401  (fixture)
 
 LOSS_TOLERANCE = 1e-4

@@ -24,14 +24,14 @@ from test_elastic import TRAIN_ITERS, assert_on_trajectory, small_flags, small_r
 from test_pretrain_gpt import PRETRAIN, text_data  # noqa: F401  (fixture)
 from torch.distributed import DistStoreError
 
+from megatron_elaswave.launch.etcd_store import EtcdAddress
 from megatron_elaswave.metrics import read_metrics
-from megatron_elaswave.store import EtcdAddress
 
 pytestmark = pytest.mark.multiprocess
 
 
 def store_on(cluster, namespace: str, timeout_s: float = 2.0):
-    from megatron_elaswave.etcd_store import EtcdStore
+    from megatron_elaswave.launch.etcd_store import EtcdStore
 
     return EtcdStore(EtcdAddress.parse(cluster.url, namespace), timedelta(seconds=timeout_s))
 
@@ -61,8 +61,7 @@ def test_the_etcd_store_answers_as_the_tcpstore_does(etcd_cluster, store):
 GLOO_WORKER = """
 import sys, torch, torch.distributed as dist
 from datetime import timedelta
-from megatron_elaswave.etcd_store import EtcdStore
-from megatron_elaswave.store import EtcdAddress
+from megatron_elaswave.launch.etcd_store import EtcdAddress, EtcdStore
 rank, url = int(sys.argv[1]), sys.argv[2]
 store = EtcdStore(EtcdAddress.parse(url, "gloo"), timeout=timedelta(seconds=60))
 dist.init_process_group("gloo", store=dist.PrefixStore("gen0/", store), rank=rank, world_size=3,
@@ -98,7 +97,7 @@ def test_gloo_groups_form_on_the_etcd_store(etcd_cluster):
     ("etcd://", "is not HOST:PORT"), ("etcd://host", "is not HOST:PORT"),
     ("http://127.0.0.1:2379", "is not an etcd URL")])
 def test_a_bad_store_url_is_one_line_and_status_2(url, fragment):
-    result = subprocess.run([sys.executable, "-m", "megatron_elaswave.run", "--store", url,
+    result = subprocess.run([sys.executable, "-m", "megatron_elaswave.launch.run", "--store", url,
                              PRETRAIN], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2, result.stderr
     assert fragment in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_elaswave.faults import FailureSpecError, FaultInjector, InjectedError, InjectedFailure
+from megatron_elaswave.runtime.faults import FailureSpecError, FaultInjector, InjectedError, InjectedFailure
 
 
 def test_specs_parse_every_kind_and_refuse_unknown_ones():

@@ -20,14 +20,14 @@ from pathlib import Path
 import pytest
 
 from harness import free_port, launch, launch_nodes
-from megatron_elaswave.agreement import agree
-from megatron_elaswave.decisions import Decision
-from megatron_elaswave.keys import FINISHED_KEY, accepted_key, decision_key, join_key
+from megatron_elaswave.launch.decisions import Decision
+from megatron_elaswave.launch.keys import FINISHED_KEY, accepted_key, decision_key, join_key
+from megatron_elaswave.launch.store import REJOIN_ENV, WorkerDeath, record_death
 from megatron_elaswave.layout import Layout, Replica
 from megatron_elaswave.metrics import read_metrics
-from megatron_elaswave.monitor import FailureMonitor, MonitorConfig
 from megatron_elaswave.planner.frequency import ClockPlan
-from megatron_elaswave.store import REJOIN_ENV, WorkerDeath, record_death
+from megatron_elaswave.runtime.agreement import agree
+from megatron_elaswave.runtime.monitor import FailureMonitor, MonitorConfig
 from megatron_elaswave.training import relayout
 from test_elastic import (
     PRETRAIN,

@@ -20,11 +20,11 @@ import psutil
 import pytest
 from harness import free_port, is_gone, launch, wait_until, worker_script
 
-from megatron_elaswave.launcher import LaunchConfig, accepts_connections, job_exit_status
-from megatron_elaswave.proctitle import worker_title
-from megatron_elaswave.run import parse_config
-from megatron_elaswave.keys import NODE_CHANGES_KEY, death_key, worker_key
-from megatron_elaswave.store import (
+from megatron_elaswave.launch.keys import NODE_CHANGES_KEY, death_key, worker_key
+from megatron_elaswave.launch.launcher import LaunchConfig, accepts_connections, job_exit_status
+from megatron_elaswave.launch.proctitle import worker_title
+from megatron_elaswave.launch.run import parse_config
+from megatron_elaswave.launch.store import (
     WorkerDeath,
     change_node_state,
     read_deaths,
@@ -475,7 +475,7 @@ def test_a_taken_node_rank_needs_rejoin_and_a_lost_node(tmp_path):
 
 def run_launcher(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "megatron_elaswave.run", *args],
+        [sys.executable, "-m", "megatron_elaswave.launch.run", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_elaswave.keys import change_key
+from megatron_elaswave.launch.keys import change_key
 from megatron_elaswave.metrics import read_metrics
 from megatron_elaswave.training.relayout import RELAYOUT_DELAY_ENV
 from test_elastic import FOLLOW_STRAGGLERS, TRAIN_ITERS, assert_on_trajectory, run

@@ -21,24 +21,16 @@ from harness import free_port, launch, wait_until, worker_script
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatron_elaswave.agreement import AGREEMENT_DELAY_ENV
-from megatron_elaswave.decisions import Decision
-from megatron_elaswave.keys import (
+from megatron_elaswave.launch.decisions import Decision
+from megatron_elaswave.launch.keys import (
     ALERT_COUNT_KEY,
     decision_key,
     heartbeat_key,
     joined_key,
     round_key,
 )
-from megatron_elaswave.monitor import (
-    ANNOUNCED,
-    HEARTBEAT,
-    FailureMonitor,
-    FailureNotice,
-    MonitorConfig,
-)
-from megatron_elaswave.silence import HeartbeatSilence, ring_neighbours
-from megatron_elaswave.store import (
+from megatron_elaswave.launch.silence import HeartbeatSilence, ring_neighbours
+from megatron_elaswave.launch.store import (
     Silence,
     WorkerDeath,
     collect_generations,
@@ -46,6 +38,14 @@ from megatron_elaswave.store import (
     read_silences,
     record_death,
     report_silence,
+)
+from megatron_elaswave.runtime.agreement import AGREEMENT_DELAY_ENV
+from megatron_elaswave.runtime.monitor import (
+    ANNOUNCED,
+    HEARTBEAT,
+    FailureMonitor,
+    FailureNotice,
+    MonitorConfig,
 )
 
 multiprocess = pytest.mark.multiprocess
@@ -129,8 +129,8 @@ STUCK_EXCLUDED_RANK = """
 import sys, time
 from datetime import timedelta
 from torch.distributed import TCPStore
-from megatron_elaswave.decisions import Decision
-from megatron_elaswave.monitor import FailureMonitor, MonitorConfig
+from megatron_elaswave.launch.decisions import Decision
+from megatron_elaswave.runtime.monitor import FailureMonitor, MonitorConfig
 store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=10))
 config = MonitorConfig(heartbeat_timeout_s=5.0, exclusion_grace_s=float(sys.argv[2]))
 with FailureMonitor(store, 2, Decision.initial(3), config, on_failure=lambda: None) as monitor:

@@ -188,16 +188,16 @@ def test_imports_are_found_wherever_they_are():
     source = """
 from megatron_elaswave.device import DeviceBackend
 from . import registry
-import torch, megatron_elaswave.store
+import torch, megatron_elaswave.launch.store
 import megatron_elaswave_other
 
 def hook():
     from megatron_elaswave.training import arguments
-    importlib.import_module("megatron_elaswave.dropout_rng")
+    importlib.import_module("megatron_elaswave.runtime.dropout_rng")
 """
     assert absolute_imports(source, "megatron_elaswave") == [
-        "line 2: megatron_elaswave.device", "line 4: megatron_elaswave.store",
-        "line 8: megatron_elaswave.training", "line 9: megatron_elaswave.dropout_rng"]
+        "line 2: megatron_elaswave.device", "line 4: megatron_elaswave.launch.store",
+        "line 8: megatron_elaswave.training", "line 9: megatron_elaswave.runtime.dropout_rng"]
 
 
 def test_the_installed_torch_has_every_api_used():

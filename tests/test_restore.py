@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from megatron_elaswave.store import WaitInterrupted
+from megatron_elaswave.launch.store import WaitInterrupted
 from megatron_elaswave.training.restore import RestoreRound
 
 MEMBERS = (0, 1, 2)

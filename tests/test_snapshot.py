@@ -19,14 +19,14 @@ from megatron.core import tensor_parallel
 from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
 from harness import free_port, launch, worker_script
-from megatron_elaswave import snapshot as snapshot_module
-from megatron_elaswave.snapshot import (
+from megatron_elaswave.layout import Layout
+from megatron_elaswave.runtime import snapshot as snapshot_module
+from megatron_elaswave.runtime.snapshot import (
     SnapshotConfig,
     SnapshotCorrupted,
     SnapshotMissing,
     SnapshotStore,
 )
-from megatron_elaswave.layout import Layout
 from megatron_elaswave.training.snapshots import StepSnapshots, restore_rng_states, rng_states
 
 

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Callable, NoReturn
 
 import torch.distributed as dist
 
-from megatron_elaswave import dropout_rng
 from megatron_elaswave.device import DeviceBackend
+from megatron_elaswave.launch.store import REJOIN_ENV
 from megatron_elaswave.patches import PatchRegistry, register_layout_invariant_rng
 from megatron_elaswave.patches.megatron_lm_elastic import DefaultGroupRedirect
-from megatron_elaswave.store import REJOIN_ENV
+from megatron_elaswave.runtime import dropout_rng
 from megatron_elaswave.training import exit_status
 from megatron_elaswave.training.arguments import ArgumentError, add_elastic_args, validate_elastic
 

@@ -42,21 +42,21 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 from torch.distributed import ProcessGroup
 
-from megatron_elaswave import dropout_rng
-from megatron_elaswave.communicator import Role
 from megatron_elaswave.device import DeviceBackend
-from megatron_elaswave.keys import shared_key
+from megatron_elaswave.launch.keys import shared_key
 from megatron_elaswave.patches.megatron_lm_elastic import DefaultGroupRedirect
+from megatron_elaswave.runtime import dropout_rng
+from megatron_elaswave.runtime.communicator import Role
 from megatron_elaswave.training.checkpoint import TRACKER_FILE
 from megatron_elaswave.training.data import MicrobatchSource, gpt_datasets, train_samples
 from megatron_elaswave.training.elastic import ElasticTrainer, run_elastic
 from megatron_elaswave.training.elastic_setup import build_elastic_trainer, join_elastic_job
 from megatron_elaswave.training.job import resume
-from megatron_elaswave.training.loop import log
-from megatron_elaswave.training.stopping import StopConditions
 from megatron_elaswave.training.layer_groups import ModelFactory
+from megatron_elaswave.training.loop import log
 from megatron_elaswave.training.loop import StepResult
 from megatron_elaswave.training.snapshots import restore_rng_states, rng_states
+from megatron_elaswave.training.stopping import StopConditions
 
 
 class UnsupportedModel(TypeError):

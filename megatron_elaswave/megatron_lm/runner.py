@@ -9,7 +9,7 @@ import os
 import runpy
 import sys
 
-from megatron_elaswave.proctitle import MEGATRON_LM_RUNNER, name_worker
+from megatron_elaswave.launch.proctitle import MEGATRON_LM_RUNNER, name_worker
 
 
 def main() -> None:

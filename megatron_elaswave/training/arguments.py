@@ -11,8 +11,8 @@ import importlib.util
 import os
 from typing import Sequence
 
-from megatron_elaswave.dvfs import BACKENDS
-from megatron_elaswave.faults import FailureSpecError, InjectedFailure, InjectedSlowdown
+from megatron_elaswave.runtime.dvfs import BACKENDS
+from megatron_elaswave.runtime.faults import FailureSpecError, InjectedFailure, InjectedSlowdown
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 TOKENIZER_TYPES = ("ByteLevelTokenizer", "NullTokenizer")

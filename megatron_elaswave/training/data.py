@@ -154,7 +154,7 @@ class StepData:
 class MicrobatchIds:
     """What a stage without the first or last layer gets instead of :class:`StepData`: only the
     global id of each micro-batch, in the order it runs them (no data is loaded). Every stage
-    needs it to key its dropout masks (``megatron_elaswave.dropout_rng``)."""
+    needs it to key its dropout masks (``megatron_elaswave.runtime.dropout_rng``)."""
 
     microbatch_ids: Sequence[int]
 

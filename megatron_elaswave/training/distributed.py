@@ -9,7 +9,7 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_elaswave.device import DeviceBackend
-from megatron_elaswave.store import default_group_store
+from megatron_elaswave.launch.store import default_group_store
 
 
 def init_default_group(rank: int, world_size: int, local_rank: int, backend: DeviceBackend,

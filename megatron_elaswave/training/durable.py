@@ -7,7 +7,7 @@ copied from the device for it and no process group is used: the step goes on whi
 the rank writes. A save goes as follows (:class:`DurableCheckpoints`):
 
 1. At the step boundary each rank that holds a stage pins its snapshot of the iteration (its
-   payload is not reused while it is written; :meth:`~megatron_elaswave.snapshot.SnapshotStore.pin`)
+   payload is not reused while it is written; :meth:`~megatron_elaswave.runtime.snapshot.SnapshotStore.pin`)
    and hands a :class:`SaveRequest` to its writer thread: the snapshot, where each element of it
    goes in the checkpoint (from the live model's ``sharded_state_dict``, which names tensors
    the same way in every layout) and, on the lowest of those ranks (the *finaliser*), what is not
@@ -29,7 +29,7 @@ storage and the save completes. An abandoned save leaves a ``.partial`` director
 committed save removes; the tracker still names the last complete checkpoint. Commits of
 different saves are serialised by a lock in the store, and the tracker only moves forward.
 
-Store keys (:mod:`megatron_elaswave.keys`): ``rt/ckpt/<iteration>-g<generation>/part/<rank>`` (a
+Store keys (:mod:`megatron_elaswave.launch.keys`): ``rt/ckpt/<iteration>-g<generation>/part/<rank>`` (a
 writer's part is on storage), ``rt/ckpt/<iteration>-g<generation>/outcome`` (``committing``,
 ``committed`` or ``abandoned``, first written with ``compare_set``) and ``rt/ckpt/lock`` (the save
 that commits, empty when none).
@@ -46,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_elaswave.keys import CHECKPOINT_LOCK_KEY, checkpoint_key
+from megatron_elaswave.launch.keys import CHECKPOINT_LOCK_KEY, checkpoint_key
 from megatron_elaswave.patches.dist_checkpointing import (
     Box,
     Segment,
@@ -57,7 +57,7 @@ from megatron_elaswave.patches.dist_checkpointing import (
     write_index,
     write_part,
 )
-from megatron_elaswave.snapshot import PendingSnapshot, SnapshotStore
+from megatron_elaswave.runtime.snapshot import PendingSnapshot, SnapshotStore
 
 from .checkpoint import checkpoint_dir, latest_complete, write_tracker
 from .loop import log

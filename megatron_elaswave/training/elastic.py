@@ -38,21 +38,21 @@ from datetime import timedelta
 
 import torch
 
-from megatron_elaswave.communicator import EditMode, GroupRegistry, Role
-from megatron_elaswave.decisions import Decision
-from megatron_elaswave.dvfs import DvfsGovernor
-from megatron_elaswave.faults import FaultInjector, InjectedSlowdown, slow_down
-from megatron_elaswave.keys import FINISHED_KEY, RECORDS_WRITTEN_KEY, checkpoint_key, done_key
+from megatron_elaswave.launch.decisions import Decision
+from megatron_elaswave.launch.keys import FINISHED_KEY, RECORDS_WRITTEN_KEY, checkpoint_key, done_key
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter
-from megatron_elaswave.monitor import FailureMonitor
 from megatron_elaswave.patches.dist_checkpointing import chunk_placements
 from megatron_elaswave.patches.gpt_model import transformer_layers
 from megatron_elaswave.planner.cost import CostModel
 from megatron_elaswave.planner.dataflow import resize_deal
 from megatron_elaswave.planner.frequency import ClockPlan
 from megatron_elaswave.planner.zero import survival
-from megatron_elaswave.world import release_retired
+from megatron_elaswave.runtime.communicator import EditMode, GroupRegistry, Role
+from megatron_elaswave.runtime.dvfs import DvfsGovernor
+from megatron_elaswave.runtime.faults import FaultInjector, InjectedSlowdown, slow_down
+from megatron_elaswave.runtime.monitor import FailureMonitor
+from megatron_elaswave.runtime.world import release_retired
 
 from . import relayout
 from .checkpoint import TrainingProgress, checkpoint_common, checkpoint_dir

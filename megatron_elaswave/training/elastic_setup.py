@@ -10,18 +10,18 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from megatron_elaswave.communicator import GroupRegistry, Role
-from megatron_elaswave.decisions import Decision
 from megatron_elaswave.device import DeviceBackend
-from megatron_elaswave.dvfs import DvfsGovernor, clock_backend
-from megatron_elaswave.faults import FaultInjector
-from megatron_elaswave.keys import SNAPSHOT_COPIES_KEY
+from megatron_elaswave.launch.decisions import Decision
+from megatron_elaswave.launch.keys import SNAPSHOT_COPIES_KEY
+from megatron_elaswave.launch.store import connect_store
 from megatron_elaswave.metrics import MetricsWriter
-from megatron_elaswave.monitor import FailureMonitor, MonitorConfig
 from megatron_elaswave.patches import distributed_work
 from megatron_elaswave.planner.frequency import PowerModel
 from megatron_elaswave.planner.replan import nominal_clock_plan
-from megatron_elaswave.store import connect_store
+from megatron_elaswave.runtime.communicator import GroupRegistry, Role
+from megatron_elaswave.runtime.dvfs import DvfsGovernor, clock_backend
+from megatron_elaswave.runtime.faults import FaultInjector
+from megatron_elaswave.runtime.monitor import FailureMonitor, MonitorConfig
 
 from . import relayout
 from .data import MicrobatchSource

@@ -56,7 +56,6 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer import TransformerConfig
 from megatron.core.utils import get_attr_wrapped_model
 
-from megatron_elaswave.communicator import GroupRegistry, Role
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.patches.distributed_data_parallel import (
     distributed_data_parallel,
@@ -65,6 +64,7 @@ from megatron_elaswave.patches.distributed_data_parallel import (
 from megatron_elaswave.patches.optimizer import agree_grad_norm_groups, param_groups_aligned_on
 from megatron_elaswave.patches.parallel_state import install_process_groups
 from megatron_elaswave.patches.process_groups_config import process_group_collection
+from megatron_elaswave.runtime.communicator import GroupRegistry, Role
 
 from .model import (
     TrainingObjects,

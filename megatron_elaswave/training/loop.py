@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_elaswave import dropout_rng
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter, samples_digest
 from megatron_elaswave.patches.schedules import forward_backward_on
+from megatron_elaswave.runtime import dropout_rng
 from megatron_elaswave.simulator.schedule import microbatch_group_size
 
 from .data import MicrobatchIds, MicrobatchSource, StepData

@@ -28,11 +28,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megatron_elaswave.launch.store import wait_for_keys
 from megatron_elaswave.patches.distrib_optimizer import set_shard_state, shard_range, shard_state
 from megatron_elaswave.patches.gpt_model import global_parameter_names
 from megatron_elaswave.patches.p2p_communication import wait as p2p_wait
 from megatron_elaswave.planner.zero import assign_waves
-from megatron_elaswave.store import wait_for_keys
 
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
@@ -203,7 +203,7 @@ def migrate(held: Mapping[str, torch.Tensor], needs: Sequence[Piece], *, rank: i
     needs. ``group`` is the group of ``members`` in that order (ranks are launch ranks, which
     the default group numbers otherwise once it is rebuilt without a missing rank). Returns one
     tensor per need and the bytes the whole job moved between ranks. Raises
-    :class:`~megatron_elaswave.store.WaitInterrupted` as soon as ``failure`` is set while it waits
+    :class:`~megatron_elaswave.launch.store.WaitInterrupted` as soon as ``failure`` is set while it waits
     for a member to publish, or after ``timeout``.
     """
     holdings = _publish_and_collect(store, prefix, rank, members, "holds", sorted(held), timeout,

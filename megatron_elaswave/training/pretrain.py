@@ -18,8 +18,8 @@ from typing import Sequence
 import torch
 
 from megatron_elaswave.device import DeviceUnavailableError, resolve_device_backend
-from megatron_elaswave.proctitle import name_worker
-from megatron_elaswave.spawn import IMPORT_NOTICES
+from megatron_elaswave.launch.proctitle import name_worker
+from megatron_elaswave.launch.spawn import IMPORT_NOTICES
 
 from . import exit_status
 from .arguments import ArgumentError, parse_args
@@ -82,9 +82,9 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
     # Imported here so that flag errors come back before megatron-core is loaded.
     from megatron_elaswave.patches import UnsupportedMegatronVersion, UnsupportedTorch
 
-    from megatron_elaswave.dvfs import DvfsError
-    from megatron_elaswave.etcd_store import StoreLost
-    from megatron_elaswave.store import store_address
+    from megatron_elaswave.launch.etcd_store import StoreLost
+    from megatron_elaswave.launch.store import store_address
+    from megatron_elaswave.runtime.dvfs import DvfsError
 
     from .checkpoint import CheckpointError
     from .recovery import cannot_continue_line

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from megatron_elaswave.agreement import agree
-from megatron_elaswave.communicator import EditMode, group_specs, member_lists
+from megatron_elaswave.launch.store import store_address
 from megatron_elaswave.planner.replan import PlanError
-from megatron_elaswave.store import store_address
+from megatron_elaswave.runtime.agreement import agree
+from megatron_elaswave.runtime.communicator import EditMode, group_specs, member_lists
 
 from . import relayout
 from .checkpoint import resume_hint
@@ -37,7 +37,7 @@ from .records import RecoveryTimes
 from .rescue import checkpoint_layout
 
 if TYPE_CHECKING:
-    from megatron_elaswave.decisions import Decision
+    from megatron_elaswave.launch.decisions import Decision
 
     from .elastic import ElasticTrainer
 

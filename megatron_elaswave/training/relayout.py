@@ -12,7 +12,7 @@ their failure monitors and add it to the next iteration's all-reduce, so every s
 learns of it after the same iteration. Then, at that step boundary:
 
 1. the lowest active rank plans the grown layout (the failure-free one when every lost rank is
-   back) and commits a :class:`~megatron_elaswave.decisions.Decision` with ``joined`` set on the
+   back) and commits a :class:`~megatron_elaswave.launch.decisions.Decision` with ``joined`` set on the
    generation's decision key. The key takes one decision per generation: if a failure's
    agreement committed first, the grow is abandoned and the failure recovered as usual;
 2. it publishes the :class:`LayoutChange` and accepts the joiners;
@@ -25,7 +25,7 @@ The grow changes nothing in the training trajectory: the state is that of the st
 the global batch, micro-batch ids and layout-invariant RNG do not depend on the layout.
 
 Its keys (``rt/join/<rank>``, ``rt/join/<rank>/accepted``, ``rt/gen<g>/change``,
-``rt/finished``) are named in :mod:`megatron_elaswave.keys`.
+``rt/finished``) are named in :mod:`megatron_elaswave.launch.keys`.
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from megatron_elaswave.decisions import Decision
-from megatron_elaswave.keys import FINISHED_KEY, accepted_key, change_key, decision_key, join_key
+from megatron_elaswave.launch.decisions import Decision
+from megatron_elaswave.launch.keys import FINISHED_KEY, accepted_key, change_key, decision_key, join_key
+from megatron_elaswave.launch.store import raise_alert
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.planner.frequency import ClockPlan
-from megatron_elaswave.store import raise_alert
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -85,7 +85,7 @@ class LayoutChange:
     iteration: int
     """The iteration after which the layout changes."""
     clocks: ClockPlan
-    """The clocks of ``layout`` (:mod:`megatron_elaswave.dvfs`)."""
+    """The clocks of ``layout`` (:mod:`megatron_elaswave.runtime.dvfs`)."""
     announced_at: float
     """Unix time of the commit, where the change's ``total_s`` starts."""
     reason: str = ""

@@ -3,7 +3,7 @@ iteration to roll back to, hand the small state to ranks that held no stage, and
 layout once every member has restored.
 
 Every member of the restore calls the same steps in the same order; each waits for the others
-through the store (keys under ``rt/gen<g>/restore/``, :mod:`megatron_elaswave.keys`), and a
+through the store (keys under ``rt/gen<g>/restore/``, :mod:`megatron_elaswave.launch.keys`), and a
 failure noticed meanwhile interrupts the wait, so no member commits a layout another one has not
 reached.
 """
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from megatron_elaswave.keys import restore_prefix
+from megatron_elaswave.launch.keys import restore_prefix
+from megatron_elaswave.launch.store import WaitInterrupted, key_poll_pauses, wait_for_keys
 from megatron_elaswave.layout import Layout
-from megatron_elaswave.snapshot import SnapshotTag, newest_whole_iteration
-from megatron_elaswave.store import WaitInterrupted, key_poll_pauses, wait_for_keys
+from megatron_elaswave.runtime.snapshot import SnapshotTag, newest_whole_iteration
 
 from .recovery import CannotContinue
 
@@ -54,7 +54,7 @@ class RestoreRound:
     def rollback_iteration(self, held: list[SnapshotTag], lost: set[int]) -> int:
         """The newest iteration whose state survives whole: some layout's set of snapshots of it
         is held complete by the members together
-        (:func:`~megatron_elaswave.snapshot.newest_whole_iteration`). ``held`` is this rank's
+        (:func:`~megatron_elaswave.runtime.snapshot.newest_whole_iteration`). ``held`` is this rank's
         snapshots, ``lost`` the ranks failed since the state was last restored. Raises
         :class:`~.recovery.CannotContinue` if there is none."""
         self.store.set(f"{self.prefix}/held/{self.rank}", json.dumps([list(tag) for tag in held]))
@@ -99,7 +99,7 @@ class RestoreRound:
         ``compare_set``: committed by the first member that sees every member restored,
         abandoned by the first that notices a failure (or waits past the timeout) before that.
         Every member follows it, so the next recovery starts from one view of the state. Raises
-        :class:`~megatron_elaswave.store.WaitInterrupted` when the restore was abandoned."""
+        :class:`~megatron_elaswave.launch.store.WaitInterrupted` when the restore was abandoned."""
         self.store.set(f"{self.prefix}/restored/{self.rank}", "")
         restored = [f"{self.prefix}/restored/{member}" for member in self.members]
         outcome_key = f"{self.prefix}/outcome"

@@ -22,7 +22,7 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.patches.optimizer import main_params_and_states
 from megatron_elaswave.planner.zero import buddy_ranks
-from megatron_elaswave.snapshot import PendingSnapshot, SnapshotConfig, SnapshotStore
+from megatron_elaswave.runtime.snapshot import PendingSnapshot, SnapshotConfig, SnapshotStore
 
 
 def rng_states() -> dict:
@@ -110,7 +110,7 @@ class StepSnapshots:
         order, or the default group (``None``) while it still numbers ranks as launched.
         ``store`` keeps the snapshots held so far (those of an earlier layout); default: none.
         ``version`` tells this layout's snapshots from those of the others
-        (:class:`~megatron_elaswave.snapshot.SnapshotTag`): the generation that formed it."""
+        (:class:`~megatron_elaswave.runtime.snapshot.SnapshotTag`): the generation that formed it."""
         self.store = SnapshotStore(rank, config) if store is None else store
         self.group = group
         self.version = version

@@ -26,9 +26,9 @@ from datetime import timedelta
 import torch.distributed
 from torch.distributed import Store
 
-from megatron_elaswave.alerts import AlertListener
-from megatron_elaswave.keys import FINISHED_KEY, START_VERDICT_KEY, started_key
-from megatron_elaswave.store import WorkerDeath, read_deaths
+from megatron_elaswave.launch.alerts import AlertListener
+from megatron_elaswave.launch.keys import FINISHED_KEY, START_VERDICT_KEY, started_key
+from megatron_elaswave.launch.store import WorkerDeath, read_deaths
 
 from .recovery import CannotContinue
 

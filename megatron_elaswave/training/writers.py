@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from megatron_elaswave.keys import shared_key
+from megatron_elaswave.launch.keys import shared_key
 
 WANDB_RUN = "wandb_run_id"
 """The name under which the first logging rank shares its W&B run's id."""

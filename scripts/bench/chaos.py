@@ -68,9 +68,9 @@ from pathlib import Path
 
 from common import SCRIPTS, free_port
 
-from megatron_elaswave.keys import join_key
+from megatron_elaswave.launch.keys import join_key
+from megatron_elaswave.launch.store import WorkerDeath, read_deaths, read_worker
 from megatron_elaswave.metrics import MetricsFollower, read_metrics
-from megatron_elaswave.store import WorkerDeath, read_deaths, read_worker
 
 NODES, PER_NODE = 2, 4
 RANKS = NODES * PER_NODE
@@ -147,7 +147,7 @@ class Node:
         name = f"node{node_rank}{'-replacement' if rejoin_node else ''}"
         self.log = open(workdir / f"{name}.log", "a")
         etcd = [f"--store={store[0]}", f"--run-id={store[1]}"] if store else []
-        command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={PER_NODE}",
+        command = [sys.executable, "-m", "megatron_elaswave.launch.run", f"--nproc-per-node={PER_NODE}",
                    f"--nnodes={NODES}", f"--node-rank={node_rank}", f"--master-port={port}",
                    f"--node-timeout={NODE_TIMEOUT_S:g}", "--rejoin", *etcd,
                    f"--rejoin-delay={rejoin_delay_s:g}", "--max-rejoins=1000",
@@ -203,8 +203,7 @@ class Soak:
         from torch.distributed import TCPStore
 
         if self._store is None and self.etcd is not None:
-            from megatron_elaswave.etcd_store import EtcdStore
-            from megatron_elaswave.store import EtcdAddress
+            from megatron_elaswave.launch.etcd_store import EtcdAddress, EtcdStore
 
             self._store = EtcdStore(EtcdAddress.parse(*self.etcd), timedelta(seconds=30))
         if self._store is None:
@@ -284,7 +283,7 @@ class Soak:
             self.wait(lambda: self.saves_started() - saves, 120)
         started = time.time()
         if kind in ("kill", "stop", "save-kill"):
-            send(pids[0], signal.SIGKILL if kind == "kill" else signal.SIGSTOP)
+            send(pids[0], signal.SIGSTOP if kind == "stop" else signal.SIGKILL)
         elif kind == "recovery-kill":
             send(pids[0], signal.SIGKILL)
             self.wait(lambda: len(read_deaths(self.store())) > deaths, 10)
@@ -372,7 +371,7 @@ def reference_run(train_iters: int, until: int, workdir: Path, name: str = "refe
     """Iterations 1 to ``until`` of the failure-free run of a ``train_iters`` job (on the soak's
     layout unless ``layout`` changes some of its flags)."""
     metrics = workdir / f"{name}.jsonl"
-    command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={RANKS}",
+    command = [sys.executable, "-m", "megatron_elaswave.launch.run", f"--nproc-per-node={RANKS}",
                f"--master-port={free_port()}", str(SCRIPTS / "pretrain_gpt.py"),
                *model_flags(train_iters, layout), "--elastic-metrics-file", str(metrics)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

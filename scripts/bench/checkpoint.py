@@ -121,7 +121,7 @@ class Launch:
     def __init__(self, args: argparse.Namespace, flags: list[str], log: Path) -> None:
         from common import free_port
 
-        command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={args.nproc}",
+        command = [sys.executable, "-m", "megatron_elaswave.launch.run", f"--nproc-per-node={args.nproc}",
                    f"--master-port={free_port()}", str(SCRIPTS / "pretrain_gpt.py"), *flags]
         self.log_path = log
         self.log = open(log, "w")

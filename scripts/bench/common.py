@@ -49,7 +49,7 @@ def mock_gpt_flags(*, pipeline: int, num_layers: int, hidden_size: int, micro_ba
 
 def _launch_command(script: Path, script_args: Sequence[str], nproc: int,
                     launcher_args: Sequence[str] = ()) -> list[str]:
-    return [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={nproc}",
+    return [sys.executable, "-m", "megatron_elaswave.launch.run", f"--nproc-per-node={nproc}",
             f"--master-port={free_port()}", *launcher_args, str(script), *script_args]
 
 

@@ -51,13 +51,13 @@ def worker(out_dir: str, mode: str, victim: int, tp: int, pp: int, dp: int) -> N
     import torch
     import torch.distributed as dist
 
-    from megatron_elaswave.communicator import GroupRegistry, group_specs, member_lists
+    from megatron_elaswave.launch.store import connect_store, read_deaths
     from megatron_elaswave.planner.cost import CostModel, MemoryModel
     from megatron_elaswave.planner.job import JobSpec
     from megatron_elaswave.planner.profile import SyntheticDevice, SyntheticModel, synthetic_profile
     from megatron_elaswave.planner.replan import PlanOptions, plan_recovery
-    from megatron_elaswave.store import connect_store, read_deaths
-    from megatron_elaswave.world import abort_collectives
+    from megatron_elaswave.runtime.communicator import GroupRegistry, group_specs, member_lists
+    from megatron_elaswave.runtime.world import abort_collectives
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     job = JobSpec(tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size=dp,

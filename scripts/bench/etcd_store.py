@@ -39,8 +39,9 @@ from etcd_cluster import EtcdCluster, etcd_missing  # noqa: E402
 
 import torch.distributed as dist  # noqa: E402
 
-from megatron_elaswave.etcd_store import EtcdStore  # noqa: E402
-from megatron_elaswave.store import EtcdAddress, read_worker  # noqa: E402
+from megatron_elaswave.launch.etcd_store import EtcdStore  # noqa: E402
+from megatron_elaswave.launch.etcd_store import EtcdAddress  # noqa: E402
+from megatron_elaswave.launch.store import read_worker  # noqa: E402
 
 NODES, WORKERS_PER_NODE = 2, 4
 NODE_TIMEOUT_S = 2.0
@@ -107,7 +108,7 @@ class TwoNodeJob:
         self.logs = [open(workdir / f"node{node}.log", "w") for node in range(NODES)]
         self.launchers = [
             subprocess.Popen(
-                [sys.executable, "-m", "megatron_elaswave.run", f"--nnodes={NODES}",
+                [sys.executable, "-m", "megatron_elaswave.launch.run", f"--nnodes={NODES}",
                  f"--node-rank={node}", f"--nproc-per-node={WORKERS_PER_NODE}",
                  f"--master-port={self.port}", f"--run-id={self.run_id}",
                  f"--node-timeout={NODE_TIMEOUT_S:g}", *([f"--store={store}"] if store else []),

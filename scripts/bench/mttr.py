@@ -52,7 +52,7 @@ from common import SCRIPTS, demo_corpus, free_port
 
 from torch.distributed import TCPStore
 
-from megatron_elaswave.store import read_worker
+from megatron_elaswave.launch.store import read_worker
 
 REPO = SCRIPTS.parent
 NPROC = 8
@@ -83,7 +83,7 @@ class Job:
     def __init__(self, flags: list[str], metrics: Path, log: Path, nproc: int = NPROC) -> None:
         self.metrics = metrics
         self.port = free_port()
-        command = [sys.executable, "-m", "megatron_elaswave.run", f"--nproc-per-node={nproc}",
+        command = [sys.executable, "-m", "megatron_elaswave.launch.run", f"--nproc-per-node={nproc}",
                    f"--master-port={self.port}", str(SCRIPTS / "pretrain_gpt.py"), *flags,
                    "--elastic-metrics-file", str(metrics)]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

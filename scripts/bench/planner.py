@@ -17,8 +17,8 @@ import time
 from dataclasses import replace
 
 from megatron_elaswave.planner.cost import CostModel
-from megatron_elaswave.planner.replan import plan_recovery
 from megatron_elaswave.planner.profile import synthetic_profile
+from megatron_elaswave.planner.replan import plan_recovery
 from megatron_elaswave.planner.zero import contiguous_migration
 from megatron_elaswave.simulate import paper_cases, ratio, run_case, scale_cases, spread_failures
 

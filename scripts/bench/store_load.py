@@ -88,9 +88,9 @@ def count_design(ranks: int, periods: int) -> dict:
     import inspect
 
     import megatron_elaswave
-    from megatron_elaswave.decisions import Decision
-    from megatron_elaswave.monitor import FailureMonitor, MonitorConfig
-    from megatron_elaswave.store import raise_alert
+    from megatron_elaswave.launch.decisions import Decision
+    from megatron_elaswave.launch.store import raise_alert
+    from megatron_elaswave.runtime.monitor import FailureMonitor, MonitorConfig
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=30))

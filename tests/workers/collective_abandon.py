@@ -39,7 +39,7 @@ if __name__ == "__main__":
 
         install(resolve_device_backend("cpu"))
         distributed_work.abandon_waits_when(abandon)
-    from megatron_elaswave.world import release_retired, retire
+    from megatron_elaswave.runtime.world import release_retired, retire
 
     timeout = timedelta(seconds=30)
     dist.init_process_group("gloo", init_method="env://", timeout=timeout)

@@ -25,13 +25,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_elaswave.communicator import HOST_ROLES, GroupRegistry, Role
+from megatron_elaswave.launch.store import connect_store, read_deaths
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.planner.cost import CostModel, MemoryModel
 from megatron_elaswave.planner.job import JobSpec
 from megatron_elaswave.planner.profile import SyntheticDevice, SyntheticModel, synthetic_profile
 from megatron_elaswave.planner.replan import PlanOptions, plan_recovery
-from megatron_elaswave.store import connect_store, read_deaths
+from megatron_elaswave.runtime.communicator import HOST_ROLES, GroupRegistry, Role
 
 TIMEOUT = timedelta(seconds=30)
 NUM_LAYERS = 4

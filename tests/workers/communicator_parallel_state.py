@@ -16,10 +16,10 @@ from datetime import timedelta
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_elaswave.communicator import GroupRegistry, Role
+from megatron_elaswave.launch.store import connect_store
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.patches.parallel_state import install_process_groups
-from megatron_elaswave.store import connect_store
+from megatron_elaswave.runtime.communicator import GroupRegistry, Role
 
 TP, PP = 2, 2
 

@@ -28,15 +28,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megatron_elaswave.communicator import (
+from megatron_elaswave.layout import Layout
+from megatron_elaswave.runtime.communicator import (
     EditMode,
     GroupRegistry,
     _group_name,
     group_specs,
     member_lists,
 )
-from megatron_elaswave.layout import Layout
-from megatron_elaswave.world import InterruptibleStore
+from megatron_elaswave.runtime.world import InterruptibleStore
 
 DETECTION_DELAY_S = 0.5
 GENERATIONS = 64

@@ -12,7 +12,7 @@ it) and the check.
 ``--pause-after-decision`` makes every rank wait between a decision and forming the group, so
 that a test can fail one in that gap. With ``--hold`` a survivor waits for the test to set
 ``test/release`` before exiting 0. A victim that is excluded rather than killed exits with
-:class:`~megatron_elaswave.decisions.Excluded`.
+:class:`~megatron_elaswave.launch.decisions.Excluded`.
 """
 
 import argparse
@@ -26,11 +26,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_elaswave.agreement import agree
-from megatron_elaswave.decisions import Decision
-from megatron_elaswave.monitor import FailureMonitor, MonitorConfig
-from megatron_elaswave.store import connect_store
-from megatron_elaswave.world import init_generation
+from megatron_elaswave.launch.decisions import Decision
+from megatron_elaswave.launch.store import connect_store
+from megatron_elaswave.runtime.agreement import agree
+from megatron_elaswave.runtime.monitor import FailureMonitor, MonitorConfig
+from megatron_elaswave.runtime.world import init_generation
 
 TIMEOUT = timedelta(seconds=15)
 """Op timeout of the groups: far above the detection latencies the tests expect."""

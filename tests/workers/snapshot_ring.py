@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_elaswave.snapshot import SnapshotConfig, SnapshotStore
+from megatron_elaswave.runtime.snapshot import SnapshotConfig, SnapshotStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_snapshot import shard  # noqa: E402

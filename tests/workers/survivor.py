@@ -26,7 +26,7 @@ def give_up(what):
 
 def read_until_dead(store, victims):
     """All death records, read with a cursor until every victim has one."""
-    from megatron_elaswave.store import read_deaths
+    from megatron_elaswave.launch.store import read_deaths
 
     deaths, deadline = [], time.monotonic() + WAIT_S
     while True:
@@ -39,7 +39,7 @@ def read_until_dead(store, victims):
 
 
 def survive(out_dir, victims, hold):
-    from megatron_elaswave.store import connect_store
+    from megatron_elaswave.launch.store import connect_store
 
     rank = int(os.environ["RANK"])
     store = connect_store(timeout=timedelta(seconds=WAIT_S))

@@ -34,12 +34,60 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
-from megatron_elaswave.store import EtcdAddress
+ETCD_URL_SCHEME = "etcd://"
+DEFAULT_ETCD_NAMESPACE = "elaswave"
+"""The key prefix of a job's store when its ``etcd://`` URL names none."""
+
+
+class StoreURLError(ValueError):
+    """An ``etcd://`` URL that names no usable endpoint; the message is one line."""
+
+
+@dataclass(frozen=True)
+class EtcdAddress:
+    """Where a job's store lives on an etcd cluster."""
+
+    endpoints: tuple[tuple[str, int], ...]
+    """``(host, port)`` of the members' client URLs, tried in this order."""
+    namespace: str
+    """Prefix of every key of the job, ending with ``/``."""
+
+    @classmethod
+    def parse(cls, url: str, run_id: str | None = None) -> EtcdAddress:
+        """``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``; the namespace is ``PREFIX/`` (default
+        ``elaswave/``) followed by ``run_id/`` when one is given. Raises :class:`StoreURLError`."""
+        if not url.startswith(ETCD_URL_SCHEME):
+            raise StoreURLError(
+                f"{url!r} is not an etcd URL ({ETCD_URL_SCHEME}HOST:PORT[,HOST:PORT...])")
+        hosts, _, prefix = url[len(ETCD_URL_SCHEME):].partition("/")
+        endpoints = []
+        for endpoint in hosts.split(","):
+            host, _, port = endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 2**16:
+                raise StoreURLError(f"{url!r}: {endpoint!r} is not HOST:PORT")
+            endpoints.append((host.strip("[]"), int(port)))
+        namespace = (prefix.strip("/") or DEFAULT_ETCD_NAMESPACE) + "/"
+        if run_id is not None:
+            namespace += f"{run_id}/"
+        return cls(tuple(endpoints), namespace)
+
+    @property
+    def url(self) -> str:
+        """The URL that names this address, namespace included (what workers are handed)."""
+        hosts = ",".join(f"{host}:{port}" for host, port in self.endpoints)
+        return f"{ETCD_URL_SCHEME}{hosts}/{self.namespace.rstrip('/')}"
+
+    def describe(self) -> str:
+        """The cluster, for messages: ``etcd://HOST:PORT,...``."""
+        return ETCD_URL_SCHEME + ",".join(f"{host}:{port}" for host, port in self.endpoints)
+
+
 
 DEFAULT_UNAVAILABLE_S = 10.0
 _REQUEST_TIMEOUT_S = 2.0

@@ -1,7 +1,7 @@
 """The process title of a worker, so that ``ps``, ``top`` and ``py-spy`` tell workers apart.
 
-A worker forked from the launcher's preloaded server (:mod:`megatron_elaswave.spawn`) would show
-the server's command line, ``python -u -m megatron_elaswave.spawn <pid> ...``, and its
+A worker forked from the launcher's preloaded server (:mod:`megatron_elaswave.launch.spawn`) would show
+the server's command line, ``python -u -m megatron_elaswave.launch.spawn <pid> ...``, and its
 ``/proc/PID/environ`` holds the server's environment, without ``RANK``. Each worker therefore
 names itself, e.g. ``elaswave rank 5/8 pretrain_gpt.py``: the fork server does so for every
 worker it starts, and the project's entry points (``scripts/pretrain_gpt.py``, the Megatron-LM

@@ -1,7 +1,7 @@
 """Process groups that can be aborted from any thread, one world per generation.
 
 A generation is one membership of the job: generation 0 is every launched rank, and each
-:class:`~megatron_elaswave.decisions.Decision` starts the next one with the survivors. Each
+:class:`~megatron_elaswave.launch.decisions.Decision` starts the next one with the survivors. Each
 generation gets a fresh default process group on ``PrefixStore(f"gen{g}/", store)``, so a rebuilt
 group never reads a key written by an older one. Before the rendezvous of that group, which can
 only time out, the survivors meet in the store (``rt/gen<g>/ready/<rank>``), a wait that a
@@ -77,15 +77,15 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from megatron_elaswave.keys import generation_prefix, ready_key
+from megatron_elaswave.launch.keys import generation_prefix, ready_key
+from megatron_elaswave.launch.store import wait_for_keys
 from megatron_elaswave.patches.distributed_c10d import forget_unformed_default_group
 from megatron_elaswave.patches.distributed_work import abandoned_work_pending
-from megatron_elaswave.store import wait_for_keys
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store
 
-    from megatron_elaswave.decisions import Decision
+    from megatron_elaswave.launch.decisions import Decision
 
 _FD_DIR = "/proc/self/fd"
 _MEET_POLL_INTERVAL_S = 0.02
@@ -244,7 +244,7 @@ def release_retired() -> None:
 
 class InterruptibleStore(dist.Store):
     """A view of ``store`` whose blocking reads (``get`` and ``wait``) give up with
-    :class:`~megatron_elaswave.store.WaitInterrupted` as soon as ``failure`` is set, or after
+    :class:`~megatron_elaswave.launch.store.WaitInterrupted` as soon as ``failure`` is set, or after
     ``timeout``, whatever timeout the caller asks for: a group's rendezvous on it ends when a
     failure is detected instead of waiting for a member that is gone. Every other call goes
     straight to ``store``."""

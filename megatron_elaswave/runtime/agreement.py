@@ -28,7 +28,7 @@ uses only the job store, which the launcher hosts outside every worker. It guara
 The decision also says why each failed rank was excluded and when the failure began, as the
 proposer saw it (the launchers' death records first), so every survivor reports the same.
 
-Keys (:mod:`megatron_elaswave.keys`): ``rt/gen<g>/joined/<rank>`` is set when ``rank`` enters
+Keys (:mod:`megatron_elaswave.launch.keys`): ``rt/gen<g>/joined/<rank>`` is set when ``rank`` enters
 the agreement that ends ``g``; ``rt/gen<g>/decision`` holds the :class:`Decision` (JSON).
 """
 
@@ -39,10 +39,10 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from megatron_elaswave.decisions import Decision, Excluded
-from megatron_elaswave.keys import decision_key, joined_key, round_key
-from megatron_elaswave.monitor import HEARTBEAT, FailureMonitor
-from megatron_elaswave.store import read_deaths
+from megatron_elaswave.launch.decisions import Decision, Excluded
+from megatron_elaswave.launch.keys import decision_key, joined_key, round_key
+from megatron_elaswave.launch.store import read_deaths
+from megatron_elaswave.runtime.monitor import HEARTBEAT, FailureMonitor
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -59,7 +59,7 @@ def agree(store: Store, monitor: FailureMonitor) -> Decision:
     or once ``monitor.failure_detected`` is set). Blocks until a decision is committed; every
     survivor gets the same one. Raises :class:`Excluded` if this rank is not a survivor. Then
     call ``monitor.advance(decision)`` and form the new group
-    (:func:`megatron_elaswave.world.init_generation`).
+    (:func:`megatron_elaswave.runtime.world.init_generation`).
     """
     if monitor.failure is None:
         raise RuntimeError("agree() needs a failure: call monitor.report_error(error) first")

@@ -6,8 +6,8 @@ Usage (flags as in torchrun; each also accepts its ``snake_case`` spelling)::
                  [--master-port P] [--run-id ID] [--log-dir DIR]
                  [--rejoin [--rejoin-delay S] [--max-rejoins N]] [-m] script_or_module [args...]
 
-Also ``python -m megatron_elaswave.run``. What the launcher guarantees, and its exit status,
-are described in :mod:`megatron_elaswave.launcher`. Errors in the command line are reported as
+Also ``python -m megatron_elaswave.launch.run``. What the launcher guarantees, and its exit status,
+are described in :mod:`megatron_elaswave.launch.launcher`. Errors in the command line are reported as
 one line on stderr, with exit status 2.
 """
 
@@ -17,7 +17,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from megatron_elaswave.launcher import LaunchConfig, LaunchError, UsageError, run
+from megatron_elaswave.launch.launcher import LaunchConfig, LaunchError, UsageError, run
 
 PROG = "elaswave-run"
 

@@ -101,7 +101,7 @@ class DropoutPosition:
         if missing:
             raise NotPositioned(
                 f"layout-invariant dropout RNG is installed but no {', '.join(missing)} was set: "
-                "call megatron_elaswave.dropout_rng.set_seed / set_iteration / set_microbatch "
+                "call megatron_elaswave.runtime.dropout_rng.set_seed / set_iteration / set_microbatch "
                 "before the forward pass (or train with --elastic-rng megatron)")
         coordinates = (self.seed, self.iteration, self.microbatch, layer)
         if layer == EMBEDDING_LAYER:

@@ -2,7 +2,7 @@
 
 The writer of something every rank must read (a launcher recording a death, a monitor announcing
 a failure or a heartbeat silence, a replacement asking to join) raises an alert after its write
-(:func:`megatron_elaswave.store.raise_alert`): it bumps the count ``rt/alerts``, one key whatever
+(:func:`megatron_elaswave.launch.store.raise_alert`): it bumps the count ``rt/alerts``, one key whatever
 the size of the job. Each node's launcher reads that count every 50 ms and relays it to its
 workers in a local file (:data:`NODE_ALERTS_ENV` names it); an :class:`AlertListener` of each
 rank reads the file every ``poll_interval_s`` and calls back when the count moved. A rank learns
@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from megatron_elaswave.keys import ALERT_COUNT_KEY
+from megatron_elaswave.launch.keys import ALERT_COUNT_KEY
 
 if TYPE_CHECKING:
     from torch.distributed import Store

@@ -1,7 +1,7 @@
 """What an agreement decides: the :class:`Decision` that ends a generation, and :class:`Excluded`
 for a rank it leaves out.
 
-A decision is written once per generation to the job store (:mod:`megatron_elaswave.agreement`
+A decision is written once per generation to the job store (:mod:`megatron_elaswave.runtime.agreement`
 for a failure, :mod:`megatron_elaswave.training.relayout` for a grow or a layer move) and read by the monitors,
 the trainers and the launchers; it carries why and when the failure happened, as its proposer
 saw it, so every survivor reports the same.

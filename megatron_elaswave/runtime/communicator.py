@@ -57,14 +57,14 @@ from typing import TYPE_CHECKING, TypeVar
 
 import torch.distributed as dist
 
-from megatron_elaswave.keys import communicator_key, generation_prefix
+from megatron_elaswave.launch.keys import communicator_key, generation_prefix
+from megatron_elaswave.launch.store import WaitInterrupted, wait_for_keys
 from megatron_elaswave.layout import Layout, Replica
 from megatron_elaswave.patches.distributed_c10d import (
     forget_unformed_default_group,
     new_named_group,
 )
-from megatron_elaswave.store import WaitInterrupted, wait_for_keys
-from megatron_elaswave.world import InterruptibleStore, recording_connections, retire
+from megatron_elaswave.runtime.world import InterruptibleStore, recording_connections, retire
 
 if TYPE_CHECKING:
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -274,10 +274,10 @@ def _new_named_groups(groups: dict[K, tuple[Sequence[int], str, str]],
     to the group's ranks in the default group, its name and its backend. The members
     rendezvous on ``store``, bounded by ``creation_timeout``. Every group connects on a thread
     of its own; the call returns once all have formed. A failure aborts them
-    (:func:`~megatron_elaswave.world.abort_collectives`) from the moment they begin to form.
+    (:func:`~megatron_elaswave.runtime.world.abort_collectives`) from the moment they begin to form.
 
     Raises the first error a group's creation raised. With ``abort``, raises
-    :class:`~megatron_elaswave.store.WaitInterrupted` as soon as it is set, even while the
+    :class:`~megatron_elaswave.launch.store.WaitInterrupted` as soon as it is set, even while the
     members connect: gloo's connection step cannot be interrupted, but it releases the GIL, so
     the caller can stop waiting for it. The threads are left to gloo: they end when gloo gives up
     on the dead member (:data:`CREATION_TIMEOUT`). A group formed after all (every member alive,
@@ -322,7 +322,7 @@ _ABORT_POLL_S = 0.01
 CREATION_TIMEOUT = timedelta(seconds=2)
 """Bound on connecting the members of a group formed while a failure monitor watches (a recovery,
 a grow), once they have met in the store and read one another's addresses (a read that a
-detected failure interrupts, see :class:`~megatron_elaswave.world.InterruptibleStore`). Gloo
+detected failure interrupts, see :class:`~megatron_elaswave.runtime.world.InterruptibleStore`). Gloo
 keeps connecting to a member that died after publishing its address, and waiting for one that
 gave up, for about five times this (measured with torch 2.13), and the abort cannot reach
 connections still being made. A group of a recovery stops being waited for when the failure is
@@ -333,7 +333,7 @@ take their op timeout once formed."""
 def _store_barrier(store: Store, key: str, count: int, timeout: timedelta,
                    abort: threading.Event | None = None) -> None:
     """Return once ``count`` processes have reached ``key``: the last one releases the others.
-    Raises :class:`~megatron_elaswave.store.WaitInterrupted` as soon as ``abort`` is set."""
+    Raises :class:`~megatron_elaswave.launch.store.WaitInterrupted` as soon as ``abort`` is set."""
     _store_barriers(store, {key: count}, timeout, abort)
 
 
@@ -374,7 +374,7 @@ class GroupRegistry:
                 abort: threading.Event | None = None) -> GroupRegistry:
         """The registry of a process that joins a running job in ``generation``, whose members
         call :meth:`grow` with the same ``layout``. No default group may exist yet. Raises
-        :class:`~megatron_elaswave.store.WaitInterrupted` as soon as ``abort`` is set before the
+        :class:`~megatron_elaswave.launch.store.WaitInterrupted` as soon as ``abort`` is set before the
         default group forms."""
         registry = cls.__new__(cls)
         registry._configure(layout, rank, store, backend, timeout, generation)
@@ -530,7 +530,7 @@ class GroupRegistry:
              abort: threading.Event | None = None) -> EditReport:
         """Turn the groups into those of ``new_layout``, which adds ranks to the job: a ``full``
         rebuild, since a process cannot enter groups formed without it. The new ranks call
-        :meth:`joining` meanwhile. Raises :class:`~megatron_elaswave.store.WaitInterrupted` as
+        :meth:`joining` meanwhile. Raises :class:`~megatron_elaswave.launch.store.WaitInterrupted` as
         soon as ``abort`` is set while the ranks meet (a joiner died, say); the next edit then
         rebuilds everything."""
         if not self._layout.known_ranks() <= new_layout.known_ranks():

@@ -5,7 +5,7 @@ live under ``rt/`` and, since a job outlives its process groups, most are namesp
 generation ``g`` they belong to, so that a later generation never reads a stale key. Ranks are
 launch ranks. ``docs/runtime.md`` lists the same keys with the module that writes each.
 
-Launchers (:mod:`megatron_elaswave.launcher`, :mod:`megatron_elaswave.store`):
+Launchers (:mod:`megatron_elaswave.launch.launcher`, :mod:`megatron_elaswave.launch.store`):
 
 =====================================  ==================================================================
 ``elaswave/workers/<rank>``            ``WorkerRecord`` (JSON), set when the worker is spawned
@@ -22,8 +22,8 @@ Launchers (:mod:`megatron_elaswave.launcher`, :mod:`megatron_elaswave.store`):
 ``elaswave/nodes/state``               the nodes lost and the nodes done (JSON), in one key
 =====================================  ==================================================================
 
-Failure detection and agreement (:mod:`~megatron_elaswave.monitor`,
-:mod:`~megatron_elaswave.agreement`, :mod:`~megatron_elaswave.world`):
+Failure detection and agreement (:mod:`~megatron_elaswave.runtime.monitor`,
+:mod:`~megatron_elaswave.runtime.agreement`, :mod:`~megatron_elaswave.runtime.world`):
 
 =====================================  ==================================================================
 ``rt/alerts``                          bumped after each write every monitor must notice
@@ -42,10 +42,10 @@ Failure detection and agreement (:mod:`~megatron_elaswave.monitor`,
 =====================================  ==================================================================
 
 Once generation ``g + 2`` starts, every key under :func:`generation_prefixes` ``(g)`` but
-``rt/gen<g>/decision`` is deleted (:func:`megatron_elaswave.store.collect_generations`): the
+``rt/gen<g>/decision`` is deleted (:func:`megatron_elaswave.launch.store.collect_generations`): the
 decisions stay, one small key per generation, for a rank or a launcher that reads them late.
 
-Process groups (:mod:`~megatron_elaswave.communicator`); each barrier key is a ``store.add``
+Process groups (:mod:`~megatron_elaswave.runtime.communicator`); each barrier key is a ``store.add``
 counter, and ``<barrier>/released`` is set by the last member to arrive:
 
 =======================================  ================================================================
@@ -146,7 +146,7 @@ NODES_STATE_KEY = "elaswave/nodes/state"
 
 ALERT_COUNT_KEY = "rt/alerts"
 """A counter bumped after each write the monitors must notice (a death record, a failure
-announcement, a heartbeat silence); every monitor polls it (:mod:`megatron_elaswave.alerts`)."""
+announcement, a heartbeat silence); every monitor polls it (:mod:`megatron_elaswave.launch.alerts`)."""
 
 
 def heartbeat_key(rank: int) -> str:

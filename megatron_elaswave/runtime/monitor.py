@@ -1,36 +1,36 @@
 """Failure detection: one :class:`FailureMonitor` per rank, watching the members of its generation.
 
 The monitor is a background thread with its own connection to the job store, and a second one
-that polls the job's alert count as its launcher relays it (:mod:`megatron_elaswave.alerts`), so
+that polls the job's alert count as its launcher relays it (:mod:`megatron_elaswave.launch.alerts`), so
 that a quiet job costs the store two requests per rank and heartbeat, whatever its size. It
 notices a failure in any of three ways:
 
 * **Death records.** The launcher records a worker that exits with a non-zero code or is killed
-  by a signal within 50 ms (:mod:`megatron_elaswave.store`) and raises an alert; the monitor
+  by a signal within 50 ms (:mod:`megatron_elaswave.launch.store`) and raises an alert; the monitor
   reads the records at its next poll of the alert count (``poll_interval_s``), so every survivor
   knows the dead rank well within a second.
 * **Heartbeats.** Every rank bumps a counter in the store every ``heartbeat_interval_s`` and
   reads the counters of the :data:`WATCHED_NEIGHBOURS` members that follow it in the
-  generation's order (:func:`~megatron_elaswave.silence.ring_neighbours`); a neighbour whose
+  generation's order (:func:`~megatron_elaswave.launch.silence.ring_neighbours`); a neighbour whose
   counter has not moved for ``heartbeat_timeout_s`` (a stopped or hung process) is reported
   (``rt/gen<g>/silent/<i>``, and an alert), and every monitor suspects it from the report. A
   neighbour found failed is passed over for the next member, so a run of stopped ranks is
   found one after the other. Counters are compared on the watcher's own clock, so clocks need
   not agree, and a pause of the watcher itself is not counted
-  (:mod:`megatron_elaswave.silence`): a job stopped and resumed as a whole goes on without
+  (:mod:`megatron_elaswave.launch.silence`): a job stopped and resumed as a whole goes on without
   excluding anyone.
 * **Collective errors.** The training code passes the errors of its collectives (including
   their timeouts) to :meth:`FailureMonitor.report_error`.
 
 The first sign of a failure in a generation sets :attr:`FailureMonitor.failure_detected`, aborts
-the collectives of this rank (by default :func:`megatron_elaswave.world.abort_collectives`, which
+the collectives of this rank (by default :func:`megatron_elaswave.runtime.world.abort_collectives`, which
 also fails the pending collectives of every peer waiting on this rank), and announces the failure
 in the store. Every other member's monitor reads the announcement at its alert and does the
 same, so no survivor stays blocked in a collective: they all reach
-:func:`megatron_elaswave.agreement.agree`, which decides who failed.
+:func:`megatron_elaswave.runtime.agreement.agree`, which decides who failed.
 
 A rank that the decision excludes (it was stopped or too slow, not dead) normally leaves through
-:class:`~megatron_elaswave.decisions.Excluded` from its own loop. Its pending collective can
+:class:`~megatron_elaswave.launch.decisions.Excluded` from its own loop. Its pending collective can
 outlive the abort, though (gloo sometimes keeps a resumed rank's all-reduce waiting for the op
 timeout although every pair is closed), so the monitor ends the process itself, with the same
 message and status, once the committed decision has excluded it for ``exclusion_grace_s``.
@@ -39,13 +39,13 @@ Its keys are ``rt/heartbeat/<rank>`` (a counter), ``rt/gen<g>/silent/*`` (silenc
 neighbours' watchers reported), ``rt/gen<g>/round`` (the first :class:`FailureNotice` of
 generation ``g``; its presence starts the agreement), ``rt/join/<rank>`` (a replacement asks to
 join) and ``rt/alerts`` (a count bumped after every death record, silence, announcement and
-request to join), named in :mod:`megatron_elaswave.keys`. It reads what every member reads alike
+request to join), named in :mod:`megatron_elaswave.launch.keys`. It reads what every member reads alike
 (the deaths, the silences, the announcement, the decision, the requests to join) at an alert,
 after a pause of its own, during a failure, and at one beat in :data:`BACKSTOP_BEATS` whatever
 the alerts say, in case a writer died before raising its alert.
 
 The lowest survivor of each generation deletes the keys of the generation two before
-(:func:`~megatron_elaswave.store.collect_generations`), on a thread of its own, so that a job
+(:func:`~megatron_elaswave.launch.store.collect_generations`), on a thread of its own, so that a job
 that recovers many times does not fill its store.
 
 Ranks are launch ranks (``RANK`` as set by the launcher) throughout: they identify a process for
@@ -64,16 +64,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
-from megatron_elaswave.alerts import AlertListener
-from megatron_elaswave.decisions import Decision, Excluded
-from megatron_elaswave.keys import (
+from megatron_elaswave.launch.alerts import AlertListener
+from megatron_elaswave.launch.decisions import Decision, Excluded
+from megatron_elaswave.launch.keys import (
     decision_key,
     heartbeat_key,
     join_key,
     round_key,
 )
-from megatron_elaswave.silence import HeartbeatSilence, ring_neighbours
-from megatron_elaswave.store import (
+from megatron_elaswave.launch.silence import HeartbeatSilence, ring_neighbours
+from megatron_elaswave.launch.store import (
     Silence,
     WorkerDeath,
     collect_generations,
@@ -82,7 +82,7 @@ from megatron_elaswave.store import (
     read_silences,
     report_silence,
 )
-from megatron_elaswave.world import abort_collectives
+from megatron_elaswave.runtime.world import abort_collectives
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -128,10 +128,10 @@ class MonitorConfig:
     reaches the agreement at the op timeout, and must still be taken in."""
     collective_timeout_s: float = 30.0
     """Op timeout of the process groups: the backstop for a blocked collective that nothing
-    else unblocks (see :mod:`megatron_elaswave.world`)."""
+    else unblocks (see :mod:`megatron_elaswave.runtime.world`)."""
     exclusion_grace_s: float = 5.0
     """How long a rank that the committed decision excludes has to leave by itself (its loop
-    raising :class:`~megatron_elaswave.decisions.Excluded`), from when its monitor reads the
+    raising :class:`~megatron_elaswave.launch.decisions.Excluded`), from when its monitor reads the
     decision, before the monitor ends the process."""
 
     @property
@@ -210,7 +210,7 @@ class FailureMonitor:
     """Watches the members of the current generation from a background thread.
 
     Watch generation 0 with ``FailureMonitor(store, rank, Decision.initial(world_size))``;
-    after each failure, :func:`~megatron_elaswave.agreement.agree` on a decision and
+    after each failure, :func:`~megatron_elaswave.runtime.agreement.agree` on a decision and
     :meth:`advance` to it. ``docs/runtime.md`` shows the whole training loop.
 
     ``on_failure`` runs once per generation, on whichever thread notices the failure first; it

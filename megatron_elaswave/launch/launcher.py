@@ -5,13 +5,13 @@ the survivors when a worker dies: it records the death in the job store and lets
 decide what to do. It guarantees:
 
 * **The store outlives every worker.** The agent of node rank 0 hosts the job's ``TCPStore``
-  in its own process; the other agents and all workers are clients (:mod:`megatron_elaswave.store`
+  in its own process; the other agents and all workers are clients (:mod:`megatron_elaswave.launch.store`
   lists the keys). With ``--store etcd://...`` the store is the job's namespace on an etcd
-  cluster (:mod:`megatron_elaswave.etcd_store`) instead, and every agent, node 0's included, is
+  cluster (:mod:`megatron_elaswave.launch.etcd_store`) instead, and every agent, node 0's included, is
   a client: any node can be lost. Agents wait until all ``--nnodes`` of them have joined before
   any worker starts.
 * **Deaths are reported at once.** A worker that exits with a non-zero code or is killed by a
-  signal is recorded as a :class:`~megatron_elaswave.store.WorkerDeath` within
+  signal is recorded as a :class:`~megatron_elaswave.launch.store.WorkerDeath` within
   :data:`POLL_INTERVAL_S`; a worker that exits with 0 is recorded as a normal exit.
 * **A node fails as a whole.** Workers are started with ``PR_SET_PDEATHSIG`` (Linux), so killing
   an agent kills its workers. Every agent heartbeats through the store and watches the
@@ -19,10 +19,10 @@ decide what to do. It guarantees:
   node is watched by that many others and the store serves a few reads per node, whatever the
   number of nodes); the first watcher to find a node silent for ``--node-timeout`` seconds
   declares it lost and records the deaths of its workers. Silence is counted on the watcher's
-  time (:mod:`megatron_elaswave.silence`): a watcher's own stall is not blamed on the others. An
+  time (:mod:`megatron_elaswave.launch.silence`): a watcher's own stall is not blamed on the others. An
   agent that finds its node declared lost (it was stalled, not dead) kills its workers, so a
   node the job has given up on cannot come back into it.
-* **Workers start forked from a preloaded server** (:mod:`megatron_elaswave.spawn`), unless
+* **Workers start forked from a preloaded server** (:mod:`megatron_elaswave.launch.spawn`), unless
   ``--preload none``: they are the agent's own children all the same, so everything below holds
   for them as for workers it executes.
 * **Replacements join the running job.** With ``--rejoin``, a worker that dies is started again
@@ -33,7 +33,7 @@ decide what to do. It guarantees:
   workers. Such workers have ``ELASWAVE_REJOIN=1`` in their environment: they ask to join
   (:mod:`megatron_elaswave.training.relayout`) instead of forming the job's first process group.
 * **Excluded workers are fenced.** The agent reads the decisions the workers commit in the
-  store (:mod:`megatron_elaswave.agreement`); a worker of its node that a decision excluded
+  store (:mod:`megatron_elaswave.runtime.agreement`); a worker of its node that a decision excluded
   (stopped or hung, not dead) and that still runs ``--exclusion-grace`` seconds later is
   killed, so that the job can end. Its end is a survived failure.
 * **Losing the store ends the job.** An agent that loses the job store (node 0's agent died, or
@@ -70,20 +70,10 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 
-from megatron_elaswave.alerts import NODE_ALERTS_ENV, write_relayed_count
-from megatron_elaswave.decisions import Decision
-from megatron_elaswave.proctitle import MEGATRON_LM_RUNNER
-from megatron_elaswave.silence import HeartbeatSilence, ring_neighbours
-from megatron_elaswave.spawn import (
-    DEFAULT_PRELOAD,
-    ForkedWorker,
-    ForkServer,
-    ForkServerError,
-    can_fork_workers,
-    die_with_parent,
-    reap_orphans,
-)
-from megatron_elaswave.keys import (
+from megatron_elaswave.launch.alerts import NODE_ALERTS_ENV, write_relayed_count
+from megatron_elaswave.launch.decisions import Decision
+from megatron_elaswave.launch.etcd_store import EtcdAddress, StoreURLError
+from megatron_elaswave.launch.keys import (
     ALERT_COUNT_KEY,
     NODE_CHANGES_KEY,
     decision_key,
@@ -92,16 +82,25 @@ from megatron_elaswave.keys import (
     node_key,
     node_lost_key,
 )
-from megatron_elaswave.store import (
+from megatron_elaswave.launch.proctitle import MEGATRON_LM_RUNNER
+from megatron_elaswave.launch.silence import HeartbeatSilence, ring_neighbours
+from megatron_elaswave.launch.spawn import (
+    DEFAULT_PRELOAD,
+    ForkedWorker,
+    ForkServer,
+    ForkServerError,
+    can_fork_workers,
+    die_with_parent,
+    reap_orphans,
+)
+from megatron_elaswave.launch.store import (
     EXITED,
     NODE_LOST,
     SIGNALED,
     STORE_ADDR_ENV,
     STORE_PORT_ENV,
     REJOIN_ENV,
-    EtcdAddress,
     NodeRecord,
-    StoreURLError,
     WorkerDeath,
     WorkerExit,
     WorkerRecord,
@@ -210,7 +209,7 @@ class LaunchConfig:
     itself before the agent kills it."""
     preload: tuple[str, ...] = DEFAULT_PRELOAD
     """Modules a fork server imports once, while the job forms, to fork every worker from
-    (:mod:`megatron_elaswave.spawn`); empty to execute each worker afresh."""
+    (:mod:`megatron_elaswave.launch.spawn`); empty to execute each worker afresh."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
@@ -279,7 +278,7 @@ class LaunchConfig:
     def worker_env(self, local_rank: int, base: Mapping[str, str], *,
                    restart_count: int = 0, rejoining: bool = False) -> dict[str, str]:
         """``base`` plus what torchrun sets, plus where the job store is and, for a replacement
-        worker, :data:`~megatron_elaswave.store.REJOIN_ENV`.
+        worker, :data:`~megatron_elaswave.launch.store.REJOIN_ENV`.
 
         ``TORCHELASTIC_USE_AGENT_STORE=True`` makes ``init_process_group(init_method="env://")``
         connect to the agent's store as a client instead of hosting a store in rank 0. With the
@@ -486,7 +485,7 @@ def _connect(config: LaunchConfig, signals: _SignalLatch) -> Store:
 def _connect_etcd(config: LaunchConfig, signals: _SignalLatch) -> Store:
     """The job's namespace on the etcd cluster, once a member accepts connections."""
     try:
-        from megatron_elaswave.etcd_store import EtcdStore
+        from megatron_elaswave.launch.etcd_store import EtcdStore
     except ImportError as error:
         raise UsageError(f"--store etcd:// needs the etcd3gw package ({error}); install "
                          "megatron-elaswave[etcd]") from None
@@ -632,7 +631,7 @@ class _NodeAgent:
         self._relay_dir = tempfile.mkdtemp(prefix="elaswave-node-")
         self._relayed_alerts = os.path.join(self._relay_dir, "alerts")
         """Where this agent relays the job's alert count to its workers
-        (:mod:`megatron_elaswave.alerts`)."""
+        (:mod:`megatron_elaswave.launch.alerts`)."""
         self._alerts_seen = -1
 
     def run(self) -> int:

@@ -2,13 +2,13 @@
 
 ``elaswave-run`` hosts one ``torch.distributed.TCPStore`` per job, inside the launcher of node
 rank 0, at ``MASTER_ADDR:MASTER_PORT``, or keeps it on an etcd cluster with ``--store etcd://...``
-(:mod:`megatron_elaswave.etcd_store`). Because no worker hosts it, it stays reachable when any
+(:mod:`megatron_elaswave.launch.etcd_store`). Because no worker hosts it, it stays reachable when any
 worker dies, including rank 0; on etcd, when any node is lost, node 0 included. Workers reach
 it with :func:`connect_store`.
 
 The launchers own every key under ``elaswave/``; workers only read them. Workers keep their own
 keys under ``rt/``, namespaced by generation where a job outlives its process groups, so that a
-rebuilt group never reads a stale key. :mod:`megatron_elaswave.keys` names them all.
+rebuilt group never reads a stale key. :mod:`megatron_elaswave.launch.keys` names them all.
 
 Deaths are numbered in the order they were recorded, so a reader polls with a cursor::
 
@@ -29,7 +29,8 @@ from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from megatron_elaswave.keys import (
+from megatron_elaswave.launch.etcd_store import ETCD_URL_SCHEME, EtcdAddress, EtcdStore, StoreURLError
+from megatron_elaswave.launch.keys import (
     ALERT_COUNT_KEY,
     COLLECTED_KEY,
     DEATH_COUNT_KEY,
@@ -50,8 +51,6 @@ if TYPE_CHECKING:
 STORE_ADDR_ENV = "ELASWAVE_STORE_ADDR"
 """The host of the job's ``TCPStore``, or the etcd URL of its namespace (``etcd://...``)."""
 STORE_PORT_ENV = "ELASWAVE_STORE_PORT"
-ETCD_URL_SCHEME = "etcd://"
-DEFAULT_ETCD_NAMESPACE = "elaswave"
 REJOIN_ENV = "ELASWAVE_REJOIN"
 """Set to ``1`` in a worker that replaces a dead one in a running job: it joins the job at a step
 boundary instead of forming generation 0 with the others."""
@@ -151,53 +150,10 @@ class WorkerDeath:
         return f"killed by {self.signal}" if self.signal else f"exited with {self.exit_code}"
 
 
-class StoreURLError(ValueError):
-    """An ``etcd://`` URL that names no usable endpoint; the message is one line."""
-
-
-@dataclass(frozen=True)
-class EtcdAddress:
-    """Where a job's store lives on an etcd cluster."""
-
-    endpoints: tuple[tuple[str, int], ...]
-    """``(host, port)`` of the members' client URLs, tried in this order."""
-    namespace: str
-    """Prefix of every key of the job, ending with ``/``."""
-
-    @classmethod
-    def parse(cls, url: str, run_id: str | None = None) -> EtcdAddress:
-        """``etcd://HOST:PORT[,HOST:PORT...][/PREFIX]``; the namespace is ``PREFIX/`` (default
-        ``elaswave/``) followed by ``run_id/`` when one is given. Raises :class:`StoreURLError`."""
-        if not url.startswith(ETCD_URL_SCHEME):
-            raise StoreURLError(
-                f"{url!r} is not an etcd URL ({ETCD_URL_SCHEME}HOST:PORT[,HOST:PORT...])")
-        hosts, _, prefix = url[len(ETCD_URL_SCHEME):].partition("/")
-        endpoints = []
-        for endpoint in hosts.split(","):
-            host, _, port = endpoint.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 2**16:
-                raise StoreURLError(f"{url!r}: {endpoint!r} is not HOST:PORT")
-            endpoints.append((host.strip("[]"), int(port)))
-        namespace = (prefix.strip("/") or DEFAULT_ETCD_NAMESPACE) + "/"
-        if run_id is not None:
-            namespace += f"{run_id}/"
-        return cls(tuple(endpoints), namespace)
-
-    @property
-    def url(self) -> str:
-        """The URL that names this address, namespace included (what workers are handed)."""
-        hosts = ",".join(f"{host}:{port}" for host, port in self.endpoints)
-        return f"{ETCD_URL_SCHEME}{hosts}/{self.namespace.rstrip('/')}"
-
-    def describe(self) -> str:
-        """The cluster, for messages: ``etcd://HOST:PORT,...``."""
-        return ETCD_URL_SCHEME + ",".join(f"{host}:{port}" for host, port in self.endpoints)
-
-
 def connect_store(timeout: timedelta = timedelta(seconds=300)) -> Store:
     """A client of the job store, from inside a worker started by ``elaswave-run``: the
     ``TCPStore`` of node 0's launcher, or the job's namespace on an etcd cluster
-    (:mod:`megatron_elaswave.etcd_store`) when the launcher ran with ``--store etcd://...``.
+    (:mod:`megatron_elaswave.launch.etcd_store`) when the launcher ran with ``--store etcd://...``.
 
     ``timeout`` bounds both connecting and every later blocking call (``get``, ``wait``).
     """
@@ -206,8 +162,6 @@ def connect_store(timeout: timedelta = timedelta(seconds=300)) -> Store:
     try:
         host = os.environ[STORE_ADDR_ENV]
         if host.startswith(ETCD_URL_SCHEME):
-            from megatron_elaswave.etcd_store import EtcdStore
-
             return EtcdStore(EtcdAddress.parse(host), timeout)
         port = int(os.environ[STORE_PORT_ENV])
     except KeyError as missing:
@@ -303,7 +257,7 @@ def record_death(store: Store, death: WorkerDeath) -> int:
 
 
 def raise_alert(store: Store) -> None:
-    """Tell every alert listener (:mod:`megatron_elaswave.alerts`) that something they must read
+    """Tell every alert listener (:mod:`megatron_elaswave.launch.alerts`) that something they must read
     was written (a death record, a failure announcement, a silence): one write, whatever the
     size of the job."""
     store.add(ALERT_COUNT_KEY, 1)
@@ -347,7 +301,7 @@ def read_silences(store: Store, generation: int, start: int = 0) -> list[Silence
 
 def collect_generations(store: Store, below: int) -> int:
     """Delete the keys of every generation below ``below`` not yet collected (all but their
-    decisions, :func:`megatron_elaswave.keys.generation_prefixes`); returns how many keys were
+    decisions, :func:`megatron_elaswave.launch.keys.generation_prefixes`); returns how many keys were
     deleted. Call it once generation ``below + 1`` has started: nobody reads those keys any
     more. Safe to call from several processes at once."""
     first = store.add(COLLECTED_KEY, 0)

@@ -13,7 +13,7 @@ and forks each worker from there. It guarantees:
 * **It runs as** ``python -u script args`` **(or** ``-m module`` **) would**: its own
   environment, ``sys.argv``, ``sys.path[0]`` and ``__main__``; stdin from ``/dev/null``, stdout
   and stderr to its log; a process title naming its rank and script (``elaswave rank 5/8
-  pretrain_gpt.py``, :mod:`megatron_elaswave.proctitle`), where ``ps`` would show the
+  pretrain_gpt.py``, :mod:`megatron_elaswave.launch.proctitle`), where ``ps`` would show the
   server's; default signal handlers; and the interpreter's ordinary exit (atexit handlers, the
   status of ``SystemExit``, a traceback and status 1 for an exception). Modules
   that were preloaded are not imported again, so they read the environment the agent started
@@ -45,7 +45,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from megatron_elaswave.proctitle import name_worker, prepare_titles
+from megatron_elaswave.launch.proctitle import name_worker, prepare_titles
 
 DEFAULT_PRELOAD = (
     "torch",
