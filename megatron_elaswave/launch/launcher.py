@@ -65,7 +65,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
@@ -572,14 +572,12 @@ def _replace_lost_node(store: Store, config: LaunchConfig, signals: _SignalLatch
     _log(f"replacing lost node rank {config.node_rank}: its workers join the running job")
 
 
-@dataclass
-class _Worker:
-    record: WorkerRecord
-    process: subprocess.Popen | ForkedWorker
-
-
 class _NodeAgent:
-    """Spawns and supervises one node's workers once the job has formed."""
+    """Runs one node's part of the job once it has formed: one supervision loop drives the
+    node's workers (:class:`_WorkerPool`), the watch over other nodes (:class:`_PeerWatch`),
+    the fence of excluded workers (:class:`_ExclusionFence`) and the alert relay
+    (:class:`_AlertRelay`), and ends the node's part when they are done, a signal arrives, the
+    node was declared lost or the job store is gone."""
 
     def __init__(
         self,
@@ -592,91 +590,271 @@ class _NodeAgent:
         rejoining: bool = False,
     ) -> None:
         self._config = config
+        self._store = _GuardedStore(store)
+        self._signals = signals
+        self._peers = _PeerWatch(config, self._store)
+        self._alerts = _AlertRelay(self._store)
+        self._workers = _WorkerPool(config, self._store, worker_base_env, fork_server,
+                                    self._alerts.path, rejoining=rejoining)
+        self._fence = _ExclusionFence(config, self._store, self._workers)
+        self._next_heartbeat = 0.0
+
+    def run(self) -> int:
+        try:
+            self._alerts.relay()
+            self._fence.skip_past_decisions()
+            self._workers.schedule_first_starts()
+            status = self._supervise()
+        finally:
+            self._workers.kill_all()
+            self._alerts.close()
+        node_rank = self._config.node_rank
+        self._store.call(lambda store: store.set(node_done_key(node_rank), str(status)))
+        self._store.call(lambda store: change_node_state(store, node_rank, "done"))
+        if self._config.store is not None:
+            self._store.call(self._delete_the_job_if_over)
+        returncodes = self._workers.returncodes
+        failed = sum(1 for code in returncodes if code != 0)
+        if status or failed:
+            _log(
+                f"{returncodes.count(0)} of {_plural(self._config.nproc_per_node, 'worker')} "
+                f"finished, {failed} failed; exit status {status}"
+            )
+        return status
+
+    def _supervise(self) -> int:
+        """Run until every local worker has ended and every other node has finished or been
+        lost (node 0 must keep the store up until then); returns the exit status."""
+        while not self._workers.idle or self._keeps_the_store_for_others():
+            self._workers.reap()
+            self._alerts.relay()
+            # A fork can take a second on a loaded machine: beat between them, or node 0 may
+            # declare a node lost while it starts its workers.
+            self._workers.start_due(after_each_start=self._peers.beat)
+            if self._signals.received:
+                return self._shut_down(self._signals.received[0])
+            if time.monotonic() >= self._next_heartbeat:
+                self._next_heartbeat = time.monotonic() + self._peers.interval_s
+                if (declared := self._peers.heartbeat_finds_node_lost()) is not None:
+                    _log(f"this node was declared lost by node rank {declared}; killing its "
+                         "workers")
+                    return LOST_NODE_EXIT_STATUS
+                self._store.call(self._peers.watch)
+                self._fence.kill_excluded()
+                if self._store.lost is not None:
+                    return self._stop_without_store()
+            time.sleep(POLL_INTERVAL_S)
+        if not self._config.is_store_host:
+            # Workers that lost the store may all have left before a heartbeat found it gone:
+            # one more look, so that this agent says so too. Node 0 keeps the store up until
+            # this node is done, so a job that ended well still finds it.
+            self._store.call(lambda store: store.check([node_lost_key(self._config.node_rank)]))
+            if self._store.lost is not None:
+                return self._stop_without_store()
+        return job_exit_status(self._workers.returncodes)
+
+    def _shut_down(self, signum: int) -> int:
+        """Forward ``signum``, give the workers the grace period, then SIGKILL the rest."""
+        grace_s = self._config.shutdown_grace_s
+        _log(
+            f"received {_signal_name(signum)}; forwarding it to "
+            f"{_plural(len(self._workers.running), 'worker')}, SIGKILL after {grace_s:g} s"
+        )
+        self._workers.signal(signum)
+        self._workers.wait_then_kill(grace_s, self._signals)
+        return 128 + signum
+
+    def _stop_without_store(self) -> int:
+        """The store host is gone, and the job with it: the workers, which lose it too, get the
+        shutdown grace to say so and leave; then the rest are killed."""
+        config = self._config
+        where = (f"{config.master_addr}:{config.master_port} (node 0's agent; {self._store.lost})"
+                 if config.store is None
+                 else f"{config.etcd_address.describe()} ({self._store.lost})")
+        _log(f"lost the job store at {where}: the job cannot go on; stopping this node's workers")
+        self._workers.cancel_starts()
+        self._workers.wait_then_kill(config.shutdown_grace_s, self._signals)
+        return LOST_STORE_EXIT_STATUS
+
+    def _delete_the_job_if_over(self, store: Store) -> None:
+        """On etcd, the last agent to end deletes the job's keys, once every node is done. (Not
+        when a node was declared lost: its agent, if it was only stopped, must find its fence
+        when it wakes.)"""
+        if store.check([node_done_key(n) for n in range(self._config.nnodes)]):
+            for key in store.list_keys():
+                store.delete_key(key)
+
+    def _keeps_the_store_for_others(self) -> bool:
+        """Whether this agent hosts the job store and another node still runs: it must keep the
+        store up until that node is done."""
+        if not self._config.is_store_host or self._store.lost is not None:
+            return False
+        return bool(self._peers.running_nodes - {self._config.node_rank})
+
+
+@dataclass
+class _Worker:
+    record: WorkerRecord
+    process: subprocess.Popen | ForkedWorker
+    member: bool
+    """Whether the job counts it among its members: a first worker of a node that formed the
+    job; a replacement once a decision takes it in (:class:`_ExclusionFence` marks it then)."""
+
+
+class _WorkerPool:
+    """One node's workers: starts them, reaps them, starts dead ones again (``--rejoin``) and
+    stops them.
+
+    Guarantees: every start is published in the job store, and every end recorded there (a
+    death or a normal exit) when :meth:`reap` finds it; no slot is started again once a worker
+    of the node has ended the job (:data:`JOB_OVER_STATUSES`); a fork server that fails leaves
+    the workers to be executed instead.
+    """
+
+    def __init__(
+        self,
+        config: LaunchConfig,
+        store: _GuardedStore,
+        worker_base_env: Mapping[str, str],
+        fork_server: ForkServer | None,
+        relayed_alerts: str,
+        *,
+        rejoining: bool,
+    ) -> None:
+        self._config = config
+        self._store = store
+        self._worker_base_env = worker_base_env
         self._fork_server = fork_server
         """Forks the workers once its preload is done; ``None`` to execute them."""
+        self._relayed_alerts = relayed_alerts
+        """The file the workers read the job's alert count in (:class:`_AlertRelay`)."""
         self._rejoining = rejoining
-        """The agent replaces a lost node: its first workers join a running job too."""
-        self._worker_base_env = worker_base_env
-        self._store = store
-        self._signals = signals
+        """The node replaces a lost one: its first workers join a running job too."""
         self._running: dict[int, _Worker] = {}
         self._returncodes: list[int] = []
-        self._heartbeat_interval_s = min(1.0, config.node_timeout_s / 4)
-        self._peers = HeartbeatSilence((), interval_s=self._heartbeat_interval_s,
-                                       timeout_s=config.node_timeout_s, now=time.monotonic())
-        """The nodes this agent watches, and how long each agent's heartbeat is silent."""
-        self._running_nodes: set[int] = set(range(config.nnodes))
-        """The nodes neither lost nor done, as of the last change of the nodes."""
-        self._lost_nodes: set[int] = set()
-        """Nodes known to be declared lost: one that runs again was replaced."""
-        self._node_changes_seen = -1
-        """The count of node changes when :attr:`_running_nodes` was read."""
         self._due_starts: dict[int, float] = {}
         """``{local rank: monotonic time}`` of the starts due: the first ones, and the
         replacements (``--rejoin``)."""
         self._starts: dict[int, int] = {}
         """How many times each local rank was started."""
-        self._next_heartbeat = 0.0
-        self._store_lost: str | None = None
-        """Why the job store was lost, once it was."""
-        self._members: dict[int, int] = {}
-        """``{rank: pid}`` of this node's workers that are members of the job: a replacement
-        becomes one when a decision takes it in."""
-        self._excluded: dict[int, tuple[int, float]] = {}
-        """``{rank: (pid, monotonic time)}``: members a decision excluded while they ran."""
         self._fenced: set[int] = set()
-        """Pids of the workers this agent killed because the job had excluded them."""
-        self._next_generation = 0
-        """The generation whose ending decision the agent reads next."""
-        self._relay_dir = tempfile.mkdtemp(prefix="elaswave-node-")
-        self._relayed_alerts = os.path.join(self._relay_dir, "alerts")
-        """Where this agent relays the job's alert count to its workers
-        (:mod:`megatron_elaswave.launch.alerts`)."""
-        self._alerts_seen = -1
+        """Pids of the workers killed because the job had excluded them."""
 
-    def run(self) -> int:
-        try:
-            self._relay_alerts()
-            self._skip_past_decisions()
-            self._spawn_workers()
-            status = self._supervise()
-        finally:
-            self._kill_workers()
-            shutil.rmtree(self._relay_dir, ignore_errors=True)
-        self._with_store(lambda store: store.set(node_done_key(self._config.node_rank), str(status)))
-        self._with_store(lambda store: change_node_state(store, self._config.node_rank, "done"))
-        if self._config.store is not None:
-            self._with_store(self._delete_the_job_if_over)
-        failed = sum(1 for code in self._returncodes if code != 0)
-        if status or failed:
-            _log(
-                f"{self._returncodes.count(0)} of {_plural(self._config.nproc_per_node, 'worker')} "
-                f"finished, {failed} failed; exit status {status}"
-            )
-        return status
+    @property
+    def running(self) -> Mapping[int, _Worker]:
+        """``{rank: worker}`` of the workers that run."""
+        return self._running
 
-    def _spawn_workers(self) -> None:
-        """Make every local rank due now; :meth:`_start_due` starts them."""
+    @property
+    def returncodes(self) -> list[int]:
+        """The return codes of the workers that ended, in the order they ended, but for those
+        killed because the job had excluded them: the job went on without them."""
+        return self._returncodes
+
+    @property
+    def idle(self) -> bool:
+        """Whether no worker runs and no start is due."""
+        return not self._running and not self._due_starts
+
+    def schedule_first_starts(self) -> None:
+        """Make every local rank due now; :meth:`start_due` starts them."""
         now = time.monotonic()
         self._due_starts = {local_rank: now for local_rank in range(self._config.nproc_per_node)}
 
+    def start_due(self, after_each_start: Callable[[], None]) -> None:
+        """Start the workers that are due, once the fork server (if any) has preloaded;
+        ``after_each_start`` runs after each one is started and published."""
+        now = time.monotonic()
+        due = [local_rank for local_rank, when in self._due_starts.items() if now >= when]
+        if not due or not self._can_start():
+            return
+        for local_rank in due:
+            del self._due_starts[local_rank]
+            self._start(local_rank)
+            after_each_start()
+            if self._starts[local_rank] > 1:
+                rank = self._config.global_rank(local_rank)
+                _log(f"started worker rank {rank} (pid {self._running[rank].record.pid}) "
+                     "again; it joins the job at the next step boundary")
+
+    def cancel_starts(self) -> None:
+        """Start no more workers: the job is over."""
+        self._due_starts.clear()
+
+    def reap(self) -> None:
+        """Record the end of each worker that ended and schedule its start again (``--rejoin``);
+        execute the workers from now on if the fork server died; reap the workers' orphans."""
+        for rank, worker in list(self._running.items()):
+            returncode = worker.process.poll()
+            if returncode is not None:
+                del self._running[rank]
+                if worker.record.pid not in self._fenced:  # the job went on without it
+                    self._returncodes.append(returncode)
+                self._report_end(worker.record, returncode)
+                if returncode in JOB_OVER_STATUSES:
+                    self._due_starts.clear()  # the job is ending: nothing left to join
+                else:
+                    self._schedule_restart(worker.record)
+        if self._fork_server is not None and self._fork_server.process.poll() is not None:
+            try:  # the reason it gave, if it failed to preload
+                self._fork_server.ready()
+                error = ForkServerError(
+                    f"the fork server exited with {self._fork_server.process.returncode}")
+            except ForkServerError as failure:
+                error = failure
+            self._stop_forking(error)
+        # As a subreaper the agent adopts its workers' orphans: they end here.
+        known = {worker.process.pid for worker in self._running.values()}
+        if self._fork_server is not None:
+            known.add(self._fork_server.process.pid)
+        reap_orphans(known)
+
+    def fence(self, worker: _Worker) -> None:
+        """SIGKILL ``worker``, which the job excluded; its end does not count in
+        :attr:`returncodes`."""
+        self._fenced.add(worker.record.pid)
+        worker.process.kill()
+
+    def signal(self, signum: int) -> None:
+        for worker in self._running.values():
+            worker.process.send_signal(signum)
+
+    def wait_then_kill(self, grace_s: float, signals: _SignalLatch) -> None:
+        """Give the workers ``grace_s`` seconds (or until a second signal) to end, then
+        SIGKILL those still running."""
+        deadline = time.monotonic() + grace_s
+        while self._running and time.monotonic() < deadline:
+            if len(signals.received) > 1:
+                break  # a second signal: stop waiting
+            time.sleep(POLL_INTERVAL_S)
+            self.reap()
+        if self._running:
+            _log(f"killing the workers still running: {_ranks(list(self._running))}")
+            self.signal(signal.SIGKILL)
+            for worker in self._running.values():
+                worker.process.wait()
+            self.reap()
+
+    def kill_all(self) -> None:
+        """SIGKILL whatever still runs, without reporting: the agent is leaving."""
+        self.signal(signal.SIGKILL)
+        for worker in self._running.values():
+            worker.process.wait()
+        self._running.clear()
+
     def _start(self, local_rank: int) -> None:
         worker = self._spawn(local_rank)
-        rank = worker.record.rank
-        self._running[rank] = worker
-        if self._starts[local_rank] == 1 and not self._rejoining:
-            self._members[rank] = worker.record.pid
-        else:  # a replacement: a member once the job takes it in
-            self._members.pop(rank, None)
-        self._with_store(lambda store: publish_worker(store, worker.record))
+        self._running[worker.record.rank] = worker
+        self._store.call(lambda store: publish_worker(store, worker.record))
 
     def _spawn(self, local_rank: int) -> _Worker:
         config = self._config
         rank = config.global_rank(local_rank)
         restart_count = self._starts.get(local_rank, 0)
         self._starts[local_rank] = restart_count + 1
+        rejoins = self._rejoining or restart_count > 0
         env = config.worker_env(local_rank, self._worker_base_env, restart_count=restart_count,
-                                rejoining=self._rejoining or restart_count > 0)
+                                rejoining=rejoins)
         env[NODE_ALERTS_ENV] = self._relayed_alerts
         log_path = self._log_path(rank)
         append = restart_count > 0
@@ -695,7 +873,7 @@ class _NodeAgent:
             pid=process.pid,
             host=socket.gethostname(),
         )
-        return _Worker(record, process)
+        return _Worker(record, process, member=not rejoins)
 
     def _execute(self, env: Mapping[str, str], log_path: str | None,
                  append: bool) -> subprocess.Popen:
@@ -733,61 +911,6 @@ class _NodeAgent:
         self._fork_server.close()
         self._fork_server = None
 
-    def _supervise(self) -> int:
-        """Run until every local worker has ended and every other node has finished or been
-        lost (node 0 must keep the store up until then); returns the exit status."""
-        while self._running or self._due_starts or self._keeps_the_store_for_others():
-            self._reap()
-            self._relay_alerts()
-            self._start_due()
-            if self._signals.received:
-                return self._shut_down(self._signals.received[0])
-            if time.monotonic() >= self._next_heartbeat:
-                self._next_heartbeat = time.monotonic() + self._heartbeat_interval_s
-                if (declared := self._heartbeat_finds_node_lost()) is not None:
-                    _log(f"this node was declared lost by node rank {declared}; killing its "
-                         "workers")
-                    return LOST_NODE_EXIT_STATUS
-                self._with_store(lambda store: self._watch_peers())
-                self._fence_excluded()
-                if self._store_lost is not None:
-                    return self._stop_without_store()
-            time.sleep(POLL_INTERVAL_S)
-        if not self._config.is_store_host:
-            # Workers that lost the store may all have left before a heartbeat found it gone:
-            # one more look, so that this agent says so too. Node 0 keeps the store up until
-            # this node is done, so a job that ended well still finds it.
-            self._with_store(lambda store: store.check([node_lost_key(self._config.node_rank)]))
-            if self._store_lost is not None:
-                return self._stop_without_store()
-        return job_exit_status(self._returncodes)
-
-    def _reap(self) -> None:
-        for rank, worker in list(self._running.items()):
-            returncode = worker.process.poll()
-            if returncode is not None:
-                del self._running[rank]
-                if worker.record.pid not in self._fenced:  # the job went on without it
-                    self._returncodes.append(returncode)
-                self._report_end(worker.record, returncode)
-                if returncode in JOB_OVER_STATUSES:
-                    self._due_starts.clear()  # the job is ending: nothing left to join
-                else:
-                    self._schedule_restart(worker.record)
-        if self._fork_server is not None and self._fork_server.process.poll() is not None:
-            try:  # the reason it gave, if it failed to preload
-                self._fork_server.ready()
-                error = ForkServerError(
-                    f"the fork server exited with {self._fork_server.process.returncode}")
-            except ForkServerError as failure:
-                error = failure
-            self._stop_forking(error)
-        # As a subreaper the agent adopts its workers' orphans: they end here.
-        known = {worker.process.pid for worker in self._running.values()}
-        if self._fork_server is not None:
-            known.add(self._fork_server.process.pid)
-        reap_orphans(known)
-
     def _schedule_restart(self, worker: WorkerRecord) -> None:
         config = self._config
         if not config.rejoin or JOB_OVER_STATUSES.intersection(self._returncodes):
@@ -801,22 +924,6 @@ class _NodeAgent:
         _log(f"restarting worker rank {worker.rank} in {config.rejoin_delay_s:g} s to rejoin "
              "the job")
 
-    def _start_due(self) -> None:
-        now = time.monotonic()
-        due = [local_rank for local_rank, when in self._due_starts.items() if now >= when]
-        if not due or not self._can_start():
-            return
-        for local_rank in due:
-            del self._due_starts[local_rank]
-            self._start(local_rank)
-            # A fork can take a second on a loaded machine: beat between them, or node 0 may
-            # declare a node lost while it starts its workers.
-            self._beat()
-            if self._starts[local_rank] > 1:
-                rank = self._config.global_rank(local_rank)
-                _log(f"started worker rank {rank} (pid {self._running[rank].record.pid}) "
-                     "again; it joins the job at the next step boundary")
-
     def _report_end(self, worker: WorkerRecord, returncode: int) -> None:
         now = time.time()
         if returncode == 0:
@@ -827,7 +934,7 @@ class _NodeAgent:
                 pid=worker.pid,
                 time=now,
             )
-            self._with_store(lambda store: record_exit(store, ended))
+            self._store.call(lambda store: record_exit(store, ended))
             return
         signal_name = _signal_name(-returncode) if returncode < 0 else None
         death = WorkerDeath(
@@ -840,105 +947,71 @@ class _NodeAgent:
             cause=SIGNALED if signal_name else EXITED,
             time=now,
         )
-        self._with_store(lambda store: record_death(store, death))
+        self._store.call(lambda store: record_death(store, death))
         how = f"killed by {signal_name}" if signal_name else f"exited with code {returncode}"
         still = _plural(len(self._running), "worker")
         _log(f"worker rank {worker.rank} (pid {worker.pid}) {how}; {still} still running")
 
-    def _shut_down(self, signum: int) -> int:
-        """Forward ``signum``, give the workers the grace period, then SIGKILL the rest."""
-        grace_s = self._config.shutdown_grace_s
-        _log(
-            f"received {_signal_name(signum)}; forwarding it to "
-            f"{_plural(len(self._running), 'worker')}, SIGKILL after {grace_s:g} s"
-        )
-        self._signal_workers(signum)
-        self._wait_then_kill(grace_s)
-        return 128 + signum
 
-    def _wait_then_kill(self, grace_s: float) -> None:
-        """Give the workers ``grace_s`` seconds (or until a second signal) to end, then
-        SIGKILL those still running."""
-        deadline = time.monotonic() + grace_s
-        while self._running and time.monotonic() < deadline:
-            if len(self._signals.received) > 1:
-                break  # a second signal: stop waiting
-            time.sleep(POLL_INTERVAL_S)
-            self._reap()
-        if self._running:
-            _log(f"killing the workers still running: {_ranks(list(self._running))}")
-            self._signal_workers(signal.SIGKILL)
-            for worker in self._running.values():
-                worker.process.wait()
-            self._reap()
+class _PeerWatch:
+    """This node's heartbeat, and the watch over the :data:`WATCHED_NODES` running nodes that
+    follow it in node-rank order.
 
-    def _stop_without_store(self) -> int:
-        """The store host is gone, and the job with it: the workers, which lose it too, get the
-        shutdown grace to say so and leave; then the rest are killed."""
-        config = self._config
-        where = (f"{config.master_addr}:{config.master_port} (node 0's agent; {self._store_lost})"
-                 if config.store is None
-                 else f"{config.etcd_address.describe()} ({self._store_lost})")
-        _log(f"lost the job store at {where}: the job cannot go on; stopping this node's workers")
-        self._due_starts.clear()
-        self._wait_then_kill(config.shutdown_grace_s)
-        return LOST_STORE_EXIT_STATUS
+    Guarantees: a watched node whose heartbeat is silent for ``--node-timeout`` seconds of this
+    agent's attentive time (:class:`~megatron_elaswave.launch.silence.HeartbeatSilence`) is
+    declared lost once, by the first of its watchers to find it, which then records the deaths
+    of its workers that had not already ended.
+    """
 
-    def _signal_workers(self, signum: int) -> None:
-        for worker in self._running.values():
-            worker.process.send_signal(signum)
+    def __init__(self, config: LaunchConfig, store: _GuardedStore) -> None:
+        self._config = config
+        self._store = store
+        self.interval_s = min(1.0, config.node_timeout_s / 4)
+        """How often the agent beats and reads the heartbeats of the nodes it watches."""
+        self._peers = HeartbeatSilence((), interval_s=self.interval_s,
+                                       timeout_s=config.node_timeout_s, now=time.monotonic())
+        """The nodes this agent watches, and how long each agent's heartbeat is silent."""
+        self._running_nodes: set[int] = set(range(config.nnodes))
+        self._lost_nodes: set[int] = set()
+        """Nodes known to be declared lost: one that runs again was replaced."""
+        self._node_changes_seen = -1
+        """The count of node changes when :attr:`running_nodes` was read."""
 
-    def _kill_workers(self) -> None:
-        """SIGKILL whatever still runs, without reporting: the agent is leaving."""
-        self._signal_workers(signal.SIGKILL)
-        for worker in self._running.values():
-            worker.process.wait()
-        self._running.clear()
+    @property
+    def running_nodes(self) -> Set[int]:
+        """The nodes neither lost nor done, as of the last change of the nodes."""
+        return self._running_nodes
 
-    def _relay_alerts(self) -> None:
-        """Read the job's alert count and hand it to this node's workers, whose alert listeners
-        read the file instead of the store: one read per node and poll, not per worker."""
-        count = self._with_store(lambda store: store.add(ALERT_COUNT_KEY, 0))
-        if count is not None and count != self._alerts_seen:
-            write_relayed_count(self._relayed_alerts, count)
-            self._alerts_seen = count
-
-    def _beat(self) -> None:
+    def beat(self) -> None:
         """Bump this node's heartbeat, which the agents of the nodes before it watch."""
         key = node_heartbeat_key(self._config.node_rank)
-        self._with_store(lambda store: store.add(key, 1))
+        self._store.call(lambda store: store.add(key, 1))
 
-    def _heartbeat_finds_node_lost(self) -> int | None:
+    def heartbeat_finds_node_lost(self) -> int | None:
         """Bump this node's heartbeat; return the node rank of the agent that declared this node
         lost, if one did."""
-        self._beat()
+        self.beat()
         lost = node_lost_key(self._config.node_rank)
-        raw = self._with_store(lambda store: store.get(lost) if store.check([lost]) else None)
+        raw = self._store.call(lambda store: store.get(lost) if store.check([lost]) else None)
         return None if raw is None else json.loads(raw).get("by", 0)
 
-    def _delete_the_job_if_over(self, store: Store) -> None:
-        """On etcd, the last agent to end deletes the job's keys, once every node is done. (Not
-        when a node was declared lost: its agent, if it was only stopped, must find its fence
-        when it wakes.)"""
-        if store.check([node_done_key(n) for n in range(self._config.nnodes)]):
-            for key in store.list_keys():
-                store.delete_key(key)
+    def watch(self, store: Store) -> None:
+        """Follow the changes of the nodes, and declare lost a watched node that fell silent."""
+        self._read_running_nodes(store)
+        # add, not multi_get, which would wait for the counter of a node that never beat
+        heartbeats = {n: store.add(node_heartbeat_key(n), 0) for n in self._peers.peers}
+        for node_rank, silence_s in self._peers.read(heartbeats, time.monotonic()).items():
+            self._peers.forget(node_rank)
+            self._declare_lost(store, node_rank, silence_s)
 
-    def _keeps_the_store_for_others(self) -> bool:
-        """Whether this agent hosts the job store and another node still runs: it must keep the
-        store up until that node is done."""
-        if not self._config.is_store_host or self._store_lost is not None:
-            return False
-        return bool(self._running_nodes - {self._config.node_rank})
-
-    def _read_running_nodes(self) -> None:
+    def _read_running_nodes(self, store: Store) -> None:
         """Re-read which nodes run (neither lost nor done), when a node changed since the last
         read; watch the :data:`WATCHED_NODES` that follow this one from then on."""
-        changes = self._store.add(NODE_CHANGES_KEY, 0)
+        changes = store.add(NODE_CHANGES_KEY, 0)
         if changes == self._node_changes_seen:
             return
         self._node_changes_seen = changes
-        states = read_node_states(self._store)
+        states = read_node_states(store)
         lost, self._running_nodes = states.lost, states.running(self._config.nnodes)
         me = self._config.node_rank
         watched = set(ring_neighbours(sorted(self._running_nodes | {me}), me, WATCHED_NODES))
@@ -950,31 +1023,22 @@ class _NodeAgent:
                 _log(f"node {node_rank} rejoined the job")
         self._lost_nodes = (self._lost_nodes | lost) - self._running_nodes
 
-    def _watch_peers(self) -> None:
-        """Follow the changes of the nodes, and declare lost a watched node that fell silent."""
-        self._read_running_nodes()
-        # add, not multi_get, which would wait for the counter of a node that never beat
-        heartbeats = {n: self._store.add(node_heartbeat_key(n), 0) for n in self._peers.peers}
-        for node_rank, silence_s in self._peers.read(heartbeats, time.monotonic()).items():
-            self._peers.forget(node_rank)
-            self._declare_lost(node_rank, silence_s)
-
-    def _declare_lost(self, node_rank: int, silence_s: float) -> None:
+    def _declare_lost(self, store: Store, node_rank: int, silence_s: float) -> None:
         """Fence the node first (if it comes back, its agent kills its workers), then record
         the deaths of its workers that have not already ended. Only the first agent to declare
         it does so: another watcher may have found it silent too."""
         now = time.time()
         mine = json.dumps({"time": now, "silence_s": silence_s, "by": self._config.node_rank})
-        if self._store.compare_set(node_lost_key(node_rank), "", mine).decode() != mine:
+        if store.compare_set(node_lost_key(node_rank), "", mine).decode() != mine:
             return
-        change_node_state(self._store, node_rank, "lost")
-        already_dead = {(death.rank, death.pid) for death in read_deaths(self._store)}
+        change_node_state(store, node_rank, "lost")
+        already_dead = {(death.rank, death.pid) for death in read_deaths(store)}
         recorded = []
         for local_rank in range(self._config.nproc_per_node):
             rank = self._config.global_rank(local_rank, node_rank)
-            worker = read_worker(self._store, rank)
+            worker = read_worker(store, rank)
             pid = None if worker is None else worker.pid
-            if (rank, pid) in already_dead or read_exit(self._store, rank) is not None:
+            if (rank, pid) in already_dead or read_exit(store, rank) is not None:
                 continue
             death = WorkerDeath(
                 rank=rank,
@@ -986,54 +1050,104 @@ class _NodeAgent:
                 cause=NODE_LOST,
                 time=now,
             )
-            record_death(self._store, death)
+            record_death(store, death)
             recorded.append(rank)
         deaths = f"recorded deaths for {_ranks(recorded)}" if recorded else "no worker left"
         _log(f"node {node_rank} lost: no heartbeat for {silence_s:.1f} s; {deaths}")
 
-    def _with_store(self, call: Callable[[Store], _T], default: _T | None = None) -> _T | None:
-        """Run a store call; ``default`` once the store is gone (its host died), which the
-        supervision loop then acts on."""
-        if self._store_lost is not None:
-            return default
-        try:
-            return call(self._store)
-        except RuntimeError as error:  # torch.distributed.DistError
-            self._store_lost = _first_line(error)
-            return default
 
-    # ---- fencing ------------------------------------------------------------------------------
+class _ExclusionFence:
+    """Kills this node's workers that the job excluded (stopped or hung, not dead) and that
+    still run ``--exclusion-grace`` seconds after the agent read the decision: such a process
+    never leaves by itself, and the job (and its agent) could not end while it runs.
+
+    Guarantees: only a member of the job (:attr:`_Worker.member`) is fenced, and only the very
+    process the decision excluded; a worker that left by itself in the meantime is not waited
+    for, and no replacement started in its slot is touched.
+    """
+
+    def __init__(self, config: LaunchConfig, store: _GuardedStore, workers: _WorkerPool) -> None:
+        self._grace_s = config.exclusion_grace_s
+        self._store = store
+        self._workers = workers
+        self._excluded: dict[int, tuple[int, float]] = {}
+        """``{rank: (pid, monotonic time)}``: members a decision excluded while they ran."""
+        self._next_generation = 0
+        """The generation whose ending decision the agent reads next."""
+
+    def skip_past_decisions(self) -> None:
+        """Start reading decisions after those committed before this node's workers exist
+        (an agent that replaces a lost node arrives in a running job)."""
+        while self._store.call(self._read_decision) is not None:
+            self._next_generation += 1
+
+    def kill_excluded(self) -> None:
+        """Read the decisions committed since the last call, and kill the workers they excluded
+        whose grace is over."""
+        running = self._workers.running
+        while (decision := self._store.call(self._read_decision)) is not None:
+            self._next_generation += 1
+            for rank in decision.failed:
+                worker = running.get(rank)
+                if worker is not None and worker.member:
+                    self._excluded[rank] = (worker.record.pid, time.monotonic())
+            for rank in decision.joined:
+                if (worker := running.get(rank)) is not None:
+                    worker.member = True
+        for rank, (pid, since) in list(self._excluded.items()):
+            worker = running.get(rank)
+            if worker is None or worker.record.pid != pid:
+                del self._excluded[rank]  # it left by itself
+            elif time.monotonic() - since >= self._grace_s:
+                del self._excluded[rank]
+                _log(f"worker rank {rank} (pid {pid}) was excluded by the job; killing it")
+                self._workers.fence(worker)
 
     def _read_decision(self, store: Store) -> Decision | None:
         """The decision that ended generation :attr:`_next_generation`, if committed."""
         key = decision_key(self._next_generation)
         return Decision.from_json(store.get(key)) if store.check([key]) else None
 
-    def _skip_past_decisions(self) -> None:
-        """Start reading decisions after those committed before this agent's workers exist
-        (an agent that replaces a lost node arrives in a running job)."""
-        while self._with_store(self._read_decision) is not None:
-            self._next_generation += 1
 
-    def _fence_excluded(self) -> None:
-        """Kill this node's workers that the job excluded, ``exclusion_grace_s`` after reading
-        the decision: a stopped or hung process never leaves by itself, and the job (and its
-        agent) could not end while it runs."""
-        while (decision := self._with_store(self._read_decision)) is not None:
-            self._next_generation += 1
-            for rank in decision.failed:
-                worker = self._running.get(rank)
-                if worker is not None and self._members.get(rank) == worker.record.pid:
-                    self._excluded[rank] = (worker.record.pid, time.monotonic())
-            for rank in decision.joined:
-                if rank in self._running:
-                    self._members[rank] = self._running[rank].record.pid
-        for rank, (pid, since) in list(self._excluded.items()):
-            worker = self._running.get(rank)
-            if worker is None or worker.record.pid != pid:
-                del self._excluded[rank]  # it left by itself
-            elif time.monotonic() - since >= self._config.exclusion_grace_s:
-                del self._excluded[rank]
-                self._fenced.add(pid)
-                _log(f"worker rank {rank} (pid {pid}) was excluded by the job; killing it")
-                worker.process.kill()
+class _AlertRelay:
+    """Hands the job's alert count to this node's workers in a file, which their alert
+    listeners read instead of the store (:mod:`megatron_elaswave.launch.alerts`): one read per
+    node and poll, not per worker."""
+
+    def __init__(self, store: _GuardedStore) -> None:
+        self._store = store
+        self._dir = tempfile.mkdtemp(prefix="elaswave-node-")
+        self.path = os.path.join(self._dir, "alerts")
+        """The file the workers read the count in (:data:`NODE_ALERTS_ENV`)."""
+        self._seen = -1
+
+    def relay(self) -> None:
+        """Read the job's alert count, and write it to :attr:`path` if it moved."""
+        count = self._store.call(lambda store: store.add(ALERT_COUNT_KEY, 0))
+        if count is not None and count != self._seen:
+            write_relayed_count(self.path, count)
+            self._seen = count
+
+    def close(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _GuardedStore:
+    """The agent's calls to the job store. A call that fails marks the store lost (its host
+    died, or the etcd cluster lost its quorum) instead of raising; every later call is skipped,
+    and the supervision loop acts on :attr:`lost`."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.lost: str | None = None
+        """Why the job store was lost, once it was."""
+
+    def call(self, call: Callable[[Store], _T], default: _T | None = None) -> _T | None:
+        """Run a store call; ``default`` once the store is gone."""
+        if self.lost is not None:
+            return default
+        try:
+            return call(self._store)
+        except RuntimeError as error:  # torch.distributed.DistError
+            self.lost = _first_line(error)
+            return default
