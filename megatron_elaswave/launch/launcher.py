@@ -1142,12 +1142,12 @@ class _GuardedStore:
         self.lost: str | None = None
         """Why the job store was lost, once it was."""
 
-    def call(self, call: Callable[[Store], _T], default: _T | None = None) -> _T | None:
-        """Run a store call; ``default`` once the store is gone."""
+    def call(self, call: Callable[[Store], _T]) -> _T | None:
+        """Run a store call; ``None`` once the store is gone."""
         if self.lost is not None:
-            return default
+            return None
         try:
             return call(self._store)
         except RuntimeError as error:  # torch.distributed.DistError
             self.lost = _first_line(error)
-            return default
+            return None
