@@ -115,7 +115,8 @@ def test_a_rank_killed_while_an_elastic_job_starts_stops_every_worker_in_one_lin
         assert time.monotonic() - killed_at < STOP_BOUND_S
     assert returncode == 128 + signal.SIGKILL, output[-4000:]
     expected = (f"pretrain_gpt.py: cannot continue: rank {VICTIM} killed by SIGKILL while the job "
-                "started, before it held a snapshot to recover from; launch it again")
+                "started, before it held a snapshot to recover from; launch it again; no "
+                "checkpoint was saved (no --save)")
     assert stop_lines(output) == [expected] * (NPROC - 1), output[-4000:]
     assert verdict == finished == expected.removeprefix("pretrain_gpt.py: ")
     assert "Traceback" not in output, output[-4000:]

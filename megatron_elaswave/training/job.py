@@ -218,8 +218,8 @@ def watch_startup(args: argparse.Namespace, rank: int,
     if args.elastic:
         status, reason = exit_status.CANNOT_CONTINUE, lambda death: (
             f"cannot continue: rank {death.rank} {death.describe()} while the job started, "
-            f"before it held a snapshot to recover from; launch it again "
-            f"({resume_hint(args.save or args.load)})")
+            f"before it held a snapshot to recover from; launch it again; "
+            f"{resume_hint(args.save or args.load)}")
     else:
         status, reason = exit_status.PEER_FAILED, lambda death: (
             f"error: rank {death.rank} {death.describe()}; without --elastic the job stops with it")
