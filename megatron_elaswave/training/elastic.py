@@ -332,9 +332,10 @@ class ElasticTrainer(Trainer):
 
     def advance(self) -> StepResult | None:
         """Try the next iteration; on a failure, recover (which may roll back) instead. The
-        step's result, or ``None`` if a recovery ran. Any exception the step raises, whatever its
-        class (a peer's death, or a bad sample's ``ValueError``), goes to the recovery, which
-        bounds the re-runs of an iteration that fails with no rank failing."""
+        step's result when its iteration stands (also when a failure noticed as the step returned
+        was recovered from by rolling back to it), else ``None``. Any exception the step raises,
+        whatever its class (a peer's death, or a bad sample's ``ValueError``), goes to the
+        recovery, which bounds the re-runs of an iteration that fails with no rank failing."""
         try:
             self.monitor.raise_if_failed()
             if self._joining:
@@ -342,13 +343,11 @@ class ElasticTrainer(Trainer):
                 self._take_in(joined)
             self._follow_batch_schedule()
             result = self.train_step()
-            # A non-finite loss is the same on every rank: each takes it as its own error below,
-            # even when another has already reported it.
-            if math.isfinite(result.lm_loss):
-                self.monitor.raise_if_failed()
         except Exception as error:
             self.recover(error)
             return None
+        # A non-finite loss is the same on every rank: each takes it as its own error, even when
+        # another has already reported it.
         if not math.isfinite(result.lm_loss):
             error = self.recovery.retries.nonfinite(result.lm_loss, self.iteration + 1,
                                                     self._nonfinite_losses(result.reported))
@@ -369,6 +368,14 @@ class ElasticTrainer(Trainer):
         if said is not None and self.is_logger:
             log(f" {said}")
         self._record(result, gbs, energy_j=self.governor.energy_j(result.step_time_s))
+        # The step has snapshotted this iteration, and a recovery may roll back to it: its record
+        # is held first, so that a failure noticed now does not lose the iteration's log line.
+        completed = self.iteration
+        try:
+            self.monitor.raise_if_failed()
+        except Exception as error:
+            self.recover(error)
+            return result if self.iteration == completed else None
         self.stopping = self._stop_reason(result.reported)
         if self.saves_itself:
             self._save_if_due()
