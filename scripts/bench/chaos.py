@@ -71,6 +71,7 @@ from common import SCRIPTS, free_port
 from megatron_elaswave.launch.keys import join_key
 from megatron_elaswave.launch.store import WorkerDeath, read_deaths, read_worker
 from megatron_elaswave.metrics import MetricsFollower, read_metrics
+from megatron_elaswave.training.checkpoint import latest_complete
 
 NODES, PER_NODE = 2, 4
 RANKS = NODES * PER_NODE
@@ -105,7 +106,6 @@ TRAILING_ITERATIONS = 5
 """Iterations trained on every rank after the last fault, before the soak stops the job."""
 SAVE_INTERVAL = 10
 """The soak's job saves a durable checkpoint every this many iterations (``--save-interval``)."""
-TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def model_flags(train_iters: int, layout: dict[str, str] | None = None) -> list[str]:
@@ -415,12 +415,12 @@ def attribute(faults: list[Fault], recoveries: list[dict], deaths: list[WorkerDe
 def tracked_checkpoint(checkpoints: Path) -> str | None:
     """What is wrong with the checkpoint the tracker in ``checkpoints`` names, if anything: it
     must be a complete one (renamed from its ``.partial`` directory, with its metadata)."""
-    tracker = checkpoints / TRACKER
-    if not tracker.exists():
-        return f"no {TRACKER} in {checkpoints}"
-    directory = checkpoints / f"iter_{int(tracker.read_text()):07d}"
-    if not (directory / "metadata.json").is_file() or not (directory / "common.pt").is_file():
-        return f"{TRACKER} names {directory.name}, which is not a complete checkpoint"
+    latest = latest_complete(str(checkpoints))
+    if latest is None:
+        return f"the tracker in {checkpoints} names no checkpoint"
+    directory = Path(latest[1])
+    if not all((directory / name).is_file() for name in ("metadata.json", "common.pt")):
+        return f"the tracker names {directory.name}, which is not a complete checkpoint"
     return None
 
 
