@@ -332,3 +332,39 @@ def test_a_replacement_that_dies_while_joining_is_recovered_from(text_data, smal
     assert [r["failed_ranks"] for r in recorded("recovery")] == [[3], [3]], output[-4000:]
     assert iterations[-1]["world_size"] == 3
     assert "not restarting it" in output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_replacement_whose_join_a_failure_interrupts_leaves_in_one_line(  # noqa: F811
+        text_data, small_reference, tmp_path):
+    """Rank 3 is SIGKILLed and started again; once the job accepts the replacement it is
+    SIGSTOPped, rank 2 is SIGKILLed, and the replacement resumes inside its join, which the
+    failure has broken: it says so in one line and leaves with status 1 (no traceback), and the
+    members recover from both and finish on the trajectory (``--max-rejoins 1``: rank 2 comes
+    back, rank 3 does not)."""
+    metrics = tmp_path / "interrupted.jsonl"
+
+    def recorded(event: str) -> list[dict]:
+        return read_metrics(str(metrics), event) if metrics.exists() else []
+
+    with launch([PRETRAIN, *small_flags(text_data), *HELD, "--elastic-metrics-file", str(metrics)],
+                4, master_port=free_port(), log_path=tmp_path / "interrupted.log",
+                launcher_args=["--rejoin", "--rejoin-delay=0.5", "--max-rejoins=1"]) as job:
+        job.wait_for(lambda: len(recorded("iteration")) >= 3, 120, "iteration 3")
+        first = job.kill_worker(3)
+        job.wait_for(lambda: bool(recorded("recovery")), 120, "the recovery")
+        job.wait_for(lambda: job.worker_pids()[3] != first, 60, "the replacement of rank 3")
+        hold_while_joining(job, [3])
+        job.wait_for(lambda: job.store().check([accepted_key(3)]), 60, "the acceptance")
+        job.kill_worker(3, signal.SIGSTOP)
+        job.kill_worker(2)
+        time.sleep(1.0)  # within the heartbeat timeout: the replacement is not silent for long
+        job.kill_worker(3, signal.SIGCONT)
+        returncode, output = job.wait(240)
+    assert returncode == 0, output[-4000:]
+    assert "a failure interrupted rank 3's join (" in output, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    iterations = recorded("iteration")
+    assert [r["iteration"] for r in iterations] == list(range(1, TRAIN_ITERS + 1)), output[-4000:]
+    assert_on_trajectory(small_reference, iterations)

@@ -413,6 +413,21 @@ def test_rejoin_starts_a_killed_worker_again_in_its_slot(tmp_path):
 
 @multiprocess
 @pytest.mark.timeout(60)
+def test_decisions_about_a_dead_worker_never_fence_its_replacement(tmp_path):
+    """A decision takes rank 1's replacement in and the next excludes it, and it dies before
+    its launcher has read either: the worker started in its slot afterwards is not the one
+    they speak of, and is neither counted a member nor killed."""
+    plan = [worker_script("decided_then_replaced.py"), str(tmp_path), "4"]
+    with launch(plan, 2, master_port=free_port(),
+                launcher_args=["--rejoin", "--rejoin-delay=0", "--exclusion-grace=0.5"]) as job:
+        returncode, output = job.wait(timeout=40)
+    assert [s["restart_count"] for s in starts(tmp_path) if s["rank"] == 1] == [0, 1, 2]
+    assert "was excluded by the job" not in output
+    assert returncode == 0, output
+
+
+@multiprocess
+@pytest.mark.timeout(60)
 def test_rejoin_gives_up_after_max_rejoins(tmp_path):
     plan = [worker_script("rejoin_plan.py"), str(tmp_path), "1:4"]
     with launch(plan, 2, master_port=free_port(),

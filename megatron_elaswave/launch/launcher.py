@@ -630,7 +630,8 @@ class _NodeAgent:
             self._alerts.relay()
             # A fork can take a second on a loaded machine: beat between them, or node 0 may
             # declare a node lost while it starts its workers.
-            self._workers.start_due(after_each_start=self._peers.beat)
+            self._workers.start_due(before_starts=self._fence.read_decisions,
+                                    after_each_start=self._peers.beat)
             if self._signals.received:
                 return self._shut_down(self._signals.received[0])
             if time.monotonic() >= self._next_heartbeat:
@@ -761,13 +762,16 @@ class _WorkerPool:
         now = time.monotonic()
         self._due_starts = {local_rank: now for local_rank in range(self._config.nproc_per_node)}
 
-    def start_due(self, after_each_start: Callable[[], None]) -> None:
+    def start_due(self, before_starts: Callable[[], None],
+                  after_each_start: Callable[[], None]) -> None:
         """Start the workers that are due, once the fork server (if any) has preloaded;
-        ``after_each_start`` runs after each one is started and published."""
+        ``before_starts`` runs first, ``after_each_start`` after each one is started and
+        published."""
         now = time.monotonic()
         due = [local_rank for local_rank, when in self._due_starts.items() if now >= when]
         if not due or not self._can_start():
             return
+        before_starts()
         for local_rank in due:
             del self._due_starts[local_rank]
             self._start(local_rank)
@@ -1081,9 +1085,10 @@ class _ExclusionFence:
         while self._store.call(self._read_decision) is not None:
             self._next_generation += 1
 
-    def kill_excluded(self) -> None:
-        """Read the decisions committed since the last call, and kill the workers they excluded
-        whose grace is over."""
+    def read_decisions(self) -> None:
+        """Apply the decisions committed since the last read to the workers that run now. Call
+        it before a replacement starts: a decision about the worker it replaces (one that
+        joined it, one that excluded it) must not be taken for one about the replacement."""
         running = self._workers.running
         while (decision := self._store.call(self._read_decision)) is not None:
             self._next_generation += 1
@@ -1094,6 +1099,12 @@ class _ExclusionFence:
             for rank in decision.joined:
                 if (worker := running.get(rank)) is not None:
                     worker.member = True
+
+    def kill_excluded(self) -> None:
+        """Read the decisions committed since the last call, and kill the workers they excluded
+        whose grace is over."""
+        self.read_decisions()
+        running = self._workers.running
         for rank, (pid, since) in list(self._excluded.items()):
             worker = running.get(rank)
             if worker is None or worker.record.pid != pid:

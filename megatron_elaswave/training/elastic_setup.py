@@ -133,7 +133,9 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
     """A replacement's trainer: ask to join, wait until the job takes this rank in at a step
     boundary, form the grown generation's groups with the members and receive the state.
     ``model_factory`` and ``trainer_fields`` as for :func:`build_elastic_trainer`. Raises
-    :class:`~.relayout.JobFinished` if the job ends first."""
+    :class:`~.relayout.JobFinished` if the job ends first, and
+    :class:`~.relayout.JoinInterrupted` if a failure interrupts the join once the job has taken
+    this rank in."""
     store = connect_store(timeout=timedelta(minutes=args.distributed_timeout_minutes))
     config = MonitorConfig(heartbeat_timeout_s=args.elastic_heartbeat_timeout)
     log(f" rank {rank} asks to rejoin the running job")
@@ -143,24 +145,32 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
                              skip_recorded_deaths=True)
     _abandon_waits_on_failure(monitor)
     monitor.start()  # the members watch this rank's heartbeat from the plan on
-    registry = GroupRegistry.joining(plan.layout, rank, store=store,
-                                     backend=backend.dist_backend,
-                                     timeout=timedelta(seconds=config.collective_timeout_s),
-                                     generation=plan.decision.generation,
-                                     abort=monitor.failure_detected)
-    if rank in plan.layout.active_ranks():  # its stage may span several layer groups
-        seed_random_generators(args.seed,
-                               registry.process_group_collection(registry.layer_groups()[0]))
-    snapshots = StepSnapshots(plan.state_layout, rank,
-                              snapshot_config(args, int(store.get(SNAPSHOT_COPIES_KEY))))
-    trainer = ElasticTrainer(
-        args=args, objects=None, pg_collection=None, backend=backend, layout=plan.state_layout,
-        train_source=train_source, valid_source=valid_source, metrics=MetricsWriter(None),
-        rank=rank, iteration=plan.iteration, snapshots=snapshots,
-        registry=registry, monitor=monitor, store=store,
-        **_runtime_parts(args, backend, rank, vocab_size, config,
-                         model_factory or ModelFactory.from_flags(args, vocab_size), store,
-                         snapshots),
-        **trainer_fields)
-    trainer.complete_change(plan)
+    try:
+        registry = GroupRegistry.joining(plan.layout, rank, store=store,
+                                         backend=backend.dist_backend,
+                                         timeout=timedelta(seconds=config.collective_timeout_s),
+                                         generation=plan.decision.generation,
+                                         abort=monitor.failure_detected)
+        if rank in plan.layout.active_ranks():  # its stage may span several layer groups
+            seed_random_generators(
+                args.seed, registry.process_group_collection(registry.layer_groups()[0]))
+        snapshots = StepSnapshots(plan.state_layout, rank,
+                                  snapshot_config(args, int(store.get(SNAPSHOT_COPIES_KEY))))
+        trainer = ElasticTrainer(
+            args=args, objects=None, pg_collection=None, backend=backend,
+            layout=plan.state_layout, train_source=train_source, valid_source=valid_source,
+            metrics=MetricsWriter(None), rank=rank, iteration=plan.iteration, snapshots=snapshots,
+            registry=registry, monitor=monitor, store=store,
+            **_runtime_parts(args, backend, rank, vocab_size, config,
+                             model_factory or ModelFactory.from_flags(args, vocab_size), store,
+                             snapshots),
+            **trainer_fields)
+        trainer.complete_change(plan)
+    except Exception as error:
+        if (failure := monitor.failure) is None:
+            raise
+        monitor.stop()
+        raise relayout.JoinInterrupted(
+            f"a failure interrupted rank {rank}'s join ({failure.detail}); it leaves the "
+            "job") from error
     return trainer

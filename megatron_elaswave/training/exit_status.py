@@ -12,3 +12,7 @@ STEP_FAILED = 1
 
 PEER_FAILED = 1
 """Without ``--elastic``, another rank died: the job stops with it."""
+
+JOIN_INTERRUPTED = 1
+"""A failure interrupted a replacement's join: the job goes on without it (``--rejoin`` starts
+it again)."""

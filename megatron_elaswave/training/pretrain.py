@@ -91,7 +91,7 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
     from .data import DataError
     from .recovery import CannotContinue, StepFailed
     from .job import CannotRejoin, train_job
-    from .relayout import JobStopped
+    from .relayout import JobStopped, JoinInterrupted
     from .migration import StateLost
 
     try:
@@ -102,6 +102,9 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
         return exit_status.BAD_INPUT
     except JobStopped:  # the replacement said so; the survivors give the reason
         return exit_status.CANNOT_CONTINUE
+    except JoinInterrupted as error:
+        say(str(error))
+        return exit_status.JOIN_INTERRUPTED
     except CannotRejoin as error:
         say(f"error: {error}")
         return exit_status.BAD_INPUT

@@ -71,6 +71,12 @@ class JobStopped(JobFinished):
     join: the replacement stops with them."""
 
 
+class JoinInterrupted(RuntimeError):
+    """A failure in the job interrupted this replacement's join after the job took it in: it
+    holds no state to recover with, so it leaves (a death the survivors recover from), and its
+    launcher may start it again (``--rejoin``)."""
+
+
 @dataclass(frozen=True)
 class LayoutChange:
     """What every rank of the changed generation needs to know."""
