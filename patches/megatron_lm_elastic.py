@@ -42,7 +42,12 @@ Megatron-LM has.
    increment ``train()`` adds next (data-parallel size x micro-batch size x micro-batches, which
    is not the global batch once replicas differ) lands on the exact count. The micro-batch
    calculator is never changed: ``train()`` asserts its count never goes down. A rank left
-   without a stage returns ``should_exit`` once the job is done. core_v0.19's keyword arguments
+   without a stage returns ``should_exit`` once the job is done; one that a later layout uses
+   again returns at once until ``train()``'s count reaches the job's, taking part in none of
+   the log lines (``training_log`` returns at once), evaluations and saves
+   (``save_checkpoint_and_time`` does nothing) of the iterations it missed, so that from then
+   on it does the iteration-numbered work of ``train()`` on the same iterations as the other
+   ranks. core_v0.19's keyword arguments
    (``pg_collection``, ``p2p_communicator``) pass through without ``--elastic``.
 5. ``evaluate``: the job's evaluation of the split the placeholder names, through failures.
 6. Megatron-LM's own collectives on the default group (timer barriers and gathers, the last
@@ -327,6 +332,12 @@ class ElasticRuntime(Protocol):
     @property
     def logs(self) -> bool:
         """Whether this rank prints Megatron-LM's log line: the last of the active ranks."""
+
+    @property
+    def catching_up(self) -> bool:
+        """Whether ``train()`` on this rank is behind the job's iteration (a layout used it
+        again after it held no stage): its ``train_step`` calls did nothing, and it writes no
+        log line until it is in step."""
 
     def share(self, name: str, value: str | None = None) -> str | None:
         """Publish ``value`` under ``name`` for every rank of the job (``None``: read what was
@@ -614,6 +625,8 @@ class _ElasticLoop:
             if not get_args().elastic:
                 return training_log(*args, **kwargs)
             bound = signature.bind(*args, **kwargs)
+            if self.runtime.catching_up:  # nothing was done here to log, or to count
+                return bound.arguments["report_memory_flag"]
             if over_pg_collection:
                 bound.arguments["pg_collection"] = None  # parallel_state's: the current groups
             if bound.arguments.get("is_first_iteration"):
@@ -668,6 +681,19 @@ class _ElasticLoop:
             return None
 
         return elastic_save_checkpoint
+
+    def save_checkpoint_and_time(self, save: Callable) -> Callable:
+        """Megatron-LM's save with its parameter sync, timers and memory report: nothing on a
+        rank catching up (it holds no state of the iteration saved; the others saved it)."""
+        @functools.wraps(save)
+        def elastic_save_and_time(*args, **kwargs):
+            from megatron.training import get_args
+
+            if get_args().elastic and self.runtime.catching_up:
+                return None
+            return save(*args, **kwargs)
+
+        return elastic_save_and_time
 
     def maybe_finalize_async_save(self, finalize: Callable) -> Callable:
         @functools.wraps(finalize)
@@ -753,6 +779,8 @@ def register(registry: PatchRegistry, backend: DeviceBackend, runtime: ElasticRu
     for step in ("evaluate_and_print_results", "disable_forward_pre_hook"):
         registry.register_wrapper(f"{TRAINING}.{step}", loop.between_steps(lambda arguments: None))
     registry.register_wrapper(f"{TRAINING}.save_checkpoint", loop.save_checkpoint)
+    registry.register_wrapper(f"{TRAINING}.save_checkpoint_and_time",
+                              loop.save_checkpoint_and_time)
     registry.register_wrapper(f"{TRAINING}.maybe_finalize_async_save",
                               loop.maybe_finalize_async_save)
     distributed = runtime.distributed

@@ -254,3 +254,37 @@ def test_a_replacement_rejoins_megatron_lms_loop_on_the_trajectory(tmp_path, ble
     # The replacement logs again as the last rank: Megatron-LM's lines go on to the end.
     printed = [int(i) for i in ITERATION_LINE.findall(rejoined["output"])]
     assert max(printed) == 150
+
+
+@pytest.mark.timeout(900)
+def test_a_tensor_parallel_partner_waits_as_a_spare_and_rejoins_megatron_lms_loop(tmp_path, blend):
+    """TP2 x PP2 (one replica) under ``elaswave-run --rejoin``, saving every 10 iterations: rank
+    3 is SIGKILLed after iteration 3; its tensor-parallel partner, rank 2, is left without a
+    stage while ranks 0 and 1 run the whole model as one stage. When the replacement of rank 3
+    joins, rank 2 holds a stage again, and Megatron-LM's loop on it, behind since iteration 3,
+    catches up with the job without taking part in the log lines, evaluations and saves it
+    missed. The job ends at its first layout, on the failure-free trajectory, with the last
+    checkpoint complete."""
+    def flags(name):
+        return llama3_recipe(blend, tmp_path / f"tb-{name}", tmp_path / "cache", samples=800) + [
+            "--log-interval", "5", "--eval-interval", "10",
+            "--save", str(tmp_path / f"ckpt-{name}"), "--save-interval", "10"]
+
+    reference = run(tmp_path, "reference", flags("reference"))
+    rejoined = run(tmp_path, "rejoined", flags("rejoined"), kill_after=3,
+                   launcher_args=("--rejoin", "--rejoin-delay", "1"),
+                   wait_for="ranks [3] joined after iteration")
+    assert_on_trajectory(rejoined, reference)
+    [recovery] = rejoined["recoveries"]
+    [grow] = rejoined["grows"]
+    assert recovery["failed_ranks"] == [3] and grow["joined_ranks"] == [3]
+    by_iteration = {r["iteration"]: r for r in rejoined["iterations"]}
+    assert by_iteration[grow["iteration"]]["world_size"] == 2
+    assert grow["iteration"] > 10  # rank 2 missed a save, an evaluation and log lines
+    assert rejoined["iterations"][-1]["world_size"] == 4
+    printed = [int(i) for i in ITERATION_LINE.findall(rejoined["output"])]
+    assert max(printed) == 100 and printed == sorted(set(printed))
+    assert validation_losses(rejoined["output"]).keys() == validation_losses(
+        reference["output"]).keys()
+    tracker = tmp_path / "ckpt-rejoined" / "latest_checkpointed_iteration.txt"
+    assert tracker.read_text().strip() == "100"

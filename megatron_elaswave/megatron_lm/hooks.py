@@ -62,11 +62,6 @@ class ElasticHooks:
             exit_with(exit_status.BAD_INPUT, "this worker was started again to rejoin the job, "
                       "but the job does not run with --elastic: its survivors stopped with the "
                       "failure", every_rank=True)
-        if args.tensor_model_parallel_size > 1:
-            exit_with(exit_status.BAD_INPUT, "a replacement worker joins Megatron-LM's loop with "
-                      "--tensor-model-parallel-size 1 only (its tensor-parallel partners, left "
-                      "without a stage, have left Megatron-LM's loop); the job goes on without "
-                      "it", every_rank=True)
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         add_elastic_args(parser)
@@ -98,7 +93,7 @@ class ElasticHooks:
         stopped."""
         from megatron_elaswave.training.checkpoint import CheckpointError
         from megatron_elaswave.training.data import DataError
-        from megatron_elaswave.training.relayout import JobFinished, JobStopped
+        from megatron_elaswave.training.relayout import JobFinished, JobStopped, JoinInterrupted
 
         from .job import MegatronLMJob, UnsupportedModel
 
@@ -119,6 +114,8 @@ class ElasticHooks:
         except JobFinished as finished:
             print(f" {finished}; exiting", flush=True)
             sys.exit(exit_status.CANNOT_CONTINUE if isinstance(finished, JobStopped) else 0)
+        except JoinInterrupted as interrupted:
+            exit_with(exit_status.JOIN_INTERRUPTED, str(interrupted), every_rank=True, prefix="")
         return self.job.objects()
 
     def evaluation_splits(self) -> tuple[EvaluationSplit | None, EvaluationSplit | None]:
@@ -168,6 +165,10 @@ class ElasticHooks:
     @property
     def logs(self) -> bool:
         return self.job is not None and self.job.logs_megatron_lm_line
+
+    @property
+    def catching_up(self) -> bool:
+        return self.job is not None and self.job.catching_up
 
     def share(self, name: str, value: str | None = None) -> str | None:
         return self.job.share(name, value)

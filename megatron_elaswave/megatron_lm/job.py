@@ -126,6 +126,12 @@ def feeding(forward_step_func: Callable, per_token_loss: bool) -> Callable:
     return forward_step
 
 
+NOTHING_DONE = StepResult(lm_loss=0.0, num_tokens=0, sample_ids=[], grad_norm=None,
+                          step_time_s=0.0, skipped=False)
+"""What ``train_step`` returns on a rank whose loop is catching up with the job: it took part
+in none of those iterations (Megatron-LM's log line is not written meanwhile)."""
+
+
 class MegatronLMJob:
     """One rank's part of an elastic run driven by Megatron-LM's ``train()`` (module docstring)."""
 
@@ -142,6 +148,12 @@ class MegatronLMJob:
         """Whether this rank runs Megatron-LM's loop in step with the others: a replacement
         does from its first ``train_step`` on, and until then takes no part in the loop's
         collectives (:attr:`world_group`)."""
+        self.catching_up = False
+        """Whether Megatron-LM's loop on this rank is behind the job's iteration: a layout used
+        it again after it held no stage. Until the loop is there, its ``train_step`` calls
+        return at once and its log lines, saves, evaluations and collectives do nothing, so
+        that the loop's iteration-numbered work falls on the same iterations as on the other
+        ranks (:meth:`train_step`)."""
         # train() points this config's gradient finalisation at Megatron's own, once, before the
         # first step; the trainer's (the reduction over layer groups) is given back then.
         self._first_config = trainer.objects.config if trainer.objects is not None else None
@@ -217,7 +229,7 @@ class MegatronLMJob:
         """The ranks that hold a stage, in launch-rank order (edited in place after failures);
         on a rank outside them, or not yet in step with Megatron-LM's loop,
         :attr:`DefaultGroupRedirect.OUTSIDE`."""
-        if not (self.trainer.is_active and self.in_loop):
+        if not (self.trainer.is_active and self.in_loop and not self.catching_up):
             return DefaultGroupRedirect.OUTSIDE
         return self.trainer.registry.group(Role.WORLD)
 
@@ -249,10 +261,10 @@ class MegatronLMJob:
                   scheduler: OptimizerParamScheduler) -> None:
         """Make the objects ``train()`` holds the current ones, in place. New chunks take the
         forward pre-hooks (``--overlap-param-gather``) as ``train()`` left the old ones, which
-        it turns on and off itself; a spare's list empties, so that ``train()`` syncs no
-        parameters over groups that are gone."""
+        it turns on and off itself; a spare's list empties (and that of a rank catching up), so
+        that ``train()`` syncs no parameters over groups that are gone, or not in step."""
         objects = self.trainer.objects
-        if objects is None:  # a spare holds no stage
+        if objects is None or self.catching_up:  # no stage, or not in step with it yet
             model[:] = []
             return
         if model and model[0] is not objects.model[0]:
@@ -270,29 +282,52 @@ class MegatronLMJob:
     def train_step(self, iteration: int) -> StepResult | None:
         """Complete iteration ``iteration + 1`` (``iteration`` are done), through failures. After
         the last iteration, or on a rank left without a stage, wait until every rank is done
-        (a spare serves recoveries meanwhile, and trains if a later layout uses it again).
+        (a spare serves recoveries meanwhile). A spare that a later layout uses again (the
+        replacement of its tensor-parallel partner joined, say) goes back to Megatron-LM's loop
+        at the job's iteration (:attr:`catching_up`).
 
-        The step's result; ``None`` on a rank that holds no stage: it has nothing more to do.
+        The step's result (:data:`NOTHING_DONE` while catching up); ``None`` on a rank that
+        holds no stage when the job is done.
         """
         trainer = self.trainer
+        if self.catching_up:
+            # Behind the job, the loop takes part in nothing; after the job's last iteration,
+            # it ends in step with the others (which take part in its final work with it).
+            self.catching_up = (iteration + 1 < trainer.iteration if self.finished
+                                else iteration < trainer.iteration)
+            if self.catching_up:
+                return NOTHING_DONE
+            if self.finished:
+                return self.last_result
         self.in_loop = True
         if trainer.objects is not None and trainer.objects.config is self._first_config:
             self._first_config.finalize_model_grads_func = self._finalize
-        while not self.finished and trainer.is_active and trainer.iteration <= iteration:
-            self.last_result = trainer.advance() or self.last_result
-        if not self.finished and (not trainer.is_active
-                                  or trainer.iteration >= trainer.args.train_iters):
+        while not self.finished:
+            while trainer.is_active and trainer.iteration <= iteration:
+                self.last_result = trainer.advance() or self.last_result
+            if trainer.is_active and trainer.iteration < trainer.args.train_iters:
+                break
             try:
-                run_elastic(trainer)
-            finally:
+                used_again = run_elastic(trainer, return_when_used=not trainer.is_active)
+            except BaseException:
                 self.close()
-        return self.last_result if trainer.is_active else None
+                raise
+            if not used_again:
+                self.close()
+            elif iteration < trainer.iteration < trainer.args.train_iters:
+                self.catching_up = True
+                return NOTHING_DONE
+        if not trainer.is_active:
+            return None
+        # Used again as the job ended: the loop runs out the iterations it missed.
+        self.catching_up = iteration + 1 < trainer.iteration
+        return NOTHING_DONE if self.catching_up else self.last_result
 
     def save(self, iteration: int, floating_point_operations: float) -> None:
         """Save the state after ``iteration`` under ``--save`` in the background (every rank
-        calls this after the same iteration; a spare writes nothing)."""
+        calls this after the same iteration; a spare, or a rank catching up, writes nothing)."""
         trainer = self.trainer
-        if trainer.objects is None or not trainer.is_active:
+        if trainer.objects is None or not trainer.is_active or self.catching_up:
             return
         if trainer.iteration != iteration:
             raise RuntimeError(f"Megatron-LM's loop saves iteration {iteration}, the job is at "
@@ -305,12 +340,12 @@ class MegatronLMJob:
         durable.finish(durable.config.timeout_s)
 
     def evaluate(self, split: EvaluationSplit) -> float | None:
-        """Mean per-token loss on ``split`` (``None`` on a spare or without that split), after
-        the iterations done so far, through failures: the survivors recover (which may roll
-        back and re-run iterations) and evaluate again on their layout."""
+        """Mean per-token loss on ``split`` (``None`` on a spare, a rank catching up or without
+        that split), after the iterations done so far, through failures: the survivors recover
+        (which may roll back and re-run iterations) and evaluate again on their layout."""
         source = self.sources.get(split)
         trainer, done = self.trainer, self.trainer.iteration
-        while source is not None and trainer.is_active:
+        while source is not None and trainer.is_active and not self.catching_up:
             try:
                 trainer.monitor.raise_if_failed()
                 # Validation moves on one set of batches per --eval-interval; the test set is
@@ -331,7 +366,9 @@ class MegatronLMJob:
     def logs_megatron_lm_line(self) -> bool:
         """Whether this rank prints Megatron-LM's log line: the last of the ranks that hold a
         stage (Megatron-LM's last rank, over :attr:`world_group`)."""
-        return self.trainer.is_active and self.trainer.rank == max(self.trainer.layout.active_ranks())
+        trainer = self.trainer
+        return (trainer.is_active and not self.catching_up
+                and trainer.rank == max(trainer.layout.active_ranks()))
 
     def share(self, name: str, value: str | None = None) -> str | None:
         """Publish ``value`` under ``name`` in the job store (a value already there stays), or

@@ -638,17 +638,24 @@ class ElasticTrainer(Trainer):
         self.write_records(up_to=iteration)
 
 
-def run_elastic(trainer: ElasticTrainer) -> None:
+def run_elastic(trainer: ElasticTrainer, *, return_when_used: bool = False) -> bool:
     """Train to the end through failures; a spare serves recoveries and takes part in grows
     meanwhile. No rank leaves before every member of the job is done, since any of them may
-    still need its state."""
+    still need its state: then returns ``False``.
+
+    With ``return_when_used``, a rank that holds no stage returns ``True`` as soon as a layout
+    (a grow, a recovery) gives it one again, at the job's iteration, instead of training here:
+    its caller's loop trains it from there (Megatron-LM's loop, which runs its own collectives
+    between iterations)."""
     while True:
         if trainer.rank in trainer.layout.active_ranks():
+            if return_when_used:
+                return True
             trainer.train()
         outcome = _wait_for_the_others(trainer)
         if outcome is None:
             trainer.write_records()  # every member is done: every snapshot is settled
-            return
+            return False
         if isinstance(outcome, LayoutChange):
             try:
                 trainer.follow_change(outcome)
