@@ -360,9 +360,14 @@ def run_soak(faults: int, seed: int, kinds: tuple[str, ...], workdir: Path,
             soak.wait(lambda: soak.iterations()[-1]["iteration"] >= end, 120)
         deaths = soak.deaths(deaths)
     finally:
+        stopping = time.time()
         for node in reversed(soak.nodes):  # node 0, which hosts the store, last
             node.stop()
-    return injected, read_metrics(str(metrics)), deaths, "".join(
+    # Stopping node 1 first is no fault: the recovery the others may begin is not one from the
+    # last fault.
+    records = [r for r in read_metrics(str(metrics))
+               if r["event"] not in ("recovery", "grow") or r["time"] < stopping]
+    return injected, records, deaths, "".join(
         path.read_text() for path in sorted(workdir.glob("node*.log")))
 
 
