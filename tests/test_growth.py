@@ -16,6 +16,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -61,6 +62,18 @@ def hold_while_joining(job, joiners: list[int], held: int = 0) -> None:
         time.sleep(JOIN_READ_S)
     finally:
         job.kill_worker(held, signal.SIGCONT)
+
+
+def replace_rank_3_until_accepted(job, recorded: Callable[[str], list[dict]]) -> None:
+    """SIGKILL rank 3 of ``job`` after iteration 3 and return once the job, recovered, has
+    accepted its replacement (``--rejoin``), which is then forming the grown generation's
+    groups. ``recorded(event)`` reads the job's metrics records."""
+    job.wait_for(lambda: len(recorded("iteration")) >= 3, 120, "iteration 3")
+    first = job.kill_worker(3)
+    job.wait_for(lambda: bool(recorded("recovery")), 120, "the recovery")
+    job.wait_for(lambda: job.worker_pids()[3] != first, 60, "the replacement of rank 3")
+    hold_while_joining(job, [3])
+    job.wait_for(lambda: job.store().check([accepted_key(3)]), 60, "the acceptance")
 
 
 def stage_ranks(layout: list[dict]) -> list[list[list[int]]]:
@@ -317,12 +330,7 @@ def test_a_replacement_that_dies_while_joining_is_recovered_from(text_data, smal
     with launch([PRETRAIN, *small_flags(text_data), *HELD, "--elastic-metrics-file", str(metrics)],
                 4, master_port=free_port(), log_path=tmp_path / "join.log",
                 launcher_args=["--rejoin", "--rejoin-delay=0.5", "--max-rejoins=1"]) as job:
-        job.wait_for(lambda: len(recorded("iteration")) >= 3, 120, "iteration 3")
-        first = job.kill_worker(3)
-        job.wait_for(lambda: bool(recorded("recovery")), 120, "the recovery")
-        job.wait_for(lambda: job.worker_pids()[3] != first, 60, "the replacement of rank 3")
-        hold_while_joining(job, [3])
-        job.wait_for(lambda: job.store().check([accepted_key(3)]), 60, "the acceptance")
+        replace_rank_3_until_accepted(job, recorded)
         job.kill_worker(3)
         returncode, output = job.wait(240)
     assert returncode == 0, output[-4000:]
@@ -351,12 +359,7 @@ def test_a_replacement_whose_join_a_failure_interrupts_leaves_in_one_line(  # no
     with launch([PRETRAIN, *small_flags(text_data), *HELD, "--elastic-metrics-file", str(metrics)],
                 4, master_port=free_port(), log_path=tmp_path / "interrupted.log",
                 launcher_args=["--rejoin", "--rejoin-delay=0.5", "--max-rejoins=1"]) as job:
-        job.wait_for(lambda: len(recorded("iteration")) >= 3, 120, "iteration 3")
-        first = job.kill_worker(3)
-        job.wait_for(lambda: bool(recorded("recovery")), 120, "the recovery")
-        job.wait_for(lambda: job.worker_pids()[3] != first, 60, "the replacement of rank 3")
-        hold_while_joining(job, [3])
-        job.wait_for(lambda: job.store().check([accepted_key(3)]), 60, "the acceptance")
+        replace_rank_3_until_accepted(job, recorded)
         job.kill_worker(3, signal.SIGSTOP)
         job.kill_worker(2)
         time.sleep(1.0)  # within the heartbeat timeout: the replacement is not silent for long

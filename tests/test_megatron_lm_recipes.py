@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -231,17 +232,14 @@ def test_llama3_recipe_survives_a_sigkilled_logging_rank(tmp_path, blend):
     assert len(runs) == 2 and len({path.name.rsplit("-", 1)[1] for path in runs}) == 1, runs
 
 
-@pytest.mark.timeout(900)
-def test_a_replacement_rejoins_megatron_lms_loop_on_the_trajectory(tmp_path, blend):
-    """TP1 x PP2 x DP2 under ``elaswave-run --rejoin``: rank 3 is SIGKILLed after iteration 3,
-    its replica re-partitions onto rank 2, the launcher starts rank 3 again, and the replacement
-    joins Megatron-LM's running loop at an iteration boundary; the job runs at its first layout
-    again, on the failure-free trajectory. The run is long enough for the replacement to start
-    (a few seconds) before the job ends."""
-    flags = llama3_recipe(blend, tmp_path / "tb", tmp_path / "cache", tp=1, samples=1200)
-    flags += ["--log-interval", "10", "--eval-interval", "50"]
-    reference = run(tmp_path, "reference", flags)
-    rejoined = run(tmp_path, "rejoined", flags, kill_after=3,
+def rank_3_rejoins(tmp_path: Path, flags: Callable[[str], list[str]],
+                   shrunk_world_size: int) -> tuple[dict, dict, dict]:
+    """``flags(name)`` without a failure (``reference``) and under ``elaswave-run --rejoin``
+    (``rejoined``) with rank 3 SIGKILLed after iteration 3: the second run stays on the first's
+    trajectory, recovers from rank 3 once and takes its replacement back once, trains on
+    ``shrunk_world_size`` ranks until then and on four at the end. The two runs and the grow."""
+    reference = run(tmp_path, "reference", flags("reference"))
+    rejoined = run(tmp_path, "rejoined", flags("rejoined"), kill_after=3,
                    launcher_args=("--rejoin", "--rejoin-delay", "1"),
                    wait_for="ranks [3] joined after iteration")
     assert_on_trajectory(rejoined, reference)
@@ -249,8 +247,23 @@ def test_a_replacement_rejoins_megatron_lms_loop_on_the_trajectory(tmp_path, ble
     [grow] = rejoined["grows"]
     assert recovery["failed_ranks"] == [3] and grow["joined_ranks"] == [3]
     by_iteration = {r["iteration"]: r for r in rejoined["iterations"]}
-    assert by_iteration[grow["iteration"]]["world_size"] == 3
+    assert by_iteration[grow["iteration"]]["world_size"] == shrunk_world_size
     assert rejoined["iterations"][-1]["world_size"] == 4
+    return reference, rejoined, grow
+
+
+@pytest.mark.timeout(900)
+def test_a_replacement_rejoins_megatron_lms_loop_on_the_trajectory(tmp_path, blend):
+    """TP1 x PP2 x DP2 under ``elaswave-run --rejoin``: rank 3 is SIGKILLed after iteration 3,
+    its replica re-partitions onto rank 2, the launcher starts rank 3 again, and the replacement
+    joins Megatron-LM's running loop at an iteration boundary; the job runs at its first layout
+    again, on the failure-free trajectory. The run is long enough for the replacement to start
+    (a few seconds) before the job ends."""
+    def flags(name):
+        return llama3_recipe(blend, tmp_path / f"tb-{name}", tmp_path / "cache", tp=1,
+                             samples=1200) + ["--log-interval", "10", "--eval-interval", "50"]
+
+    _, rejoined, _ = rank_3_rejoins(tmp_path, flags, shrunk_world_size=3)
     # The replacement logs again as the last rank: Megatron-LM's lines go on to the end.
     printed = [int(i) for i in ITERATION_LINE.findall(rejoined["output"])]
     assert max(printed) == 150
@@ -270,18 +283,8 @@ def test_a_tensor_parallel_partner_waits_as_a_spare_and_rejoins_megatron_lms_loo
             "--log-interval", "5", "--eval-interval", "10",
             "--save", str(tmp_path / f"ckpt-{name}"), "--save-interval", "10"]
 
-    reference = run(tmp_path, "reference", flags("reference"))
-    rejoined = run(tmp_path, "rejoined", flags("rejoined"), kill_after=3,
-                   launcher_args=("--rejoin", "--rejoin-delay", "1"),
-                   wait_for="ranks [3] joined after iteration")
-    assert_on_trajectory(rejoined, reference)
-    [recovery] = rejoined["recoveries"]
-    [grow] = rejoined["grows"]
-    assert recovery["failed_ranks"] == [3] and grow["joined_ranks"] == [3]
-    by_iteration = {r["iteration"]: r for r in rejoined["iterations"]}
-    assert by_iteration[grow["iteration"]]["world_size"] == 2
+    reference, rejoined, grow = rank_3_rejoins(tmp_path, flags, shrunk_world_size=2)
     assert grow["iteration"] > 10  # rank 2 missed a save, an evaluation and log lines
-    assert rejoined["iterations"][-1]["world_size"] == 4
     printed = [int(i) for i in ITERATION_LINE.findall(rejoined["output"])]
     assert max(printed) == 100 and printed == sorted(set(printed))
     assert validation_losses(rejoined["output"]).keys() == validation_losses(
