@@ -183,16 +183,18 @@ def torchft(repetitions: int) -> dict | None:
     the same global batch, random tokens instead of the corpus."""
     script = SCRIPTS / "bench" / "torchft_mttr.py"
     per_replica = global_batch(NPROC) // NPROC
-    command = [sys.executable, str(script), "--repetitions", str(repetitions), "--json",
-               "--replicas", str(NPROC), *GPT_SHAPE, "--vocab-size", "512",
-               "--untie-embeddings-and-output-weights", "--batch-size", str(per_replica)]
-    result = subprocess.run(command, capture_output=True, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if result.returncode != 0:
-        print(f"torchft arm skipped: {(result.stderr or result.stdout).strip().splitlines()[-1:]}",
-              file=sys.stderr)
-        return None
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    with tempfile.TemporaryDirectory() as directory:
+        summary = Path(directory) / "torchft.json"
+        command = [sys.executable, str(script), "--repetitions", str(repetitions), "--json-out",
+                   str(summary), "--replicas", str(NPROC), *GPT_SHAPE, "--vocab-size", "512",
+                   "--untie-embeddings-and-output-weights", "--batch-size", str(per_replica)]
+        result = subprocess.run(command, capture_output=True, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if result.returncode != 0 or not summary.exists():
+            print("torchft arm skipped: "
+                  f"{(result.stderr or result.stdout).strip().splitlines()[-1:]}", file=sys.stderr)
+            return None
+        return json.loads(summary.read_text())
 
 
 def main() -> None:

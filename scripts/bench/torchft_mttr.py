@@ -524,6 +524,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps-after", type=int, default=5,
                         help="survivor steps to record after recovery")
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--json-out", metavar="PATH",
+                        help="write the result as JSON to PATH (the Lighthouse and the replicas "
+                             "share stdout, and may break a long line printed there)")
     parser.add_argument("--keep-logs", metavar="DIR",
                         help="copy each run's logs (per-step JSON lines, stderr) to DIR/run<k>")
     # torchft knobs. Defaults: torchft's own example setup (README's Lighthouse command,
@@ -590,6 +593,8 @@ def main() -> None:
         result = run_all(args)
     except KeyboardInterrupt:
         sys.exit("interrupted; the runs' processes were killed")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result))
     if args.json:
         print(json.dumps(result))
     else:
