@@ -1,7 +1,9 @@
-"""Pipeline point-to-point operations on the pipeline's own group, waited for with its op timeout.
+"""Pipeline point-to-point operations on the pipeline's own group, waited for with its op timeout,
+each send holding its buffer until it is waited for.
 
 Checked against megatron-core 0.16.1 and 0.19.2
-(``megatron/core/pipeline_parallel/p2p_communication.py``) and torch 2.13.
+(``megatron/core/pipeline_parallel/p2p_communication.py``, and ``schedules.py``'s order of a
+send and the free of its tensor) and torch 2.13.
 
 A gloo send or receive that is waited for without a timeout waits as long as its group's
 connections were given when the group was created: torch's ``ProcessGroup.set_timeout`` changes
@@ -20,6 +22,15 @@ first generation's, with the ranks that failed since (a survivor was seen waitin
 dead peer until the op timeout), not a group the recovery builds. Here both directions use the
 pipeline group, posted in megatron-core's order (the even rank sends first), which pairs each
 send with its receive on every backend.
+
+The interleaved schedule of megatron-core 0.16.1 with ``overlap_p2p_comm`` (Megatron-LM's
+default with virtual pipeline stages) frees an activation (``deallocate_output_tensor``) right
+after posting its send, before waiting for it: the send then reads freed memory, and the next
+stage receives whatever was allocated there since (measured on gloo: every such send corrupted;
+Megatron-LM's loop saw a NaN loss in its second iteration). 0.19 waits for the send first. Here
+an unbatched send's request holds the sent tensor's storage until it is waited for, which makes
+the early free harmless on every backend and keeps the overlap; a batched send is waited for
+where it is posted.
 """
 
 from __future__ import annotations
@@ -56,15 +67,20 @@ def _wait(request: dist.Work, timeout: timedelta | None) -> Any:
     return request.wait() if timeout is None else request.wait(timeout)
 
 
-class _BoundedRequest:
-    """A request whose ``wait()`` waits at most ``timeout``."""
+class _Request:
+    """A point-to-point request whose ``wait()`` waits at most ``timeout`` (``None``: as its
+    backend does) and which keeps ``buffer`` (a send's storage) alive until then."""
 
-    def __init__(self, request: dist.Work, timeout: timedelta) -> None:
+    def __init__(self, request: dist.Work, timeout: timedelta | None,
+                 buffer: torch.UntypedStorage | None = None) -> None:
         self._request = request
         self._timeout = timeout
+        self._buffer = buffer
 
     def wait(self, *args: Any) -> Any:
-        return self._request.wait(*args) if args else _wait(self._request, self._timeout)
+        result = self._request.wait(*args) if args else _wait(self._request, self._timeout)
+        self._buffer = None
+        return result
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._request, name)
@@ -100,21 +116,28 @@ def _on_pipeline_group(p2p_ops):
     return p2p_ops_on_pipeline_group
 
 
-def _bounded(p2p_ops):
+def _bounded_holding_sends(p2p_ops):
     @functools.wraps(p2p_ops)
     def p2p_ops_bounded_by_op_timeout(*args, group: dist.ProcessGroup, **kwargs):
         requests = p2p_ops(*args, group=group, **kwargs)
         timeout = op_timeout(group)
+        if isinstance(requests, dict):  # unbatched: named, and waited for by the schedule
+            sent = {"send_next": kwargs.get("tensor_send_next"),
+                    "send_prev": kwargs.get("tensor_send_prev")}
+            return {name: _Request(request, timeout, _storage(sent.get(name)))
+                    for name, request in requests.items()}
         if timeout is None:
             return requests
-        if isinstance(requests, dict):
-            return {name: _BoundedRequest(r, timeout) for name, r in requests.items()}
-        return [_BoundedRequest(r, timeout) for r in requests]
+        return [_Request(request, timeout) for request in requests]
 
     return p2p_ops_bounded_by_op_timeout
 
 
+def _storage(tensor: torch.Tensor | None) -> torch.UntypedStorage | None:
+    return None if tensor is None else tensor.untyped_storage()
+
+
 def register(registry: PatchRegistry) -> None:
-    registry.register_wrapper(BATCHED, _bounded)
+    registry.register_wrapper(BATCHED, _bounded_holding_sends)
     registry.register_wrapper(UNBATCHED, _on_pipeline_group)
-    registry.register_wrapper(UNBATCHED, _bounded)
+    registry.register_wrapper(UNBATCHED, _bounded_holding_sends)

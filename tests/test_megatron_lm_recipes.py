@@ -73,17 +73,28 @@ CPU = ["--distributed-backend", "gloo", "--transformer-impl", "local",
 """What Megatron-LM needs on CPU ranks (docs/megatron-lm.md)."""
 
 
+def batch_ramp() -> list[str]:
+    """Eight iterations, the global batch 4 samples, then 8 from the 16th sample (512 tokens) on,
+    the learning rate decaying over all of them, in the flags of the loop at hand: core_v0.16's
+    ``--rampup-batch-size``, which it allows only in a run measured in samples, or
+    ``--step-batch-size-schedule``, which replaced it."""
+    arguments = Path(TRAINING_SCRIPT).parent / "megatron/training/arguments.py"
+    if arguments.exists() and "--step-batch-size-schedule" not in arguments.read_text():
+        return ["--rampup-batch-size", "4", "4", "16", "--global-batch-size", "8",
+                "--train-samples", "48", "--lr-decay-samples", "48"]
+    return ["--step-batch-size-schedule", "0:4 512:8", "--train-iters", "8", "--lr-decay-iters", "8"]
+
+
 def gpt3_recipe(blend: list[str], tensorboard: Path) -> list[str]:
     """``train_gpt3_175b_distributed.sh`` at 4 layers, hidden 64, TP2 x PP2 with two virtual
     stages per rank; the ramp-up goes from 4 to 8 samples after 16 samples (512 tokens)."""
     return [
         "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
         "--seq-length", "32", "--max-position-embeddings", "32",
-        "--micro-batch-size", "1", "--step-batch-size-schedule", "0:4 512:8", "--train-iters", "8",
+        "--micro-batch-size", "1", *batch_ramp(),
         "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
         "--init-method-std", "0.006", "--clip-grad", "1.0", "--lr", "6.0e-5",
         "--lr-decay-style", "cosine", "--min-lr", "6.0e-6", "--lr-warmup-fraction", ".001",
-        "--lr-decay-iters", "8",
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
         "--num-layers-per-virtual-pipeline-stage", "1", "--use-distributed-optimizer",
         "--data-path", *blend, "--tokenizer-type", "NullTokenizer", "--vocab-size", "300",

@@ -264,6 +264,24 @@ def test_pipeline_receives_wait_for_the_op_timeout_not_the_creation_timeout(tmp_
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
+def test_a_send_freed_before_it_is_waited_for_arrives_intact_once_patched(tmp_path, patched):
+    """megatron-core 0.16.1's interleaved schedule frees an activation before waiting for its
+    send: patched, all ten sends arrive as sent; unpatched, the receiver gets the memory's new
+    contents (on 0.19 too, whose schedule waits first but whose ``_p2p_ops`` is the same)."""
+    args = [worker_script("p2p_early_free.py"), str(tmp_path)] + (["--patched"] if patched else [])
+    with launch(args, nproc_per_node=2, master_port=free_port()) as job:
+        returncode, output = job.wait(timeout=90)
+    assert returncode == 0, output
+    report = json.loads((tmp_path / "rank1.json").read_text())
+    if patched:
+        assert report["intact"] == report["sends"], report
+    else:
+        assert report["intact"] < report["sends"], report
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("operation", ["all_reduce", "coalesced", "recv"])
 @pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
 def test_a_collective_that_nothing_ends_is_abandoned_once_a_failure_is_detected(tmp_path,
