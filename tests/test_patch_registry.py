@@ -243,17 +243,23 @@ def test_a_torch_whose_new_group_lacks_sort_ranks_is_refused_before_patching(mon
     assert "\n" not in str(refused.value)
 
 
+def pipeline_pair_report(tmp_path, worker: str, patched: bool) -> dict:
+    """Run ``tests/workers/<worker>`` on two ranks, with the project's patches or without, and
+    return what its rank 1 reported."""
+    args = [worker_script(worker), str(tmp_path)] + (["--patched"] if patched else [])
+    with launch(args, nproc_per_node=2, master_port=free_port()) as job:
+        returncode, output = job.wait(timeout=90)
+    assert returncode == 0, output
+    return json.loads((tmp_path / "rank1.json").read_text())
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
 def test_pipeline_receives_wait_for_the_op_timeout_not_the_creation_timeout(tmp_path, patched):
     """A gloo group created with 1 s and set to 60 s: megatron-core's pipeline receive waits out
     a peer 3 s late once patched, and fails after about 1 s without the patch."""
-    args = [worker_script("p2p_wait.py"), str(tmp_path)] + (["--patched"] if patched else [])
-    with launch(args, nproc_per_node=2, master_port=free_port()) as job:
-        returncode, output = job.wait(timeout=90)
-    assert returncode == 0, output
-    report = json.loads((tmp_path / "rank1.json").read_text())
+    report = pipeline_pair_report(tmp_path, "p2p_wait.py", patched)
     if patched:
         assert report.get("received") == [0.0] * 4, report
         assert report["waited_s"] > 2.5
@@ -269,11 +275,7 @@ def test_a_send_freed_before_it_is_waited_for_arrives_intact_once_patched(tmp_pa
     """megatron-core 0.16.1's interleaved schedule frees an activation before waiting for its
     send: patched, all ten sends arrive as sent; unpatched, the receiver gets the memory's new
     contents (on 0.19 too, whose schedule waits first but whose ``_p2p_ops`` is the same)."""
-    args = [worker_script("p2p_early_free.py"), str(tmp_path)] + (["--patched"] if patched else [])
-    with launch(args, nproc_per_node=2, master_port=free_port()) as job:
-        returncode, output = job.wait(timeout=90)
-    assert returncode == 0, output
-    report = json.loads((tmp_path / "rank1.json").read_text())
+    report = pipeline_pair_report(tmp_path, "p2p_early_free.py", patched)
     if patched:
         assert report["intact"] == report["sends"], report
     else:
