@@ -118,7 +118,7 @@ def _on_pipeline_group(p2p_ops):
 
 def _bounded_holding_sends(p2p_ops):
     @functools.wraps(p2p_ops)
-    def p2p_ops_bounded_by_op_timeout(*args, group: dist.ProcessGroup, **kwargs):
+    def p2p_ops_bounded_holding_sends(*args, group: dist.ProcessGroup, **kwargs):
         requests = p2p_ops(*args, group=group, **kwargs)
         timeout = op_timeout(group)
         if isinstance(requests, dict):  # unbatched: named, and waited for by the schedule
@@ -130,7 +130,7 @@ def _bounded_holding_sends(p2p_ops):
             return requests
         return [_Request(request, timeout) for request in requests]
 
-    return p2p_ops_bounded_by_op_timeout
+    return p2p_ops_bounded_holding_sends
 
 
 def _storage(tensor: torch.Tensor | None) -> torch.UntypedStorage | None:

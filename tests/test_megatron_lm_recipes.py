@@ -78,8 +78,9 @@ def batch_ramp() -> list[str]:
     the learning rate decaying over all of them, in the flags of the loop at hand: core_v0.16's
     ``--rampup-batch-size``, which it allows only in a run measured in samples, or
     ``--step-batch-size-schedule``, which replaced it."""
-    arguments = Path(TRAINING_SCRIPT).parent / "megatron/training/arguments.py"
-    if arguments.exists() and "--step-batch-size-schedule" not in arguments.read_text():
+    training = Path(TRAINING_SCRIPT).parent / "megatron/training"  # a checkout's, if any
+    if training.is_dir() and not any("step_batch_size_schedule" in source.read_text()
+                                     for source in training.rglob("*.py")):
         return ["--rampup-batch-size", "4", "4", "16", "--global-batch-size", "8",
                 "--train-samples", "48", "--lr-decay-samples", "48"]
     return ["--step-batch-size-schedule", "0:4 512:8", "--train-iters", "8", "--lr-decay-iters", "8"]

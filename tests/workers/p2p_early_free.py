@@ -37,7 +37,7 @@ if __name__ == "__main__":
                 tensor_send_prev=None, tensor_recv_prev=None, tensor_send_next=activation,
                 tensor_recv_next=None, group=group, prev_pipeline_rank=1, next_pipeline_rank=1)
             deallocate_output_tensor(activation, deallocate_pipeline_outputs=True)
-            reused = [torch.full((ELEMENTS,), -7.0) for _ in range(4)]
+            reusing_the_freed_memory = [torch.full((ELEMENTS,), -7.0) for _ in range(4)]  # noqa: F841
             dist.barrier()
             requests["send_next"].wait()
         else:
