@@ -2,11 +2,19 @@
 each data-parallel replica runs.
 
 A job starts as a TP x PP x DP grid in Megatron's rank order ``tp-cp-ep-dp-pp`` (tensor-parallel
-rank fastest, then data-parallel, then pipeline; context and expert parallelism are 1). A *stage
+rank fastest, then data-parallel, then pipeline; context parallelism is 1). A *stage
 instance* is the tensor-parallel group that holds one pipeline stage of one replica: it is the
 failure domain. After failures, replicas may have different numbers of stages; every replica
 still holds every layer exactly once, as contiguous ranges, or as Megatron's virtual pipeline
 stages where the replica runs the interleaved schedule (:attr:`Replica.virtual_stages`).
+
+A mixture-of-experts job folds Megatron's expert grid (``etp-ep-edp``) over each stage's TP x DP
+ranks (:class:`ExpertParallelism`). A rank's expert coordinates follow from its replica's index
+and its TP rank alone, so they never change: a layer that moves takes the experts its old holder
+had to a new holder at the same coordinates. Where an expert-parallel group spans replicas,
+those replicas form a *lockstep* set (:meth:`ExpertParallelism.lockstep`): their all-to-alls pair
+the same micro-batches of the same layers only if they run the same pipeline, so they keep equal
+stage boundaries and micro-batch counts, and leave the job together.
 
 Layers are numbered from 0 and ranges are inclusive, as in the metrics file and the plan CLI.
 This module is pure Python: it is shared by the planner, the runtime and the training script.
@@ -35,6 +43,63 @@ def even_layer_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
         )
     per_stage = num_layers // num_stages
     return [(s * per_stage, (s + 1) * per_stage - 1) for s in range(num_stages)]
+
+
+@dataclass(frozen=True)
+class ExpertParallelism:
+    """How a mixture-of-experts job shards its experts: Megatron's expert grid, expert tensor
+    parallelism fastest, then expert parallelism, then expert data parallelism, folded over each
+    pipeline stage's ranks in ``tp-dp`` order."""
+
+    num_experts: int
+    """Routed experts of every MoE layer (``--num-experts``)."""
+    expert_parallel_size: int = 1
+    """Ranks that split each MoE layer's experts between them (``--expert-model-parallel-size``)."""
+    expert_tensor_parallel_size: int = 1
+    """Ranks that split each expert's weights (``--expert-tensor-parallel-size``)."""
+
+    @property
+    def span(self) -> int:
+        """Ranks of one expert-tensor-and-expert-parallel group: one copy of every expert."""
+        return self.expert_parallel_size * self.expert_tensor_parallel_size
+
+    def check(self, tp: int, dp: int) -> None:
+        """Raise ``ValueError`` unless this sharding folds over a ``tp x dp`` stage the way the
+        elastic layout can keep it: whole replicas per expert-parallel group, or whole groups per
+        tensor-parallel group."""
+        if self.num_experts < 1 or self.expert_parallel_size < 1 or self.expert_tensor_parallel_size < 1:
+            raise ValueError("the number of experts and the expert parallel sizes must be positive")
+        if self.num_experts % self.expert_parallel_size:
+            raise ValueError(f"{self.num_experts} experts cannot be split evenly over "
+                             f"{self.expert_parallel_size} expert-parallel ranks")
+        if (tp * dp) % self.span:
+            raise ValueError(f"expert tensor x expert parallel size {self.span} must divide the "
+                             f"{tp * dp} ranks of a pipeline stage")
+        if self.span % tp and tp % self.span:
+            raise ValueError(f"expert tensor x expert parallel size {self.span} and tensor-parallel "
+                             f"size {tp} must divide one another: an expert-parallel group holds "
+                             "whole replicas or lies inside one tensor-parallel group")
+
+    def lockstep(self, tp: int) -> int:
+        """Replicas whose ranks share expert-parallel groups (1: the groups lie inside a
+        tensor-parallel group)."""
+        return max(1, self.span // tp)
+
+    def coordinates(self, replica: int, tp_rank: int, tp: int) -> tuple[int, int, int]:
+        """``(expert TP rank, expert-parallel rank, expert data-parallel rank)`` of the rank at
+        ``tp_rank`` of replica ``replica`` (its data-parallel rank in Megatron's grid)."""
+        local = tp_rank + tp * replica
+        etp = self.expert_tensor_parallel_size
+        return local % etp, (local // etp) % self.expert_parallel_size, local // self.span
+
+    def local_experts(self, ep_rank: int) -> range:
+        """Global indices of the experts an expert-parallel rank holds, as Megatron numbers them."""
+        count = self.num_experts // self.expert_parallel_size
+        return range(ep_rank * count, (ep_rank + 1) * count)
+
+    def to_json(self) -> dict:
+        return {"num_experts": self.num_experts, "expert_parallel_size": self.expert_parallel_size,
+                "expert_tensor_parallel_size": self.expert_tensor_parallel_size}
 
 
 @dataclass(frozen=True)
@@ -119,16 +184,20 @@ class Layout:
     num_layers: int
     replicas: tuple[Replica, ...]
     spares: tuple[int, ...] = field(default=())
+    experts: ExpertParallelism | None = None
+    """How the MoE layers' experts are sharded; ``None`` for a dense model."""
 
     @classmethod
     def megatron(
         cls, *, tp: int, pp: int, dp: int, num_layers: int, num_microbatches: int,
-        virtual_stages: int = 1,
+        virtual_stages: int = 1, experts: ExpertParallelism | None = None,
     ) -> "Layout":
         """The failure-free layout Megatron builds: even layer split (into ``virtual_stages``
         chunks per stage), and the micro-batches dealt round-robin over replicas as
         Megatron-LM's pretraining sampler does (micro-batch ``j`` of the global batch goes to
         replica ``j % dp``)."""
+        if experts is not None:
+            experts.check(tp, dp)
         if num_microbatches % dp:
             raise ValueError(f"{num_microbatches} micro-batches cannot be dealt evenly to {dp} replicas")
         splits = even_layer_split(num_layers, pp)
@@ -144,9 +213,36 @@ class Layout:
             )
             replicas.append(Replica(d, stages, tuple(range(d, num_microbatches, dp)),
                                     virtual_stages))
-        layout = cls(num_layers=num_layers, replicas=tuple(replicas))
+        layout = cls(num_layers=num_layers, replicas=tuple(replicas), experts=experts)
         layout.validate()
         return layout
+
+    def with_replicas(self, replicas: tuple[Replica, ...], spares: tuple[int, ...] | None = None
+                      ) -> "Layout":
+        """This job's layout with other replicas (and spares: the same by default)."""
+        return Layout(self.num_layers, tuple(replicas),
+                      self.spares if spares is None else tuple(spares), self.experts)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return len(self.replicas[0].stages[0].ranks) if self.replicas else 1
+
+    @property
+    def lockstep_size(self) -> int:
+        """Replicas that run in lockstep (1 for a dense model, or experts inside TP groups)."""
+        return 1 if self.experts is None else self.experts.lockstep(self.tensor_parallel_size)
+
+    def lockstep_set(self, replica_index: int) -> int:
+        """The lockstep set a replica belongs to (replicas ``k*C .. k*C + C - 1`` form set ``k``)."""
+        return replica_index // self.lockstep_size
+
+    def expert_coordinates(self, rank: int) -> tuple[int, int, int] | None:
+        """``(expert TP rank, expert-parallel rank, expert data-parallel rank)`` of a rank that
+        holds a stage of an MoE job; ``None`` for a dense job or a spare."""
+        position = self.position(rank)
+        if self.experts is None or position is None:
+            return None
+        return self.experts.coordinates(position[0], position[2], self.tensor_parallel_size)
 
     @property
     def global_num_microbatches(self) -> int:
@@ -214,10 +310,31 @@ class Layout:
             raise ValueError("micro-batch ids are not a permutation of 0..M-1")
         if len({r.index for r in self.replicas}) != len(self.replicas):
             raise ValueError("two replicas share an index")
+        if self.lockstep_size > 1:
+            self._validate_lockstep()
+
+    def _validate_lockstep(self) -> None:
+        """Raise ``ValueError`` unless every lockstep set is whole and its replicas run the same
+        pipeline on as many micro-batches."""
+        size = self.lockstep_size
+        sets: dict[int, list[Replica]] = {}
+        for replica in self.replicas:
+            sets.setdefault(self.lockstep_set(replica.index), []).append(replica)
+        for index, members in sorted(sets.items()):
+            if sorted(r.index for r in members) != list(range(index * size, (index + 1) * size)):
+                raise ValueError(f"replicas {sorted(r.index for r in members)} share expert-"
+                                 f"parallel groups with replicas they run without")
+            shapes = {(tuple((s.first_layer, s.last_layer) for s in r.stages), r.num_microbatches,
+                       r.virtual_stages) for r in members}
+            if len(shapes) != 1:
+                raise ValueError(f"replicas {[r.index for r in members]} share expert-parallel "
+                                 "groups but differ in stages or micro-batches")
 
     @classmethod
-    def from_json(cls, replicas: list[dict], spares: list[int] = ()) -> "Layout":
-        """Inverse of :meth:`to_json` with micro-batch ids (the plan CLI's ``replicas`` list)."""
+    def from_json(cls, replicas: list[dict], spares: list[int] = (),
+                  experts: dict | None = None) -> "Layout":
+        """Inverse of :meth:`to_json` with micro-batch ids (the plan CLI's ``replicas`` list);
+        ``experts`` as :meth:`ExpertParallelism.to_json` gives it."""
         built = []
         for record in replicas:
             stages = tuple(
@@ -226,6 +343,7 @@ class Layout:
             built.append(Replica(record["replica"], stages, tuple(record["microbatch_ids"]),
                                  record.get("virtual_stages", 1)))
         num_layers = built[0].stages[-1].last_layer + 1 if built else 0
-        layout = cls(num_layers=num_layers, replicas=tuple(built), spares=tuple(spares))
+        layout = cls(num_layers=num_layers, replicas=tuple(built), spares=tuple(spares),
+                     experts=ExpertParallelism(**experts) if experts else None)
         layout.validate()
         return layout

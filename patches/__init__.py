@@ -14,7 +14,9 @@ from . import (
     device_compat,
     distrib_optimizer,
     distributed_work,
+    finalize_model_grads,
     language_model_embedding,
+    moe_utils,
     optimizer,
     p2p_communication,
     tensor_parallel_random,
@@ -62,6 +64,8 @@ def compatibility_registry(backend: DeviceBackend, *, dropout_seeds: DropoutSeed
         tensor_parallel_random.register(registry, backend)
     distrib_optimizer.register(registry)
     p2p_communication.register(registry)
+    moe_utils.register(registry, backend)
+    finalize_model_grads.register(registry)
     distributed_work.register(registry)  # inert until the elastic runtime arms it
     # Inert unless a heterogeneous layout asks for them (see each module).
     optimizer.register(registry)

@@ -7,8 +7,9 @@ Megatron-Core hard-codes CUDA in four ways; each gets the narrowest redirection 
 
 1. ``device=torch.cuda.current_device()`` (about 40 sites) and ``torch.cuda`` helpers (streams,
    synchronize, memory counters, RNG): the ``torch.cuda`` functions Megatron calls are pointed at
-   the backend, with ``current_device()`` returning a ``torch.device``. No tensor op is
-   intercepted.
+   the backend, with ``current_device()`` returning a ``torch.device``; a stream records a real
+   event where the backend's stream records none (the MoE alltoall dispatcher synchronises on
+   it). No tensor op is intercepted.
 2. A literal ``device="cuda"`` in factory calls (about 25 sites in the modules of
    :data:`LITERAL_CUDA_MODULES`): those modules alone see a ``torch`` whose factory functions
    map ``"cuda"`` to the backend's device. Every other module, and user code, sees plain torch.
@@ -46,6 +47,7 @@ LITERAL_CUDA_MODULES = (
     "megatron.core.rerun_state_machine",
     "megatron.core.dist_checkpointing.exchange_utils",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.transformer.moe.moe_utils",
 )
 
 CUDA_TYPE_STRING_FUNCTIONS = (
@@ -139,12 +141,30 @@ def _logging_without_cpu_rng_warning() -> types.ModuleType:
     return proxy
 
 
+def _stream_with_events(module: types.ModuleType) -> type:
+    """The backend's stream class, whose ``record_event`` returns a recorded event where the
+    backend's returns none (the CPU stream's is a stub): the alltoall token dispatcher waits on
+    the event of its device-to-host stream."""
+    stream = module.Stream
+
+    class StreamWithEvents(stream):
+        def record_event(self, event=None):
+            recorded = super().record_event() if event is None else super().record_event(event)
+            if recorded is None:
+                recorded = event if event is not None else module.Event()
+                recorded.record()
+            return recorded
+
+    StreamWithEvents.__name__ = StreamWithEvents.__qualname__ = stream.__name__
+    return StreamWithEvents
+
+
 def _cuda_facade(backend: DeviceBackend) -> dict[str, Any]:
     """Replacements for the ``torch.cuda`` functions Megatron-Core calls."""
     module, device = backend.module, backend.device()
     zero_bytes = lambda *args, **kwargs: 0  # noqa: E731 - the CPU allocator is not tracked
     facade = {
-        "Stream": module.Stream,
+        "Stream": _stream_with_events(module),
         "stream": module.stream,
         "current_stream": module.current_stream,
         "default_stream": module.current_stream,

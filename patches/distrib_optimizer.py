@@ -5,7 +5,8 @@ Checked against megatron-core 0.16.1 and 0.19.2.
 
 * :func:`shard_range`, :func:`shard_state` and :func:`set_shard_state` read and write the main
   parameter and optimizer state this rank holds of one model parameter, through the optimizer's
-  private accessors (the names and return values are those of both releases).
+  private accessors (the names and return values are those of both releases); :func:`owns`
+  tells which optimizer a parameter's buffer belongs to.
 
 Both bugs below are in both releases (line numbers of 0.16.1; 0.19.2's lines 1024-1032 and
 1193-1225):
@@ -41,6 +42,12 @@ import torch
 from .registry import PatchRegistry
 
 CLASS = "megatron.core.optimizer.distrib_optimizer.DistributedOptimizer"
+
+
+def owns(optimizer, param: torch.nn.Parameter) -> bool:
+    """Whether ``param`` is in one of ``optimizer``'s gradient buffers (an MoE chunk has two
+    optimizers: one over its dense buffers, one over its experts')."""
+    return any(param in buffer.param_index_map for buffer in optimizer.buffers)
 
 
 def shard_range(optimizer, param: torch.nn.Parameter) -> range | None:

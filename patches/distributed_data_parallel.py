@@ -5,7 +5,8 @@ Checked against megatron-core 0.16.1 and 0.19.2.
 From 0.19, DDP under the distributed optimizer expects the parameter layout precomputed by
 ``DistributedOptimizer.compute_full_param_layout`` (and warns on every rank that builds one
 without). :func:`distributed_data_parallel` passes the layout DDP would compute itself: the same
-parameters, data-parallel size and bucketing, so the buffers are the same as 0.16.1's.
+parameters, data-parallel sizes (the expert data-parallel one for experts) and bucketing, so the
+buffers are the same as 0.16.1's.
 
 :func:`share_bucket_groups` puts the buckets of several DDPs into one of Megatron's bucket groups
 (``_ParamAndGradBucketGroup``, built as ``partition_buckets`` builds one for the buffers of one
@@ -24,6 +25,8 @@ from megatron.core.transformer import TransformerConfig
 from torch import nn
 
 _TAKES_PARAM_LAYOUT = "full_param_layout" in inspect.signature(DistributedDataParallel).parameters
+_LAYOUT_TAKES_EXPERT_SIZE = _TAKES_PARAM_LAYOUT and "expert_data_parallel_world_size" in \
+    inspect.signature(DistributedOptimizer.compute_full_param_layout).parameters
 
 
 def distributed_data_parallel(config: TransformerConfig, ddp_config: DistributedDataParallelConfig,
@@ -40,8 +43,11 @@ def distributed_data_parallel(config: TransformerConfig, ddp_config: Distributed
     if (_TAKES_PARAM_LAYOUT and ddp_config.use_distributed_optimizer
             and not ddp_config.overlap_grad_reduce):
         params = [p for p in module.parameters() if p.requires_grad]
+        expert_size = {}
+        if _LAYOUT_TAKES_EXPERT_SIZE and hasattr(pg_collection, "intra_expt_dp"):
+            expert_size["expert_data_parallel_world_size"] = pg_collection.intra_expt_dp.size()
         layout["full_param_layout"] = DistributedOptimizer.compute_full_param_layout(
-            params, None, pg_collection.intra_dp_cp.size(), ddp_config)
+            params, None, pg_collection.intra_dp_cp.size(), ddp_config, **expert_size)
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
                                    disable_bucketing=disable_bucketing,
                                    pg_collection=pg_collection, **layout)

@@ -59,7 +59,8 @@ Megatron-LM has.
    ``evaluate_and_print_results`` and ``disable_forward_pre_hook`` return as if done
    (:meth:`_ElasticLoop.between_steps`): the next ``train_step`` recovers. After each
    ``train_step`` the TensorBoard and W&B writers move to the rank that logs
-   (:func:`keep_writers_on_logging_rank`).
+   (:func:`keep_writers_on_logging_rank`). The MoE load-balancing losses of its log line are
+   summed over the job's active ranks (:func:`.moe_utils.register_job_wide_reduction`).
 7. ``training_log``: core_v0.19's ``train()`` reads the model-parallel groups of its first chunk
    once, before the loop, and ``training_log`` reduces the learning rate over them each
    iteration; after a recovery those groups are destroyed. With ``--elastic`` it gets none and
@@ -89,6 +90,7 @@ from typing import Any, Callable, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
+from . import moe_utils
 from .interfaces import DeviceBackend
 from .megatron_lm import training_utils_modules
 from .registry import PatchRegistry
@@ -226,8 +228,6 @@ _UNSUPPORTED = (
      "splits the layers evenly over the stages; drop it)"),
     ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout (the elastic layout "
      "splits the layers evenly over the stages; drop it)"),
-    ("num_experts", "--num-experts: MoE layers and their expert-parallel groups are not "
-                    "resharded after a failure; train a dense model, or MoE without --elastic"),
     ("use_legacy_models", "--use-legacy-models (it trains megatron-core's GPTModel: drop it)"),
     ("sft", "--sft (it trains GPT pretraining data)"),
     ("fim_data", "--fim-data (it trains GPT pretraining data)"),
@@ -725,6 +725,13 @@ class _ElasticLoop:
         return elastic_evaluate
 
 
+def _elastic_run() -> bool:
+    """Whether Megatron-LM's loop runs with ``--elastic`` (its arguments parsed, and given)."""
+    global_vars = sys.modules.get(GLOBAL_VARS)
+    args = getattr(global_vars, "_GLOBAL_ARGS", None)
+    return bool(getattr(args, "elastic", False))
+
+
 def keep_writers_on_logging_rank(args: argparse.Namespace, runtime: ElasticRuntime) -> None:
     """Megatron-LM's TensorBoard and W&B writers (``megatron.training.global_vars``), which
     Megatron-LM opens on the last rank only, live on the rank that prints the log line now:
@@ -784,6 +791,9 @@ def register(registry: PatchRegistry, backend: DeviceBackend, runtime: ElasticRu
     registry.register_wrapper(f"{TRAINING}.maybe_finalize_async_save",
                               loop.maybe_finalize_async_save)
     distributed = runtime.distributed
+    moe_utils.register_job_wide_reduction(
+        registry, active=_elastic_run, sum_over_job=lambda values: distributed.all_reduce(values),
+        data_parallel_size=lambda: sys.modules[GLOBAL_VARS].get_args().data_parallel_size)
     if backend.name == "cuda":
         for module in loop_modules():
             registry.register(f"{module}.torch", torch_with_distributed(torch, distributed))

@@ -4,6 +4,8 @@ Guarantees:
 
 * A patch names its target by a dotted path (``"pkg.module.Class.method"`` or
   ``"pkg.module.function"``); the longest importable prefix is the module.
+* A name an import fallback forgot can be *defined* (:meth:`PatchRegistry.define`): set where its
+  owner lacks it, left alone where it has it, deleted again by ``remove()``.
 * A target may get one *replacement* and any number of *wrappers*. Wrappers stack, in
   registration order, on top of the replacement (or of the original when there is none): the
   installed object is ``wrapper_n(...wrapper_1(replacement or original))``.
@@ -29,8 +31,9 @@ class PatchTargetError(LookupError):
     """A patch names something that cannot be found."""
 
 
-def resolve(dotted_name: str) -> tuple[Any, str]:
-    """Return ``(owner, attribute)`` for a dotted name; importing the longest module prefix."""
+def resolve(dotted_name: str, *, missing_ok: bool = False) -> tuple[Any, str]:
+    """Return ``(owner, attribute)`` for a dotted name; importing the longest module prefix.
+    With ``missing_ok`` the owner need not have the attribute yet."""
     parts = dotted_name.split(".")
     for split in range(len(parts) - 1, 0, -1):
         module_name = ".".join(parts[:split])
@@ -43,7 +46,7 @@ def resolve(dotted_name: str) -> tuple[Any, str]:
                 owner = getattr(owner, part)
         except AttributeError as error:
             raise PatchTargetError(f"cannot patch {dotted_name}: {error}") from None
-        if not hasattr(owner, parts[-1]):
+        if not missing_ok and not hasattr(owner, parts[-1]):
             raise PatchTargetError(f"cannot patch {dotted_name}: {module_name} has no such attribute")
         return owner, parts[-1]
     raise PatchTargetError(f"cannot patch {dotted_name}: no importable module in its name")
@@ -63,6 +66,7 @@ class _Patch:
     target: str
     replacement: Any = None
     wrappers: list[Wrapper] = field(default_factory=list)
+    only_where_missing: bool = False
     # Set while applied: where the original lived, and every alias we overwrote.
     owner: Any = None
     original: Any = None
@@ -98,6 +102,12 @@ class PatchRegistry:
             raise ValueError(f"{target} already has a different replacement")
         patch.replacement = replacement
 
+    def define(self, target: str, value: Any) -> None:
+        """Set ``target`` to ``value`` when applied, where its owner lacks the attribute (a name
+        an import fallback forgot); where the owner has it, leave it as it is."""
+        self.register(target, value)
+        self._patches[target].only_where_missing = True
+
     def register_wrapper(self, target: str, wrapper: Wrapper) -> None:
         """Wrap ``target`` when applied: ``wrapper(current)`` must return the new object."""
         patch = self._patches.setdefault(target, _Patch(target))
@@ -118,7 +128,14 @@ class PatchRegistry:
         pending = [p for p in self._patches.values() if not p.applied]
         replaced_functions: dict[int, tuple[Any, Any, _Patch]] = {}
         for patch in pending:
-            owner, name = resolve(patch.target)
+            owner, name = resolve(patch.target, missing_ok=patch.only_where_missing)
+            if patch.only_where_missing:
+                patch.owner_had_own_attribute = hasattr(owner, name)
+                patch.original = getattr(owner, name, None)
+                if not patch.owner_had_own_attribute:
+                    setattr(owner, name, patch.replacement)
+                patch.owner = owner
+                continue
             original = _raw_attribute(owner, name)
             new = patch.build(original)
             patch.owner_had_own_attribute = not isinstance(owner, type) or name in owner.__dict__

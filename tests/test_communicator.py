@@ -21,7 +21,7 @@ import torch.distributed as dist
 from harness import free_port, launch, worker_script
 
 from megatron_elaswave.launch.store import WaitInterrupted
-from megatron_elaswave.layout import Layout, Replica, StageInstance
+from megatron_elaswave.layout import ExpertParallelism, Layout, Replica, StageInstance
 from megatron_elaswave.patches.distributed_c10d import forget_unformed_default_group
 from megatron_elaswave.runtime.communicator import (
     CREATION_TIMEOUT,
@@ -82,6 +82,48 @@ def test_specs_of_the_grid_are_megatrons_groups(tp, pp, dp):
     specs = group_specs(Layout.megatron(tp=tp, pp=pp, dp=dp, num_layers=4 * pp, num_microbatches=dp))
     for role, groups in expected.items():
         assert lists_of(specs, role) == sorted(tuple(ranks) for ranks in groups), role
+
+
+@pytest.mark.parametrize("tp, pp, dp, ep, etp", [
+    (1, 2, 4, 4, 1),  # expert parallelism over every replica (Mixtral's recipe)
+    (1, 2, 4, 2, 1),  # two lockstep sets, expert data parallelism 2
+    (2, 2, 2, 2, 1),  # expert parallelism inside each tensor-parallel group
+    (2, 1, 4, 4, 1),  # expert parallelism over the TP group and two replicas
+    (2, 2, 2, 2, 2),  # expert tensor parallelism in the TP group, EP over the replicas
+    (4, 1, 2, 2, 1),  # expert parallelism inside the TP group, expert DP inside it too
+])
+def test_expert_specs_of_the_grid_are_megatrons_expert_groups(tp, pp, dp, ep, etp):
+    from megatron.core.parallel_state import RankGenerator
+
+    experts = ExpertParallelism(num_experts=8, expert_parallel_size=ep,
+                                expert_tensor_parallel_size=etp)
+    generator = RankGenerator(tp=etp, ep=ep, dp=tp * dp // (ep * etp), pp=pp, cp=1,
+                              order=MEGATRON_ORDER)
+    expected = {Role.EP: generator.get_ranks("ep"), Role.EXPT_TP: generator.get_ranks("tp"),
+                Role.TP_EP: generator.get_ranks("tp-ep"), Role.EXPT_DP: generator.get_ranks("dp")}
+    layout = Layout.megatron(tp=tp, pp=pp, dp=dp, num_layers=2 * pp, num_microbatches=dp,
+                             experts=experts)
+    specs = group_specs(layout)
+    for role, groups in expected.items():
+        assert lists_of(specs, role) == sorted(tuple(ranks) for ranks in groups), role
+    assert layout.lockstep_size == max(1, ep * etp // tp)
+
+
+def test_expert_groups_follow_a_layer_that_moves_to_a_new_holder():
+    """TP1 x PP2 x DP2 with EP2 after rank 3 died: both replicas of the lockstep set run one
+    stage, rank 1 is a spare; the expert groups of the merged layer group pair the holders, with
+    each replica's expert-parallel rank unchanged."""
+    experts = ExpertParallelism(num_experts=4, expert_parallel_size=2)
+    layout = Layout(num_layers=4, replicas=(
+        Replica(0, (StageInstance((0,), 0, 3),), (0, 2)),
+        Replica(1, (StageInstance((2,), 0, 3),), (1, 3))), spares=(1,), experts=experts)
+    specs = group_specs(layout)
+    assert lists_of(specs, Role.EP) == [(0, 2)] and lists_of(specs, Role.EXPT_DP) == [(0,), (2,)]
+    with pytest.raises(ValueError, match="differ in stages or micro-batches"):
+        Layout(num_layers=4, replicas=(
+            Replica(0, (StageInstance((0,), 0, 3),), (0, 2)),
+            Replica(1, (StageInstance((1,), 0, 1), StageInstance((3,), 2, 3)), (1, 3))),
+            spares=(2,), experts=experts).validate()
 
 
 def heterogeneous_layout() -> Layout:

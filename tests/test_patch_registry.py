@@ -131,6 +131,49 @@ def test_unknown_targets_are_reported(target_modules):
         unimportable.apply()
 
 
+def test_a_name_is_defined_only_where_its_module_lacks_it(target_modules):
+    core, _ = target_modules
+    registry = PatchRegistry()
+    registry.define("fake_lib.core.forgotten", None)
+    registry.define("fake_lib.core.compute", None)
+    registry.apply()
+    assert core.forgotten is None and core.compute(1) == 2
+    registry.remove()
+    assert not hasattr(core, "forgotten") and core.compute(1) == 2
+
+
+def test_megatron_core_0_16_routes_without_transformer_engine_once_patched():
+    """0.16.1's import fallback forgets ``te_general_gemm``; the router's gating linear needs
+    the name (``None`` selects the plain matmul)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    registry = compatibility_registry(resolve_device_backend("cpu"))
+    registry.apply()
+    try:
+        weight = torch.randn(4, 8, requires_grad=True)
+        tokens = torch.randn(3, 8)
+        logits = moe_utils.router_gating_linear(tokens, weight, None, torch.float32)
+        logits.sum().backward()
+        assert torch.allclose(logits, tokens @ weight.t())
+    finally:
+        registry.remove()
+
+
+def test_the_alltoall_dispatchers_split_sizes_reach_gloo_as_numpy_off_cuda():
+    from megatron.core.transformer.moe import moe_utils
+
+    registry = compatibility_registry(resolve_device_backend("cpu"))
+    registry.apply()
+    try:
+        splits = moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True)
+        kept = moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]))
+        event = torch.cuda.Stream().record_event()
+        event.synchronize()  # the dispatcher's wait for its device-to-host copies
+    finally:
+        registry.remove()
+    assert splits.tolist() == [1, 2] and not torch.is_tensor(splits) and torch.is_tensor(kept)
+
+
 def test_conflicting_replacements_are_refused(target_modules):
     registry = PatchRegistry()
     registry.register("fake_lib.core.compute", lambda x: x)

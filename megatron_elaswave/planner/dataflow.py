@@ -102,21 +102,30 @@ def assign_microbatch_ids(
     return result
 
 
-def resize_deal(counts: Mapping[int, int], total: int) -> dict[int, tuple[int, ...]]:
+def resize_deal(counts: Mapping[int, int], total: int,
+                lockstep: int = 1) -> dict[int, tuple[int, ...]]:
     """Global micro-batch ids per replica for a global batch of ``total`` micro-batches (a batch
     size ramp-up), dealt in the proportions of ``counts`` (each replica's current share).
 
     New counts are proportional to ``counts`` (largest remainders, ties to the lower replica
     index); the ids ``0..total-1`` go out one at a time to the replica furthest below its count,
-    so equal counts deal round-robin, as Megatron-LM's sampler does."""
+    so equal counts deal round-robin, as Megatron-LM's sampler does. Replicas in lockstep (sets
+    of ``lockstep`` consecutive indices, which ``counts`` gives equal counts) keep equal counts:
+    they are dealt as one, ``total`` being a multiple of ``lockstep``."""
     if total < 0 or not counts or sum(counts.values()) <= 0:
         raise ValueError("a global batch needs replicas with micro-batches and total >= 0")
-    whole = sum(counts.values())
+    if total % lockstep:
+        raise ValueError(f"{total} micro-batches cannot be dealt evenly to sets of {lockstep} "
+                         "replicas in lockstep")
+    leaders = {r: c for r, c in counts.items() if r % lockstep == 0}
+    whole = sum(leaders.values())
+    exact = {r: leaders[r] * (total // lockstep) / whole for r in sorted(leaders)}
+    per_set = {r: int(exact[r]) for r in sorted(leaders)}
+    for r in sorted(leaders, key=lambda r: (-(exact[r] - per_set[r]), r))[
+            : total // lockstep - sum(per_set.values())]:
+        per_set[r] += 1
+    new = {r: per_set[r - r % lockstep] for r in counts}
     order = sorted(counts)
-    exact = {r: counts[r] * total / whole for r in order}
-    new = {r: int(exact[r]) for r in order}
-    for r in sorted(order, key=lambda r: (-(exact[r] - new[r]), r))[: total - sum(new.values())]:
-        new[r] += 1
     dealt: dict[int, list[int]] = {r: [] for r in order}
     for i in range(total):
         replica = min((r for r in order if len(dealt[r]) < new[r]),

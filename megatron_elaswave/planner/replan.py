@@ -10,6 +10,14 @@
    memory check repeats until no replica dissolves;
 3. dataflow: the global batch's micro-batch ids are dealt over the remaining replicas in proportion
    to their speed (:mod:`~megatron_elaswave.planner.dataflow`);
+
+Replicas that share expert-parallel groups (a lockstep set of an MoE job,
+:meth:`~megatron_elaswave.layout.Layout.lockstep_set`) are planned as one: each keeps as many
+stages as the most damaged of them has left (:func:`keep_lockstep`; the others' extra stages
+become spares), all take the first one's partition, the set is dissolved whole, and micro-batches
+are dealt to it one per member at a time. Their experts stay on the ranks at the same expert
+coordinates, so no expert is re-sharded; the layers move as in a dense job, their experts with
+them.
 4. ZeRO migration (:mod:`~megatron_elaswave.planner.zero`) and clocks
    (:mod:`~megatron_elaswave.planner.frequency`).
 
@@ -177,6 +185,39 @@ def repartition(
     return tuple(StageInstance(s.ranks, first, last) for s, (first, last) in zip(stages, partition.ranges))
 
 
+def keep_lockstep(old: Layout, survivors: dict[int, tuple[StageInstance, ...]]
+                  ) -> dict[int, tuple[StageInstance, ...]]:
+    """The surviving stages each replica keeps so that the replicas of a lockstep set
+    (:meth:`~megatron_elaswave.layout.Layout.lockstep_set`) keep as many: the fewest any of them
+    has left. A replica keeps first the stage positions every member still has, then its
+    lowest others; the rest of its stages become spares. A set with a replica left without a
+    stage leaves the job whole."""
+    size = old.lockstep_size
+    if size == 1:
+        return survivors
+    kept = dict(survivors)
+    by_set: dict[int, list] = {}
+    for replica in old.replicas:
+        by_set.setdefault(old.lockstep_set(replica.index), []).append(replica)
+    for members in by_set.values():
+        positions = {r.index: [s for s, stage in enumerate(r.stages) if stage in survivors[r.index]]
+                     for r in members}
+        count = min(len(p) for p in positions.values())
+        common = set.intersection(*(set(p) for p in positions.values()))
+        for replica in members:
+            own = positions[replica.index]
+            chosen = sorted(common)[:count]
+            chosen += [s for s in own if s not in common][:count - len(chosen)]
+            kept[replica.index] = tuple(replica.stages[s] for s in sorted(chosen))
+    return kept
+
+
+def expand_lockstep(counts: dict[int, int], size: int) -> dict[int, int]:
+    """Micro-batch counts per replica from counts per lockstep set, keyed by the set's first
+    replica (``size`` replicas from it each run that many)."""
+    return {leader + k: count for leader, count in counts.items() for k in range(size)}
+
+
 def plan_recovery(
     old: Layout, failed_ranks: Iterable[int], cost: CostModel, options: PlanOptions = PlanOptions()
 ) -> RecoveryPlan:
@@ -188,16 +229,19 @@ def plan_recovery(
     spares = set(old.spares) - failed
     survivors: dict[int, tuple[StageInstance, ...]] = {}
     for replica in old.replicas:
-        alive = []
+        intact = []
         for stage in replica.stages:
             if failed.isdisjoint(stage.ranks):
-                alive.append(stage)
+                intact.append(stage)
             else:
                 spares.update(set(stage.ranks) - failed)
-        survivors[replica.index] = tuple(alive)
+        survivors[replica.index] = tuple(intact)
 
+    alive = survivors
+    survivors = keep_lockstep(old, alive)
     fit_cache: dict = {}
     live = [r for r in old.replicas if survivors[r.index]]
+    size = old.lockstep_size
     while True:
         if not live:
             raise PlanError(
@@ -208,7 +252,13 @@ def plan_recovery(
         placed: dict[int, tuple[StageInstance, ...]] = {}
         for replica in live:
             kept = survivors[replica.index]
-            if kept == replica.stages and _fits(cost, kept, n, fit_cache):
+            leader = replica.index - replica.index % size
+            if leader != replica.index:  # a lockstep set runs its first replica's partition
+                if leader in placed:
+                    placed[replica.index] = tuple(
+                        StageInstance(stage.ranks, ranges.first_layer, ranges.last_layer)
+                        for stage, ranges in zip(kept, placed[leader]))
+            elif kept == replica.stages and _fits(cost, kept, n, fit_cache):
                 placed[replica.index] = kept
             else:
                 stages = repartition(cost, replica.stages, kept, n, options.tolerance)
@@ -221,20 +271,21 @@ def plan_recovery(
     dissolved = tuple(sorted(r.index for r in old.replicas if r.index not in placed))
     for replica in old.replicas:
         held = {rank for s in placed.get(replica.index, ()) for rank in s.ranks}
-        spares.update({rank for s in survivors[replica.index] for rank in s.ranks} - held)
+        spares.update({rank for s in alive[replica.index] for rank in s.ranks} - held)
 
+    # Replicas in lockstep run as many micro-batches each: the global batch is dealt over the
+    # sets, in units of one micro-batch per member.
     speeds = [
         pipeline_speed(index, stage_times_ns(cost, stages), cost.send_ns)
-        for index, stages in sorted(placed.items())
+        for index, stages in sorted(placed.items()) if index % size == 0
     ]
     total = old.global_num_microbatches
-    counts = balance_microbatches(speeds, total)
+    counts = expand_lockstep(balance_microbatches(speeds, total // size), size)
     ids = assign_microbatch_ids(counts, {r.index: r.microbatch_ids for r in old.replicas}, total)
-    layout = Layout(
-        num_layers=old.num_layers,
-        replicas=tuple(old.replica_by_index()[index].keeping_chunks(placed[index], ids[index])
-                       for index in sorted(placed)),
-        spares=tuple(sorted(spares)),
+    layout = old.with_replicas(
+        tuple(old.replica_by_index()[index].keeping_chunks(placed[index], ids[index])
+              for index in sorted(placed)),
+        tuple(sorted(spares)),
     )
     migration = interleaved_migration(old, layout, failed, cost) if options.migration else None
     return RecoveryPlan(layout, failed, dissolved, migration, choose_clocks(cost, layout, options))
@@ -266,18 +317,21 @@ def plan_replica_drop(old: Layout, failed_ranks: Iterable[int], *, keep_global_b
     replica granularity) its micro-batches are dealt round-robin over the remaining replicas, so
     the global batch and its samples stay those of the failure-free run; without it
     (``drop-replica``, TorchFT-style) they are dropped: the global batch shrinks and the kept
-    micro-batches are renumbered in order.
+    micro-batches are renumbered in order. Replicas in lockstep stop together, and get the lost
+    micro-batches one per member at a time.
     """
     failed = frozenset(failed_ranks)
-    kept = [r for r in old.replicas
-            if all(failed.isdisjoint(stage.ranks) for stage in r.stages)]
+    broken = {old.lockstep_set(r.index) for r in old.replicas
+              if any(not failed.isdisjoint(stage.ranks) for stage in r.stages)}
+    kept = [r for r in old.replicas if old.lockstep_set(r.index) not in broken]
     if not kept:
         raise PlanError(f"failing ranks {sorted(failed)} leaves no intact replica")
     lost = sorted(i for r in old.replicas if r not in kept for i in r.microbatch_ids)
     ids = {r.index: list(r.microbatch_ids) for r in kept}
     if keep_global_batch:
+        size = old.lockstep_size
         for n, microbatch in enumerate(lost):
-            ids[kept[n % len(kept)].index].append(microbatch)
+            ids[kept[(n // size * size) % len(kept) + n % size].index].append(microbatch)
         ids = {index: sorted(values) for index, values in ids.items()}
     else:
         order = sorted(i for values in ids.values() for i in values)
@@ -286,8 +340,7 @@ def plan_replica_drop(old: Layout, failed_ranks: Iterable[int], *, keep_global_b
     spares = set(old.spares) | {
         rank for r in old.replicas if r not in kept for s in r.stages for rank in s.ranks
     }
-    return Layout(
-        num_layers=old.num_layers,
-        replicas=tuple(r.keeping_chunks(r.stages, tuple(ids[r.index])) for r in kept),
-        spares=tuple(sorted(spares - failed)),
+    return old.with_replicas(
+        tuple(r.keeping_chunks(r.stages, tuple(ids[r.index])) for r in kept),
+        tuple(sorted(spares - failed)),
     )

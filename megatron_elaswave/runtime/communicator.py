@@ -100,6 +100,19 @@ class Role(str, enum.Enum):
     ``(layer_group,)``."""
     CP = "cp"
     """A rank alone: context parallelism is 1. Key ``(rank,)``."""
+    EP = "ep"
+    """An MoE job's holders of one layer group that split its experts, in expert-parallel rank
+    order. Key ``(layer_group, expert TP rank, expert data-parallel rank)``."""
+    EXPT_TP = "expt_tp"
+    """The holders of one layer group that split each of the same experts' weights, in expert
+    TP rank order. Key ``(layer_group, expert-parallel rank, expert data-parallel rank)``."""
+    TP_EP = "tp_ep"
+    """The holders of one layer group that hold one copy of every expert between them, expert
+    TP rank fastest (Megatron's ``tp-ep``). Key ``(layer_group, expert data-parallel rank)``."""
+    EXPT_DP = "expt_dp"
+    """The holders of one layer group that hold the same expert shards, in expert data-parallel
+    rank order: the reduction group of the experts' gradients. Key ``(layer_group, expert TP
+    rank, expert-parallel rank)``."""
 
 
 _ONE_PER_RANK = frozenset(
@@ -186,8 +199,27 @@ def group_specs(layout: Layout) -> tuple[GroupSpec, ...]:
             specs.append(GroupSpec(Role.DP, (g, t), members))
             specs.append(GroupSpec(Role.DP_CP, (g, t), members))
         specs.append(GroupSpec(Role.TP_DP, (g,), tuple(r for ranks in holders for r in ranks)))
+        if layout.experts is not None:
+            specs.extend(_expert_specs(layout, g, holders))
     specs.extend(GroupSpec(Role.CP, (rank,), (rank,)) for rank in sorted(layout.active_ranks()))
     return tuple(specs)
+
+
+def _expert_specs(layout: Layout, layer_group: int,
+                  holders: list[tuple[int, ...]]) -> list[GroupSpec]:
+    """The expert groups of one layer group of an MoE layout, from its holders' expert
+    coordinates (:meth:`~megatron_elaswave.layout.Layout.expert_coordinates`)."""
+    experts, tp = layout.experts, layout.tensor_parallel_size
+    members: dict[tuple, list[tuple[int, int]]] = {}
+    for replica, ranks in zip(layout.replicas, holders):
+        for t, rank in enumerate(ranks):
+            etp, ep, edp = experts.coordinates(replica.index, t, tp)
+            for role, key, order in ((Role.EP, (etp, edp), ep), (Role.EXPT_TP, (ep, edp), etp),
+                                     (Role.TP_EP, (edp,), etp + experts.expert_tensor_parallel_size * ep),
+                                     (Role.EXPT_DP, (etp, ep), edp)):
+                members.setdefault((role, (layer_group, *key)), []).append((order, rank))
+    return [GroupSpec(role, key, tuple(rank for _, rank in sorted(ranks)))
+            for (role, key), ranks in members.items()]
 
 
 def member_lists(specs: Iterable[GroupSpec]) -> tuple[tuple[int, ...], ...]:
@@ -466,7 +498,8 @@ class GroupRegistry:
         The model-parallel groups are those of Megatron with the same sizes; data-parallel groups
         are the layer group's; the distributed-optimizer instance group (the grad-norm group) is
         :attr:`Role.WORLD`. Embedding groups are ``None`` on ranks outside them, as in Megatron.
-        Expert groups are those of expert parallelism 1 (dense models).
+        Expert groups are the layer group's in an MoE layout, and those of expert parallelism 1
+        in a dense one.
         """
         # Imported here: megatron.core takes seconds to import and the registry needs none of it.
         from megatron_elaswave.patches.process_groups_config import process_group_collection
@@ -484,10 +517,24 @@ class GroupRegistry:
         return process_group_collection(
             tp=tp, pp=member[Role.PP], mp=mp, cp=cp, tp_cp=tp,
             embd=member.get(Role.EMBEDDING), pos_embd=member.get(Role.POSITION_EMBEDDING),
-            dp=dp, dp_cp=dp, intra_dp_cp=dp, tp_dp_cp=tp_dp,
-            ep=cp, expt_tp=tp, tp_ep=tp, tp_ep_pp=mp, expt_dp=dp, intra_expt_dp=dp,
-            intra_dist_opt=member[Role.WORLD],
+            dp=dp, dp_cp=dp, intra_dp_cp=dp, tp_dp_cp=tp_dp, tp_ep_pp=mp,
+            intra_dist_opt=member[Role.WORLD], **self.expert_groups(layer_group),
         )
+
+    def expert_groups(self, layer_group: int) -> dict[str, ProcessGroup]:
+        """This rank's expert groups of one of its layer groups, by ``ProcessGroupCollection``
+        field: the layout's in an MoE job; in a dense one those of expert parallelism 1 (this rank
+        alone, the tensor-parallel group and the data-parallel group), as Megatron builds them."""
+        if self._layout.experts is None:
+            tp_rank = self.spec(Role.TP).ranks.index(self._rank)
+            dp = self.group(Role.DP, (layer_group, tp_rank))
+            tp = self.group(Role.TP)
+            return dict(ep=self.group(Role.CP), expt_tp=tp, tp_ep=tp, expt_dp=dp,
+                        intra_expt_dp=dp)
+        mine = {s.role: self._groups[s.ranks] for s in self.specs() if s.key[:1] == (layer_group,)
+                and s.role in (Role.EP, Role.EXPT_TP, Role.TP_EP, Role.EXPT_DP)}
+        return dict(ep=mine[Role.EP], expt_tp=mine[Role.EXPT_TP], tp_ep=mine[Role.TP_EP],
+                    expt_dp=mine[Role.EXPT_DP], intra_expt_dp=mine[Role.EXPT_DP])
 
     # ---- edits ------------------------------------------------------------------------------
 

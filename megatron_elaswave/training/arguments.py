@@ -317,6 +317,7 @@ def validate_elastic(args: argparse.Namespace, world_size: int, *,
     _fail_unless(args.use_distributed_optimizer,
                  "--elastic reshards the distributed optimizer's state: add --use-distributed-optimizer")
     _fail_unless(not args.fp16, "--elastic does not support --fp16 (loss scaling); use --bf16")
+    _validate_experts(args)
     for slowdown in args.elastic_inject_slowdown:
         _fail_unless(slowdown.rank < world_size,
                      f"--elastic-inject-slowdown rank {slowdown.rank} is not a rank of this "
@@ -328,6 +329,30 @@ def validate_elastic(args: argparse.Namespace, world_size: int, *,
         _fail_unless(failure.iteration <= args.train_iters,
                      f"--elastic-inject-failure iteration {failure.iteration} is beyond "
                      f"--train-iters {args.train_iters}")
+
+
+def _validate_experts(args: argparse.Namespace) -> None:
+    """What ``--elastic`` needs of an MoE job's flags: an expert grid whose expert-parallel
+    groups hold whole replicas or lie inside a tensor-parallel group, and experts kept as one
+    tensor each (a snapshot names them by global index)."""
+    if not getattr(args, "num_experts", None):
+        return
+    from megatron_elaswave.layout import ExpertParallelism
+
+    tp = args.tensor_model_parallel_size
+    experts = ExpertParallelism(args.num_experts, getattr(args, "expert_model_parallel_size", 1),
+                                getattr(args, "expert_tensor_parallel_size", None) or tp)
+    try:
+        experts.check(tp, args.data_parallel_size)
+    except ValueError as error:
+        raise ArgumentError(f"--elastic with --num-experts: {error}") from None
+    legacy = getattr(args, "moe_use_legacy_grouped_gemm", False) or (
+        getattr(args, "moe_grouped_gemm", False)
+        and getattr(args, "transformer_impl", "local") != "transformer_engine")
+    _fail_unless(not legacy, "--elastic does not support --moe-grouped-gemm without Transformer "
+                             "Engine (the legacy GroupedMLP keeps a rank's experts in one tensor, "
+                             "which a snapshot cannot name by expert); drop it, or use "
+                             "--transformer-impl transformer_engine")
 
 
 def _validate_schedule(args: argparse.Namespace) -> None:

@@ -290,10 +290,10 @@ class ElasticTrainer(Trainer):
         total = self.microbatches_at(self.consumed_samples)
         if total == self.layout.global_num_microbatches:
             return
-        ids = resize_deal({r.index: r.num_microbatches for r in self.layout.replicas}, total)
-        self.layout = Layout(self.layout.num_layers,
-                             tuple(dataclasses.replace(r, microbatch_ids=ids[r.index])
-                                   for r in self.layout.replicas), self.layout.spares)
+        ids = resize_deal({r.index: r.num_microbatches for r in self.layout.replicas}, total,
+                          self.layout.lockstep_size)
+        self.layout = self.layout.with_replicas(
+            tuple(dataclasses.replace(r, microbatch_ids=ids[r.index]) for r in self.layout.replicas))
         self.layout.validate()
         self.replica = self.layout.replica_by_index()[self.layout.position(self.rank)[0]]
         if self.detector is not None:  # as after a re-deal: its times are kept per count

@@ -155,8 +155,8 @@ def pipeline_layout_string(groups: list[tuple[int, int]]) -> str:
 class StageObjects(TrainingObjects):
     """:class:`TrainingObjects` of one rank of a layout, with what its schedule needs.
 
-    ``optimizer.chained_optimizers`` holds one ``DistributedOptimizer`` per chunk, in the order
-    of ``model``.
+    ``optimizer.chained_optimizers`` holds the ``DistributedOptimizer`` of each chunk, in the
+    order of ``model``: two for a chunk with experts (its dense parameters', then its experts').
     """
 
     virtual_stages: list[torch.nn.Module] = None
@@ -242,8 +242,6 @@ class ModelFactory:
 def _chunk_config(factory: ModelFactory, ranges: list[ChunkRange]) -> TransformerConfig:
     groups = [(r.first_layer, r.last_layer) for r in ranges]
     config = factory.config()
-    # Whatever the job's flags, gradients are normalised by the global batch's token count.
-    config.calculate_per_token_loss = True
     config.batch_p2p_comm = True  # 1F1B sends one message per peer at a time
     config.pipeline_model_parallel_size = len(groups)
     config.virtual_pipeline_model_parallel_size = None
@@ -374,12 +372,22 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
     cp = registry.group(Role.CP)
     install_process_groups(registry.process_group_collection(ranges[held[0]].layer_group))
     opt_config, param_overrides = factory.optimizer_config()
+    # Megatron's routers scale their aux losses by the config's per-token flag as built, the
+    # schedules and DDP by its value when they run: the job's flag for the first, the global
+    # token count (every split of the batch alike) for the others.
+    routers_per_token = config.calculate_per_token_loss
     chunks, chunk_groups, optimizers = [], [], []
     for c in held:
-        dp = registry.group(Role.DP, (ranges[c].layer_group, tp_rank))
+        g = ranges[c].layer_group
+        dp = registry.group(Role.DP, (g, tp_rank))
+        expert_groups = registry.expert_groups(g)
+        tp_dp = registry.group(Role.TP_DP, (g,))
         model_groups = process_group_collection(tp=tp, cp=cp, pp=LayerGroupStage(c, len(ranges)),
-                                              embd=None, pos_embd=None)
+                                              embd=None, pos_embd=None, tp_cp=tp,
+                                              tp_dp_cp=tp_dp, **expert_groups)
+        config.calculate_per_token_loss = routers_per_token
         chunk = factory.build_chunk(config, c == 0, c == len(ranges) - 1, model_groups)
+        config.calculate_per_token_loss = True
         ddp_config = chunk_ddp_config(args, holds_tied_copy=holds_tied_copy(chunk))
         place_chunk(chunk, config, device)
         if initialize and args.elastic_init == "invariant":
@@ -387,9 +395,9 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
         # The tied embedding's two uses are summed by ``finalize`` below, so Megatron's own
         # embedding groups are this rank alone (``None`` would make it read the global ones).
         groups_of_chunk = process_group_collection(
-            tp=tp, cp=cp, pp=pp, ep=cp, embd=cp, pos_embd=cp, dp=dp, dp_cp=dp,
-            intra_dp_cp=dp, expt_dp=cp, intra_dist_opt=world, mp=LayerGroupStage(c, len(ranges)),
-            tp_ep_pp=None,
+            tp=tp, cp=cp, pp=pp, embd=cp, pos_embd=cp, dp=dp, dp_cp=dp, intra_dp_cp=dp,
+            intra_dist_opt=world, mp=LayerGroupStage(c, len(ranges)), tp_ep_pp=None, tp_cp=tp,
+            tp_dp_cp=tp_dp, **expert_groups,
         )
         ddp = distributed_data_parallel(config, ddp_config, chunk, groups_of_chunk)
         with param_groups_aligned_on(dp):

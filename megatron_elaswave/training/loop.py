@@ -22,6 +22,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter, samples_digest
+from megatron_elaswave.patches.moe_utils import discard_aux_losses
 from megatron_elaswave.patches.schedules import forward_backward_on
 from megatron_elaswave.runtime import dropout_rng
 from megatron_elaswave.simulator.schedule import microbatch_group_size
@@ -200,6 +201,7 @@ class Trainer:
     def _train_step(self) -> StepResult:
         gbs = self.layout.global_num_microbatches * self.args.micro_batch_size
         start = time.perf_counter()
+        discard_aux_losses()  # what a broken attempt at this iteration recorded
         for chunk in self.objects.model:
             chunk.zero_grad_buffer()
         self.objects.optimizer.zero_grad()

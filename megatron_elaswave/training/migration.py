@@ -1,9 +1,11 @@
 """Optimizer state by global name, and its migration to a new layout as rank-to-rank transfers.
 
 A rank's ZeRO shard is named by layout-independent keys ``t<tp>/<global name>/<start>:<end>/<kind>``:
-the TP rank, the parameter's global name (layers numbered over the whole model), the range of
-the flattened parameter this rank owns, and ``param`` (fp32 main parameter), ``exp_avg`` or
-``exp_avg_sq``. Snapshots store these keys, so any layout can find what it needs in them.
+the TP rank, the parameter's global name (layers numbered over the whole model, experts by their
+global index), the range of the flattened parameter this rank owns, and ``param`` (fp32 main
+parameter), ``exp_avg`` or ``exp_avg_sq``. State that is not a parameter but changes as the job
+trains, the routers' expert biases, is kept whole under the kind ``buffer`` by every holder.
+Snapshots store these keys, so any layout can find what it needs in them.
 
 :func:`migrate` guarantees, after a failure, that every survivor ends with the full parameters of
 every chunk it now holds and the Adam state of its new shard, taken from the snapshots of one
@@ -29,13 +31,19 @@ import torch
 import torch.distributed as dist
 
 from megatron_elaswave.launch.store import wait_for_keys
-from megatron_elaswave.patches.distrib_optimizer import set_shard_state, shard_range, shard_state
-from megatron_elaswave.patches.gpt_model import global_parameter_names
+from megatron_elaswave.patches.distrib_optimizer import (
+    owns,
+    set_shard_state,
+    shard_range,
+    shard_state,
+)
+from megatron_elaswave.patches.gpt_model import expert_biases, global_parameter_names
 from megatron_elaswave.patches.p2p_communication import wait as p2p_wait
 from megatron_elaswave.planner.zero import assign_waves
 
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
+BUFFER = "buffer"
 
 
 class StateLost(RuntimeError):
@@ -72,12 +80,21 @@ class Piece:
         return self.end - self.start
 
 
+def _chunk_buffers(objects):
+    """``(global name, tensor)`` of every trained buffer of every chunk (the routers' expert
+    biases)."""
+    for ddp in objects.model:
+        yield from expert_biases(ddp.module).items()
+
+
 def _chunk_params(objects):
-    """``(optimizer, global name, model parameter)`` of every parameter of every chunk."""
-    for ddp, optimizer in zip(objects.model, objects.optimizer.chained_optimizers):
+    """``(optimizer, global name, model parameter)`` of every parameter of every chunk (a
+    chunk's experts have an optimizer of their own)."""
+    optimizers = objects.optimizer.chained_optimizers
+    for ddp in objects.model:
         names = global_parameter_names(ddp.module)
         for local_name, param in ddp.module.named_parameters():
-            yield optimizer, names[local_name], param
+            yield next(o for o in optimizers if owns(o, param)), names[local_name], param
 
 
 class NamedShard:
@@ -94,6 +111,8 @@ class NamedShard:
                 keys = {kind: Piece(tp_rank, name, kind, span.start, span.stop).key
                         for kind in KINDS}
                 self._entries.append((optimizer, param, keys))
+        self._buffers = {Piece(tp_rank, name, BUFFER, 0, buffer.numel()).key: buffer
+                         for name, buffer in _chunk_buffers(objects)}
 
     def pieces_of(self, params: Mapping[int, object]) -> list[tuple[str, object]]:
         """``(key, params[id(parameter)])`` of every tensor of the shard whose parameter is in
@@ -103,7 +122,7 @@ class NamedShard:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The shard's tensors by key: views of the optimizer's own, as they are now."""
-        tensors = {}
+        tensors = dict(self._buffers)
         for optimizer, param, keys in self._entries:
             state = shard_state(optimizer, param)
             for kind, key in keys.items():
@@ -121,13 +140,16 @@ def adam_step(objects) -> float:
 
 
 def needed_pieces(objects, tp_rank: int) -> list[Piece]:
-    """Full parameters of every chunk, and the Adam state of this rank's shard of each."""
+    """Full parameters of every chunk, the Adam state of this rank's shard of each, then every
+    trained buffer."""
     needs = []
     for optimizer, name, param in _chunk_params(objects):
         needs.append(Piece(tp_rank, name, "param", 0, param.numel()))
         span = shard_range(optimizer, param)
         if span:
             needs += [Piece(tp_rank, name, kind, span.start, span.stop) for kind in KINDS[1:]]
+    needs += [Piece(tp_rank, name, BUFFER, 0, buffer.numel())
+              for name, buffer in _chunk_buffers(objects)]
     return needs
 
 
@@ -282,8 +304,8 @@ def _place(results: list[torch.Tensor], needs: Sequence[Piece], transfer: Transf
 
 @torch.no_grad()
 def load_pieces(objects, values: Sequence[torch.Tensor], step: float) -> None:
-    """Set every chunk's parameters and this rank's Adam shard from migrated ``values``, one
-    per need of :func:`needed_pieces`, in its order (the two copies of a tied embedding have
+    """Set every chunk's parameters, this rank's Adam shard and the trained buffers from
+    migrated ``values``, one per need of :func:`needed_pieces`, in its order (the two copies of a tied embedding have
     one name, and may have different shards)."""
     received = iter(values)
     for optimizer, _, param in _chunk_params(objects):
@@ -296,6 +318,8 @@ def load_pieces(objects, values: Sequence[torch.Tensor], step: float) -> None:
         if span:
             tensors.update({kind: next(received) for kind in KINDS[1:]})
         set_shard_state(optimizer, param, tensors)
+    for _, buffer in _chunk_buffers(objects):
+        buffer.copy_(next(received).view_as(buffer).to(buffer.dtype))
     for optimizer in objects.optimizer.chained_optimizers:
         for state in optimizer.optimizer.state.values():
             if "step" in state:

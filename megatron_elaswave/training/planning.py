@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_elaswave.device import DeviceBackend
-from megatron_elaswave.layout import Layout
+from megatron_elaswave.layout import ExpertParallelism, Layout
 from megatron_elaswave.planner.cost import CostModel, MemoryModel
 from megatron_elaswave.planner.frequency import ClockPlan, PowerModel
 from megatron_elaswave.planner.job import JobSpec
@@ -31,6 +31,19 @@ CPU_DEVICE = SyntheticDevice(name="CPU core (gloo)", peak_tflops=0.02, model_flo
 """What a CPU rank with one thread roughly does, for plans made without a measured profile."""
 
 
+def expert_parallelism(args: argparse.Namespace) -> ExpertParallelism | None:
+    """How ``--num-experts``, ``--expert-model-parallel-size`` and
+    ``--expert-tensor-parallel-size`` (default: the tensor-parallel size, as in Megatron) shard
+    the experts; ``None`` for a dense model."""
+    if not getattr(args, "num_experts", None):
+        return None
+    return ExpertParallelism(
+        num_experts=args.num_experts,
+        expert_parallel_size=getattr(args, "expert_model_parallel_size", 1) or 1,
+        expert_tensor_parallel_size=(getattr(args, "expert_tensor_parallel_size", None)
+                                     or args.tensor_model_parallel_size))
+
+
 def failure_free_layout(args: argparse.Namespace, global_batch_size: int | None = None) -> Layout:
     """The layout Megatron builds for the job's flags, dealing ``global_batch_size`` samples
     (default ``--global-batch-size``; a ramp-up's first size)."""
@@ -39,7 +52,8 @@ def failure_free_layout(args: argparse.Namespace, global_batch_size: int | None 
                            num_layers=args.num_layers,
                            num_microbatches=(global_batch_size or args.global_batch_size)
                            // args.micro_batch_size,
-                           virtual_stages=args.virtual_pipeline_model_parallel_size or 1)
+                           virtual_stages=args.virtual_pipeline_model_parallel_size or 1,
+                           experts=expert_parallelism(args))
 
 
 def cost_model(args: argparse.Namespace, vocab_size: int, backend: DeviceBackend) -> CostModel:
@@ -76,9 +90,9 @@ def plan_without(base: Layout, failed: set[int], cost: CostModel,
     # all-reduce of the step that re-dealt them may leave ranks on either deal.
     total = base.global_num_microbatches
     count = len(base.replicas)
-    old = Layout(base.num_layers, tuple(
+    old = base.with_replicas(tuple(
         r.keeping_chunks(r.stages, tuple(range(k, total, count)))
-        for k, r in enumerate(base.replicas)), base.spares)
+        for k, r in enumerate(base.replicas)))
     if policy == "elaswave":
         plan = plan_recovery(old, failed, cost, PlanOptions(dvfs=True, migration=False))
         return plan.layout, plan.clocks
@@ -98,5 +112,5 @@ def plan_growth(args: argparse.Namespace, current: Layout, joined: frozenset[int
     try:
         return plan_without(complete, missing, cost, args.elastic_policy)
     except PlanError:
-        return Layout(current.num_layers, current.replicas,
-                      tuple(sorted({*current.spares, *joined}))), clocks
+        return current.with_replicas(current.replicas,
+                                     tuple(sorted({*current.spares, *joined}))), clocks

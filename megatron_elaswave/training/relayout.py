@@ -128,11 +128,12 @@ class LayoutChange:
 
 
 def _layout_json(layout: Layout) -> dict:
-    return {"replicas": layout.to_json(with_microbatch_ids=True), "spares": list(layout.spares)}
+    return {"replicas": layout.to_json(with_microbatch_ids=True), "spares": list(layout.spares),
+            "experts": layout.experts.to_json() if layout.experts else None}
 
 
 def _layout_from_json(fields: dict) -> Layout:
-    return Layout.from_json(fields["replicas"], fields["spares"])
+    return Layout.from_json(fields["replicas"], fields["spares"], fields.get("experts"))
 
 
 # -- the joining rank ----------------------------------------------------------------------------

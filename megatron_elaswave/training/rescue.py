@@ -10,6 +10,10 @@ checkpoint (the fully reshardable format) loads into any layout of a new launch.
 
 The checkpoint layout only needs the memory of one replica spread over the intact stage
 instances, with no room for activations: it exists for the save, not for training.
+
+An MoE job whose expert-parallel groups span replicas needs one whole lockstep set to hold every
+expert: the checkpoint layout then has that many replicas of equal depth, each rank taking the
+experts of its new coordinates from the snapshots.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ def checkpoint_layout(layout: Layout, failed: frozenset[int] | set[int]) -> Layo
 
     At most as many stages as the deepest replica had; instances are taken in the order of the
     layers they held, one per distinct position first, so most layers stay where they were.
+    Replicas in lockstep need as many stages each (``None`` when fewer than one per replica
+    survived).
     """
     intact = [(stage.first_layer, replica.index, stage)
               for replica in layout.replicas for stage in replica.stages
@@ -35,16 +41,21 @@ def checkpoint_layout(layout: Layout, failed: frozenset[int] | set[int]) -> Layo
     for first_layer, _, stage in intact:
         (others if first_layer in seen else distinct).append(stage)
         seen.add(first_layer)
-    chosen = sorted((distinct + others)[:depth], key=lambda s: s.first_layer)
-    stages, first = [], 0
-    for index, stage in enumerate(chosen):
-        count = layout.num_layers // len(chosen) + (index < layout.num_layers % len(chosen))
-        stages.append(StageInstance(stage.ranks, first, first + count - 1))
-        first += count
-    used = {rank for stage in stages for rank in stage.ranks}
+    size = layout.lockstep_size
+    depth = min(depth, len(intact) // size)
+    if depth == 0:
+        return None
+    ordered = distinct + others
+    total = layout.global_num_microbatches
+    replicas = []
+    for index in range(size):
+        chosen = sorted(ordered[index * depth:(index + 1) * depth], key=lambda s: s.first_layer)
+        stages, first = [], 0
+        for position, stage in enumerate(chosen):
+            count = layout.num_layers // depth + (position < layout.num_layers % depth)
+            stages.append(StageInstance(stage.ranks, first, first + count - 1))
+            first += count
+        replicas.append(Replica(index, tuple(stages), tuple(range(index, total, size))))
+    used = {rank for replica in replicas for stage in replica.stages for rank in stage.ranks}
     survivors = layout.known_ranks() - set(failed)
-    return Layout(
-        num_layers=layout.num_layers,
-        replicas=(Replica(0, tuple(stages), tuple(range(layout.global_num_microbatches))),),
-        spares=tuple(sorted(survivors - used)),
-    )
+    return layout.with_replicas(tuple(replicas), tuple(sorted(survivors - used)))

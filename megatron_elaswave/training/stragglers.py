@@ -51,6 +51,7 @@ import torch
 
 from megatron_elaswave.layout import Layout, Replica, StageInstance
 from megatron_elaswave.planner.dataflow import ReplicaSpeed, assign_microbatch_ids, balance_microbatches
+from megatron_elaswave.planner.replan import expand_lockstep
 
 
 @dataclass(frozen=True)
@@ -250,14 +251,21 @@ class StragglerDetector:
                for r in layout.replicas):
             return None
         speeds, stages = [], {r.index: len(r.stages) for r in layout.replicas}
+        size = layout.lockstep_size
         for replica in layout.replicas:
             fill, per = self._replicas[replica.index].model(stages[replica.index])
             speeds.append(ReplicaSpeed(replica.index, max(0, round(fill * 1e9)),
                                        max(1, round(per * 1e9))))
+        # Replicas in lockstep run at the pace of the slowest of them, as many micro-batches
+        # each: their set is dealt as one.
+        speeds = [ReplicaSpeed(leader, max(s.fill_ns for s in members),
+                               max(s.per_microbatch_ns for s in members))
+                  for leader, members in _by_lockstep_set(speeds, size).items()]
         # A replica with virtual stages keeps as many micro-batches as it has stages: the
         # interleaved schedule it is built for runs no fewer.
         minimum = {r.index: len(r.stages) if r.virtual_stages > 1 else 1 for r in layout.replicas}
-        counts = _at_least(balance_microbatches(speeds, layout.global_num_microbatches), minimum)
+        counts = _at_least(expand_lockstep(
+            balance_microbatches(speeds, layout.global_num_microbatches // size), size), minimum)
         if all(counts[r.index] == r.num_microbatches for r in layout.replicas):
             return None
 
@@ -286,6 +294,8 @@ class StragglerDetector:
         counts where the stages are even again), once ``window`` iterations are in, the step is
         predicted ``min_gain`` faster and the move pays for itself; else ``None``."""
         if len(self._compute) < self.config.window or not self._settled:
+            return None
+        if layout.lockstep_size > 1:  # replicas in lockstep keep equal stages: none moves alone
             return None
         step_now = step_then = 0.0
         replicas, reasons = [], []
@@ -380,6 +390,14 @@ def _restage(stages: tuple[StageInstance, ...], counts: tuple[int, ...]) -> tupl
         restaged.append(StageInstance(stage.ranks, first, first + count - 1))
         first += count
     return tuple(restaged)
+
+
+def _by_lockstep_set(speeds: list[ReplicaSpeed], size: int) -> dict[int, list[ReplicaSpeed]]:
+    """``speeds`` grouped by lockstep set, keyed by the set's first replica."""
+    sets: dict[int, list[ReplicaSpeed]] = {}
+    for speed in speeds:
+        sets.setdefault(speed.replica - speed.replica % size, []).append(speed)
+    return sets
 
 
 def _at_least(counts: dict[int, int], minimum: dict[int, int]) -> dict[int, int]:

@@ -1,0 +1,130 @@
+"""MoE routing and dispatch without Transformer Engine or CUDA:
+``megatron.core.transformer.moe.moe_utils``.
+
+Checked against megatron-core 0.16.1 and 0.19.2.
+
+1. megatron-core 0.16.1 imports ``te_general_gemm`` only where Transformer Engine imports, and
+   its fallback leaves the name undefined: the router's gating linear then raises ``NameError:
+   name 'te_general_gemm' is not defined`` on its first forward. 0.19 defines it as ``None``
+   there, which selects the plain matmul; this patch does the same where the name is missing.
+2. ``maybe_move_tensor_to_cpu(tensor, as_numpy=True)`` converts only CUDA tensors: off CUDA the
+   alltoall dispatcher's split sizes stay tensors, which ``all_to_all_single`` refuses. Off CUDA
+   a host tensor asked for as numpy comes back as numpy, as it would from the device.
+3. The MoE loss metrics of an elastic job are reduced over the job's ranks
+   (:func:`register_job_wide_reduction`), and those of a broken iteration are discarded before
+   it runs again (:func:`discard_aux_losses`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+from .interfaces import DeviceBackend
+from .registry import PatchRegistry
+
+MODULE = "megatron.core.transformer.moe.moe_utils"
+
+
+def host_tensors_as_numpy(move: Callable) -> Callable:
+    """``maybe_move_tensor_to_cpu`` that also hands a host tensor over as numpy where asked."""
+
+    @functools.wraps(move)
+    def move_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and tensor.device.type == "cpu":
+            return tensor.numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return move_to_cpu
+
+
+def register(registry: PatchRegistry, backend: DeviceBackend) -> None:
+    """Define ``te_general_gemm`` as ``None`` where the import fallback forgot it; off CUDA,
+    split sizes on the host as numpy."""
+    registry.define(f"{MODULE}.te_general_gemm", None)
+    if backend.name != "cuda":
+        registry.register_wrapper(f"{MODULE}.maybe_move_tensor_to_cpu", host_tensors_as_numpy)
+
+
+def _sum_over_job(values: torch.Tensor, needs_data_parallel_mean: bool,
+                  sum_over_job: Callable[[torch.Tensor], None], data_parallel_size: int) -> None:
+    sum_over_job(values)
+    if needs_data_parallel_mean:
+        values /= data_parallel_size
+
+
+def register_job_wide_reduction(registry: PatchRegistry, *, active: Callable[[], bool],
+                                sum_over_job: Callable[[torch.Tensor], None],
+                                data_parallel_size: Callable[[], int]) -> None:
+    """While ``active()``, reduce the MoE loss metrics that Megatron sums over a group (the load
+    balancing losses) by ``sum_over_job`` (a sum over every rank that trains) instead of over
+    ``parallel_state``'s pipeline, tensor and data-parallel groups, then divide by
+    ``data_parallel_size()`` where Megatron averages over its data-parallel group.
+
+    Megatron's value is the sum over every rank of its micro-batches' values, over the
+    data-parallel size; after a failure the replicas differ in depth and in how many
+    micro-batches they run, and its groups no longer pair the ranks that hold each layer, but the
+    job's ranks still run the global batch's micro-batches between them, each MoE layer's once
+    per tensor-parallel rank. Metrics Megatron reduces over no such group (the z-loss) keep
+    Megatron's reduction on ``parallel_state``'s groups.
+
+    megatron-core 0.16.1 reduces in ``reduce_aux_losses_tracker_across_ranks`` (a dict per
+    metric, ``reduce_group_has_dp``); 0.19 in ``MoEMetricsTracker._sync_metrics`` (``MetricEntry``,
+    ``needs_dp_avg``)."""
+    try:
+        from megatron.core.transformer.moe import moe_logging
+    except ImportError:
+        moe_logging = None
+
+    if moe_logging is not None and hasattr(moe_logging, "MoEMetricsTracker"):
+        def job_wide_sync(sync):
+            @functools.wraps(sync)
+            def sync_metrics(self, metric_names, pg_collection=None):
+                if not active():
+                    return sync(self, metric_names, pg_collection)
+                grouped = [n for n in metric_names
+                           if n in self._metrics and self._metrics[n].reduce_group is not None]
+                sync(self, [n for n in metric_names if n not in grouped], pg_collection)
+                for name in grouped:
+                    entry = self._metrics[name]
+                    _sum_over_job(entry.values, entry.needs_dp_avg, sum_over_job,
+                                  data_parallel_size())
+            return sync_metrics
+
+        registry.register_wrapper(f"{moe_logging.__name__}.MoEMetricsTracker._sync_metrics",
+                                  job_wide_sync)
+        return
+
+    def job_wide_reduce(reduce):
+        @functools.wraps(reduce)
+        def reduce_across_ranks(track_names=None, pg_collection=None):
+            from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+            if not active():
+                return reduce(track_names, pg_collection)
+            tracker = get_moe_layer_wise_logging_tracker()
+            names = list(tracker) if track_names is None else list(track_names)
+            grouped = [n for n in names if tracker[n].get("reduce_group") is not None]
+            reduce([n for n in names if n not in grouped], pg_collection)
+            for name in grouped:
+                _sum_over_job(tracker[name]["values"],
+                              not tracker[name].get("reduce_group_has_dp", False), sum_over_job,
+                              data_parallel_size())
+        return reduce_across_ranks
+
+    registry.register_wrapper(f"{MODULE}.reduce_aux_losses_tracker_across_ranks", job_wide_reduce)
+
+
+def discard_aux_losses() -> None:
+    """Zero the MoE loss metrics recorded so far (those of an iteration a failure broke, which
+    is run again)."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        clear_aux_losses_tracker()
+        return
+    get_moe_metrics_tracker().clear()
