@@ -74,3 +74,10 @@ def expert_biases(chunk: GPTModel) -> dict[str, torch.Tensor]:
 def transformer_layers(chunks: Iterable[GPTModel]) -> list[torch.nn.Module]:
     """The transformer layers of ``chunks``, in model order."""
     return [layer for chunk in chunks for layer in chunk.decoder.layers]
+
+
+def routed_experts(layers: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The routed experts of the MoE layers among ``layers``: the module an MoE layer runs
+    between the all-to-all that dispatches its tokens and the one that combines them."""
+    return [layer.mlp.experts for layer in layers
+            if hasattr(getattr(layer, "mlp", None), "token_dispatcher")]

@@ -27,6 +27,9 @@ groups, pass the collection of the layer group that global readers should see.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -118,3 +121,23 @@ def install_process_groups(pg_collection: ProcessGroupCollection,
     # update_pg_timeout walks this list; create_group starts it with None for the default group.
     parallel_state._global_process_group_list = [None, *groups]
     parallel_state._set_global_memory_buffer()
+
+
+@contextlib.contextmanager
+def pipeline_position(rank: int, size: int) -> Iterator[None]:
+    """Within: ``parallel_state``'s pipeline rank and size answer ``rank`` and ``size``.
+
+    Megatron-LM's model providers pick a model chunk's layer specs by ``parallel_state``'s
+    pipeline rank (``get_gpt_decoder_block_spec`` without ``pp_rank``: an MoE model's dense and
+    MoE layers); a chunk of a layer group is the ``rank``-th of ``size`` such chunks, whatever
+    stage of its replica the rank holds. The overrides ``initialize_model_parallel`` leaves unset
+    are unset again after."""
+    previous = (parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK,
+                parallel_state._MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE)
+    parallel_state.set_pipeline_model_parallel_rank(rank)
+    parallel_state.set_pipeline_model_parallel_world_size(size)
+    try:
+        yield
+    finally:
+        (parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK,
+         parallel_state._MPU_PIPELINE_MODEL_PARALLEL_WORLD_SIZE) = previous

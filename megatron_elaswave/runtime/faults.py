@@ -21,7 +21,10 @@ optimizer step), ``snapshot`` (between capturing the snapshot and replicating it
 ``recovery`` (on entering a recovery during iteration ``I``), ``relayout`` (when the layout has
 just changed before iteration ``I``, by a recovery, a layer move or a grow: once every rank has
 restored its state into the new layout, before this rank snapshots it there), ``evaluation``
-(as the evaluation after iteration ``I`` starts, the others already in it), ``checkpoint``
+(as the evaluation after iteration ``I`` starts, the others already in it), ``alltoall`` (in
+the first MoE layer of the first micro-batch of iteration ``I`` to reach its experts: between
+the all-to-all that dispatched the tokens and the one that combines the experts' outputs, in
+which its expert-parallel peers then wait for it), ``checkpoint``
 (on the rank's checkpoint writer thread, once it has written its part of the durable checkpoint
 of iteration ``I`` and before it reports it: the save is left incomplete).
 
@@ -44,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "snapshot", "recovery", "relayout",
-          "evaluation", "checkpoint")
+          "evaluation", "alltoall", "checkpoint")
 KINDS = ("kill", "hang", "raise", "poison", "nan")
 
 

@@ -7,6 +7,7 @@ wrong combination is reported as one line (:class:`ArgumentError`) before any ra
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import os
 from typing import Sequence
@@ -39,6 +40,64 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
                        default="learned_absolute")
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    group.add_argument("--disable-bias-linear", action="store_true",
+                       help="no bias in the linear layers (MoE layers have none)")
+
+
+def moe_layer_pattern(text: str) -> int | list[int]:
+    """``--moe-layer-freq`` as Megatron-LM reads it: every ``N``-th layer is an MoE layer
+    (``N``), or a list of 0 and 1, one per layer, written as a Python expression of lists of
+    integers joined by ``+`` and repeated by ``*`` (``"[0]*1+[1]*3"``)."""
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(item) for item in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError
+
+    try:
+        pattern = value(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor a list of 0 and 1 "
+                                         "such as \"[0]*1+[1]*3\"") from None
+    if isinstance(pattern, list) and any(flag not in (0, 1) for flag in pattern):
+        raise argparse.ArgumentTypeError(f"{text!r}: a layer pattern holds only 0 and 1")
+    return pattern
+
+
+def _add_moe_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("mixture of experts")
+    group.add_argument("--num-experts", type=int, default=None,
+                       help="routed experts per MoE layer (default: a dense model)")
+    group.add_argument("--expert-model-parallel-size", type=int, default=1)
+    group.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                       help="default: the tensor-parallel size")
+    group.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                       help="default: --ffn-hidden-size")
+    group.add_argument("--moe-layer-freq", type=moe_layer_pattern, default=1,
+                       help="every N-th layer is an MoE layer, or a 0/1 pattern per layer "
+                            "(\"[0]*1+[1]*3\": the first layer dense)")
+    group.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    group.add_argument("--moe-router-topk", type=int, default=2)
+    group.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                       choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "none"))
+    group.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    group.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    group.add_argument("--moe-router-score-function", choices=("softmax", "sigmoid"),
+                       default="softmax")
+    group.add_argument("--moe-router-pre-softmax", action="store_true")
+    group.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                       help="aux-loss-free routing: a per-expert bias that follows the load")
+    group.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    group.add_argument("--moe-router-num-groups", type=int, default=None)
+    group.add_argument("--moe-router-group-topk", type=int, default=None)
+    group.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    group.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None)
+    group.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall"),
+                       default="allgather")
 
 
 def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
@@ -221,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     _add_model_args(parser)
+    _add_moe_args(parser)
     _add_parallel_args(parser)
     _add_training_args(parser)
     _add_data_args(parser)
@@ -264,6 +324,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
                  f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                  f"{args.max_position_embeddings}")
     _validate_pipeline(args)
+    _validate_moe(args)
     _validate_batch(args)
     _validate_data(args)
     _fail_unless(not (args.bf16 and args.fp16), "--bf16 and --fp16 are mutually exclusive")
@@ -416,6 +477,37 @@ def _validate_pipeline(args: argparse.Namespace) -> None:
                      f"{vpp} virtual stages")
         vpp = vpp if vpp > 1 else None
     args.virtual_pipeline_model_parallel_size = vpp
+
+
+def _validate_moe(args: argparse.Namespace) -> None:
+    """An MoE model's flags: experts that split over the expert grid, a layer pattern as long
+    as the model, no bias in the experts, one rank per stage's tensor-parallel group."""
+    if args.num_experts is None:
+        return
+    tp = args.tensor_model_parallel_size
+    ep, etp = args.expert_model_parallel_size, args.expert_tensor_parallel_size or tp
+    args.expert_tensor_parallel_size = etp
+    _fail_unless(args.num_experts > 0 and ep > 0 and etp > 0,
+                 "--num-experts and the expert parallel sizes must be positive")
+    _fail_unless(args.num_experts % ep == 0, f"--num-experts {args.num_experts} is not "
+                 f"divisible by --expert-model-parallel-size {ep}")
+    _fail_unless((tp * args.data_parallel_size) % (ep * etp) == 0,
+                 f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} does "
+                 f"not divide the {tp * args.data_parallel_size} ranks of a pipeline stage")
+    _fail_unless(0 < args.moe_router_topk <= args.num_experts,
+                 f"--moe-router-topk must be between 1 and --num-experts {args.num_experts}")
+    pattern = args.moe_layer_freq
+    _fail_unless(not isinstance(pattern, list) or len(pattern) == args.num_layers,
+                 f"--moe-layer-freq names {len(pattern) if isinstance(pattern, list) else 0} "
+                 f"layers, the model has {args.num_layers}")
+    _fail_unless(isinstance(pattern, list) or pattern > 0, "--moe-layer-freq must be positive")
+    _fail_unless(args.disable_bias_linear, "MoE layers have no bias: add --disable-bias-linear")
+    # megatron-core runs MoE with tensor parallelism only under sequence parallelism, which the
+    # torch norms (without Transformer Engine or Apex) refuse.
+    _fail_unless(tp == 1, "MoE with --tensor-model-parallel-size > 1 needs sequence "
+                          "parallelism (Transformer Engine or Apex norms); use "
+                          "--expert-model-parallel-size for the experts instead")
+    args.moe_ffn_hidden_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
 
 
 def _validate_batch(args: argparse.Namespace) -> None:

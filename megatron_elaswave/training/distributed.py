@@ -30,13 +30,16 @@ def init_default_group(rank: int, world_size: int, local_rank: int, backend: Dev
                                 world_size=1, timeout=timeout)
 
 
-def init_model_parallel(tp: int, pp: int, vpp: int | None,
-                        timeout_minutes: float) -> ProcessGroupCollection:
-    """Megatron's groups for a TP x PP x DP grid, returned as an explicit collection."""
+def init_model_parallel(tp: int, pp: int, vpp: int | None, timeout_minutes: float, *,
+                        ep: int = 1, etp: int | None = None) -> ProcessGroupCollection:
+    """Megatron's groups for a TP x PP x DP grid, with its expert grid of ``ep`` x ``etp``
+    (default: the tensor-parallel size), returned as an explicit collection."""
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
         distributed_timeout_minutes=timeout_minutes,
         create_gloo_process_groups=False,
     )

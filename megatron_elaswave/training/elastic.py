@@ -43,7 +43,7 @@ from megatron_elaswave.launch.keys import FINISHED_KEY, RECORDS_WRITTEN_KEY, che
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter
 from megatron_elaswave.patches.dist_checkpointing import chunk_placements
-from megatron_elaswave.patches.gpt_model import transformer_layers
+from megatron_elaswave.patches.gpt_model import routed_experts, transformer_layers
 from megatron_elaswave.planner.cost import CostModel
 from megatron_elaswave.planner.dataflow import resize_deal
 from megatron_elaswave.planner.frequency import ClockPlan
@@ -144,15 +144,21 @@ class ElasticTrainer(Trainer):
             return finalize(*args, **kwargs)
 
         self.objects.config.finalize_model_grads_func = timed_finalize
-        if self.injector.armed:  # hooks only where a failure is to be injected
-            self.objects.model[-1].module.register_forward_hook(self._inject_into_output)
         chunks = [ddp.module for ddp in self.objects.model]
         layers = transformer_layers(chunks)
+        if self.injector.armed:  # hooks only where a failure is to be injected
+            self.objects.model[-1].module.register_forward_hook(self._inject_into_output)
+            for experts in routed_experts(layers):
+                experts.register_forward_pre_hook(self._inject_between_all_to_alls)
         for slowdown in self.slowdowns:
             if slowdown.rank == self.rank:
                 slow_down(layers, slowdown, lambda: self.iteration + 1)
         if self.detector is not None:  # after the slowdown's hooks, so that they count
             self._stage_timer, self._layers_timer = ForwardTimer(chunks), ForwardTimer(layers)
+
+    def _inject_between_all_to_alls(self, module, inputs) -> None:
+        """The injected failures of an MoE layer's experts (phase ``alltoall``)."""
+        self.injector.at("alltoall", self.iteration + 1)
 
     def _inject_into_output(self, module, inputs, output):
         """The injected failures that act on the last chunk's output: a NaN, a backward fault."""

@@ -71,7 +71,9 @@ def build_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int, t
     """Process groups, model chunks, DDP, optimizer, data and the failure-free layout."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     pg_collection = init_model_parallel(tp, pp, args.virtual_pipeline_model_parallel_size,
-                                        args.distributed_timeout_minutes)
+                                        args.distributed_timeout_minutes,
+                                        ep=args.expert_model_parallel_size,
+                                        etp=args.expert_tensor_parallel_size)
     seed_random_generators(args.seed, pg_collection)
     config = transformer_config(args, batched_p2p_is_safe(args, backend.dist_backend))
     vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, tp)

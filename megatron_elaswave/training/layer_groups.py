@@ -48,7 +48,6 @@ from megatron.core.distributed import (
 )
 from megatron.core.enums import ModelType
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer.optimizer import ChainedOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -62,7 +61,7 @@ from megatron_elaswave.patches.distributed_data_parallel import (
     share_bucket_groups,
 )
 from megatron_elaswave.patches.optimizer import agree_grad_norm_groups, param_groups_aligned_on
-from megatron_elaswave.patches.parallel_state import install_process_groups
+from megatron_elaswave.patches.parallel_state import install_process_groups, pipeline_position
 from megatron_elaswave.patches.process_groups_config import process_group_collection
 from megatron_elaswave.runtime.communicator import GroupRegistry, Role
 
@@ -70,6 +69,7 @@ from .model import (
     TrainingObjects,
     allocate_optimizer_state,
     build_scheduler,
+    layer_spec,
     layout_invariant_init,
     optimizer_config,
     place_chunk,
@@ -222,7 +222,7 @@ class ModelFactory:
         def build_chunk(config, pre_process, post_process, pg_collection):
             return GPTModel(
                 config=config,
-                transformer_layer_spec=get_gpt_layer_local_spec(),
+                transformer_layer_spec=layer_spec(config, pg_collection.pp.rank()),
                 vocab_size=vocab_size,
                 max_sequence_length=args.max_position_embeddings,
                 pre_process=pre_process,
@@ -386,12 +386,15 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
                                               embd=None, pos_embd=None, tp_cp=tp,
                                               tp_dp_cp=tp_dp, **expert_groups)
         config.calculate_per_token_loss = routers_per_token
-        chunk = factory.build_chunk(config, c == 0, c == len(ranges) - 1, model_groups)
+        with pipeline_position(c, len(ranges)):
+            chunk = factory.build_chunk(config, c == 0, c == len(ranges) - 1, model_groups)
         config.calculate_per_token_loss = True
         ddp_config = chunk_ddp_config(args, holds_tied_copy=holds_tied_copy(chunk))
         place_chunk(chunk, config, device)
         if initialize and args.elastic_init == "invariant":
-            layout_invariant_init(chunk, config, args.seed, tp_rank, tp.size())
+            expert_tp = expert_groups["expt_tp"]
+            layout_invariant_init(chunk, config, args.seed, tp_rank, tp.size(),
+                                  (expert_tp.rank(), expert_tp.size()))
         # The tied embedding's two uses are summed by ``finalize`` below, so Megatron's own
         # embedding groups are this rank alone (``None`` would make it read the global ones).
         groups_of_chunk = process_group_collection(

@@ -27,7 +27,10 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_layer_local_spec,
+)
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -87,19 +90,59 @@ def transformer_config(args: argparse.Namespace, batch_p2p_comm: bool) -> Transf
         # over replicas and micro-batches gives the same update.
         calculate_per_token_loss=True,
         batch_p2p_comm=batch_p2p_comm,
+        add_bias_linear=not args.disable_bias_linear,
+        **moe_config(args),
     )
+
+
+def moe_config(args: argparse.Namespace) -> dict:
+    """The MoE fields of Megatron's config for ``args`` (none for a dense model)."""
+    if args.num_experts is None:
+        return {}
+    return dict(
+        num_moe_experts=args.num_experts,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_layer_freq=args.moe_layer_freq,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_router_topk=args.moe_router_topk,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff,
+        moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=args.moe_router_bias_update_rate,
+        moe_router_num_groups=args.moe_router_num_groups,
+        moe_router_group_topk=args.moe_router_group_topk,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_dtype=args.moe_router_dtype,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+    )
+
+
+def layer_spec(config: TransformerConfig, pp_rank: int, vp_stage: int | None = None):
+    """The local (no Transformer Engine) spec of a chunk's layers: one layer spec for a dense
+    model, the chunk's dense and MoE layers' for an MoE model (``--moe-layer-freq``)."""
+    if config.num_moe_experts is None:
+        return get_gpt_layer_local_spec()
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage,
+                                      pp_rank=pp_rank)
 
 
 def seed_random_generators(seed: int, pg_collection: ProcessGroupCollection) -> None:
     """Megatron-LM's seeding: per pipeline stage for the default generators, plus the
-    tensor-parallel tracker states (``model-parallel-rng`` differs per TP rank)."""
+    tensor-parallel tracker states (``model-parallel-rng`` differs per TP rank, the experts'
+    per expert-parallel and expert TP rank)."""
     stage_seed = seed + 100 * pg_collection.pp.rank()
     random.seed(stage_seed)
     numpy.random.seed(stage_seed)
     torch.manual_seed(stage_seed)
+    expert = {name: getattr(pg_collection, field).rank() if hasattr(pg_collection, field) else 0
+              for name, field in (("ep_rank", "ep"), ("etp_rank", "expt_tp"))}
     tensor_parallel.model_parallel_cuda_manual_seed(
-        stage_seed, tp_rank=pg_collection.tp.rank(), ep_rank=0, etp_rank=0, force_reset_rng=True
-    )
+        stage_seed, tp_rank=pg_collection.tp.rank(), force_reset_rng=True, **expert)
 
 
 def batched_p2p_is_safe(args: argparse.Namespace, dist_backend: str) -> bool:
@@ -136,18 +179,24 @@ def place_chunk(chunk: GPTModel, config: TransformerConfig, device: torch.device
 
 @torch.no_grad()
 def layout_invariant_init(chunk: GPTModel, config: TransformerConfig, seed: int,
-                          tp_rank: int, tp_size: int) -> None:
-    """Set every parameter of ``chunk`` from ``(seed, global name)``, sliced to this TP shard."""
+                          tp_rank: int, tp_size: int,
+                          expert_tp: tuple[int, int] | None = None) -> None:
+    """Set every parameter of ``chunk`` from ``(seed, global name)``, sliced to this TP shard
+    (an expert's to this rank's expert TP shard: ``expert_tp`` is its ``(rank, size)``, by
+    default the tensor-parallel one). Experts are named by their global index, so an expert
+    starts the same whichever rank holds it."""
     global_names = global_parameter_names(chunk)
     for local_name, param in chunk.named_parameters():
         name = global_names[local_name]
+        rank, size = (tp_rank, tp_size) if getattr(param, "allreduce", True) or expert_tp is None \
+            else expert_tp
         shape = list(param.shape)
         sharded = getattr(param, "tensor_model_parallel", False)
         if sharded:
-            shape[param.partition_dim] *= tp_size
+            shape[param.partition_dim] *= size
         value = _initial_value(name, tuple(shape), config.init_method_std, config.num_layers, seed)
         if sharded:
-            value = value.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+            value = value.chunk(size, dim=param.partition_dim)[rank]
         param.copy_(value)
 
 
@@ -162,7 +211,7 @@ def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, voca
     for vp_stage in range(vpp):
         chunk = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(),
+            transformer_layer_spec=layer_spec(config, pp_rank, vp_stage if vpp > 1 else None),
             vocab_size=vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=pp_rank == 0 and vp_stage == 0,
@@ -175,7 +224,8 @@ def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, voca
         place_chunk(chunk, config, device)
         if args.elastic_init == "invariant":
             layout_invariant_init(chunk, config, args.seed, pg_collection.tp.rank(),
-                                  pg_collection.tp.size())
+                                  pg_collection.tp.size(),
+                                  (pg_collection.expt_tp.rank(), pg_collection.expt_tp.size()))
         chunks.append(chunk)
     return chunks
 
