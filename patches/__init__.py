@@ -20,6 +20,7 @@ from . import (
     optimizer,
     p2p_communication,
     tensor_parallel_random,
+    torch_norm,
     transformer_block,
     transformer_layer,
 )
@@ -66,6 +67,7 @@ def compatibility_registry(backend: DeviceBackend, *, dropout_seeds: DropoutSeed
     p2p_communication.register(registry)
     moe_utils.register(registry, backend)
     finalize_model_grads.register(registry)
+    torch_norm.register(registry)
     distributed_work.register(registry)  # inert until the elastic runtime arms it
     # Inert unless a heterogeneous layout asks for them (see each module).
     optimizer.register(registry)

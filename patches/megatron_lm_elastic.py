@@ -57,7 +57,10 @@ Megatron-LM has.
    queries, to the job's group of active ranks instead; one that fails because a peer failed
    returns without its result (:class:`DefaultGroupRedirect`), and ``training_log``,
    ``evaluate_and_print_results`` and ``disable_forward_pre_hook`` return as if done
-   (:meth:`_ElasticLoop.between_steps`): the next ``train_step`` recovers. After each
+   (:meth:`_ElasticLoop.between_steps`): the next ``train_step`` recovers. ``is_last_rank``
+   (which rank prints the log line and writes TensorBoard and W&B) asks the redirect: Megatron-LM
+   compares the global rank (``megatron.core``'s ``safe_get_rank``) with the redirected world's
+   size, which after a failure no rank matches. After each
    ``train_step`` the TensorBoard and W&B writers move to the rank that logs
    (:func:`keep_writers_on_logging_rank`). The MoE load-balancing losses of its log line are
    summed over the job's active ranks (:func:`.moe_utils.register_job_wide_reduction`).
@@ -416,6 +419,13 @@ class DefaultGroupRedirect(types.ModuleType):
 
         return surviving
 
+    def is_last_rank(self) -> bool:
+        """Megatron-LM's ``is_last_rank`` over ``world()``: the rank that prints the log line
+        and writes TensorBoard and W&B (never one outside it)."""
+        if self._world() is self.OUTSIDE:
+            return False
+        return self.get_rank() == self.get_world_size() - 1
+
     def broadcast(self, tensor, src=None, group=None, async_op=False, group_src=None):
         target = self._group(group)
         if target is self.OUTSIDE:
@@ -557,9 +567,6 @@ class _ElasticLoop:
                                 "--context-parallel-size > 1: a failed rank's sequence shards "
                                 "are not resharded; use --tensor-model-parallel-size or "
                                 "--pipeline-model-parallel-size for the memory instead")
-        if args.sequence_parallel and self.backend.name != "cuda":
-            self.runtime.refuse(f"--sequence-parallel needs Transformer Engine or Apex norms, "
-                                f"which run on CUDA only; on {self.backend.name} drop it")
         if args.elastic_device not in (None, "auto", self.backend.name):
             self.runtime.refuse(f"--elastic-device {args.elastic_device}: this run is on "
                                 f"{self.backend.name}")
@@ -791,6 +798,9 @@ def register(registry: PatchRegistry, backend: DeviceBackend, runtime: ElasticRu
     registry.register_wrapper(f"{TRAINING}.maybe_finalize_async_save",
                               loop.maybe_finalize_async_save)
     distributed = runtime.distributed
+    # Megatron-LM asks torch.distributed's own rank (megatron.core's safe_get_rank) whether it
+    # is the last of the redirected world; the logging rank is the last of the job's ranks.
+    registry.register(f"{training_utils_modules()[0]}.is_last_rank", distributed.is_last_rank)
     moe_utils.register_job_wide_reduction(
         registry, active=_elastic_run, sum_over_job=lambda values: distributed.all_reduce(values),
         data_parallel_size=lambda: sys.modules[GLOBAL_VARS].get_args().data_parallel_size)
