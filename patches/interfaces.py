@@ -35,7 +35,7 @@ class DeviceBackend(Protocol):
 
 
 class StreamSeeds(Protocol):
-    """The seeds of Megatron's two dropout streams for one layer (or the embedding) on one rank."""
+    """The seeds of Megatron's random streams for one layer (or the embedding) on one rank."""
 
     @property
     def default(self) -> int:
@@ -44,6 +44,10 @@ class StreamSeeds(Protocol):
     @property
     def model_parallel(self) -> int:
         """For the RNG tracker's ``'model-parallel-rng'`` stream."""
+
+    @property
+    def expert(self) -> int:
+        """For the RNG tracker's ``'expert-parallel-rng'`` stream (an MoE layer's)."""
 
 
 class DropoutSeeds(Protocol):

@@ -128,3 +128,33 @@ def discard_aux_losses() -> None:
         clear_aux_losses_tracker()
         return
     get_moe_metrics_tracker().clear()
+
+
+MOE_LOSSES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss",
+              "z_loss")
+"""The loss metrics megatron-core's routers record, one value per layer."""
+
+
+def recorded_losses(num_layers: int) -> tuple[torch.Tensor, tuple[bool, ...]]:
+    """This rank's MoE loss metrics of the step: one row per name of :data:`MOE_LOSSES`, one
+    column per layer, each the sum over this rank's micro-batches (zeros where it recorded none),
+    and, per name, whether Megatron sums it over the data-parallel ranks rather than averaging
+    (the global aux loss, reduced over a group with data parallelism already)."""
+    rows = torch.zeros(len(MOE_LOSSES), num_layers, dtype=torch.float64)
+    summed_over_data_parallel = []
+    try:
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+    except ImportError:
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        entries = {name: (entry["values"], entry.get("reduce_group_has_dp", False))
+                   for name, entry in get_moe_layer_wise_logging_tracker().items()}
+    else:
+        entries = {name: (entry.values, not entry.needs_dp_avg)
+                   for name, entry in get_moe_metrics_tracker().metrics.items()}
+    for row, name in enumerate(MOE_LOSSES):
+        values, has_dp = entries.get(name, (None, name == "global_load_balancing_loss"))
+        if values is not None:
+            rows[row, :values.numel()] = values.detach().double().cpu()[:num_layers]
+        summed_over_data_parallel.append(has_dp)
+    return rows, tuple(summed_over_data_parallel)

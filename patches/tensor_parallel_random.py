@@ -36,11 +36,12 @@ def register(registry: PatchRegistry, backend: DeviceBackend) -> None:
 
 
 @contextlib.contextmanager
-def keyed_streams(backend: DeviceBackend, default_seed: int,
-                  model_parallel_seed: int) -> Iterator[None]:
-    """Run the block with the default generator seeded by ``default_seed`` and the tracker's
-    model-parallel stream by ``model_parallel_seed``; restore both streams afterwards, so code
-    outside the block sees the generators as if the block had drawn nothing.
+def keyed_streams(backend: DeviceBackend, default_seed: int, model_parallel_seed: int,
+                  expert_seed: int | None = None) -> Iterator[None]:
+    """Run the block with the default generator seeded by ``default_seed``, the tracker's
+    model-parallel stream by ``model_parallel_seed`` and, given ``expert_seed``, its
+    expert-parallel stream (MoE layers') by it; restore the streams afterwards, so code outside
+    the block sees the generators as if the block had drawn nothing.
 
     Inside a ``tracker.fork()`` of the model-parallel stream (Megatron runs the transformer block
     that way with sequence parallelism) the live generator *is* that stream, so it gets
@@ -50,6 +51,7 @@ def keyed_streams(backend: DeviceBackend, default_seed: int,
 
     tracker = megatron_random.get_cuda_rng_tracker()
     name = megatron_random._MODEL_PARALLEL_RNG_TRACKER_NAME
+    expert_name = megatron_random._EXPERT_PARALLEL_RNG_TRACKER_NAME
     saved_model_parallel = tracker.states_.get(name) if hasattr(tracker, "states_") else None
     if saved_model_parallel is None:
         raise RuntimeError(
@@ -60,6 +62,10 @@ def keyed_streams(backend: DeviceBackend, default_seed: int,
             "layout-invariant dropout RNG supports Megatron's tensor-state RNG tracker only "
             "(not the CUDA-graph-safe or Transformer Engine trackers)")
     saved_live = backend.get_rng_state()
+    saved_expert = tracker.states_.get(expert_name) if expert_seed is not None else None
+    if saved_expert is not None:
+        backend.manual_seed(expert_seed)
+        tracker.states_[expert_name] = backend.get_rng_state()
     backend.manual_seed(model_parallel_seed)
     tracker.states_[name] = backend.get_rng_state()
     if getattr(tracker, "_current_state_name", None) != name:
@@ -68,4 +74,6 @@ def keyed_streams(backend: DeviceBackend, default_seed: int,
         yield
     finally:
         tracker.states_[name] = saved_model_parallel
+        if saved_expert is not None:
+            tracker.states_[expert_name] = saved_expert
         backend.set_rng_state(saved_live)

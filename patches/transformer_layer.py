@@ -19,12 +19,16 @@ layer returns. Megatron's consumers inside a layer are: attention dropout under
 layer inside the fork (transformer_block.py:707), so all three draw from the model-parallel
 stream, which is keyed by TP rank as the sharded activations require.
 
+In an MoE layer the router draws too: its input jitter (``--moe-input-jitter-eps``) from the
+default generator, the random logits of ``--moe-router-force-load-balancing`` from the tracker's
+``'expert-parallel-rng'`` stream, which is keyed as well (by layer and TP rank: the router sees
+this rank's tokens, whichever experts it holds).
+
 Not supported: full activation recompute (``recompute_granularity='full'``) re-runs the layer's
 forward during backward, when the loop has moved on to another micro-batch, so it is refused.
 Selective recompute re-runs sub-modules under ``tensor_parallel.checkpoint``, which restores the
 RNG states captured inside the layer, so it keeps the keyed masks (not exercised by our tests).
-``MoETransformerLayer`` inherits this forward, but the expert-parallel stream is not keyed.
-Eval (``self.training`` false) and layers without dropout run unchanged.
+Eval (``self.training`` false) and layers that draw nothing run unchanged.
 """
 
 from __future__ import annotations
@@ -42,17 +46,25 @@ def _keyed_forward(forward, backend: DeviceBackend, dropout_seeds: DropoutSeeds)
     @functools.wraps(forward)
     def forward_with_keyed_rng(self, *args, **kwargs):
         config = self.config
-        if not self.training or (config.hidden_dropout == 0 and config.attention_dropout == 0):
+        if not self.training or not draws_randomly(config):
             return forward(self, *args, **kwargs)
         if config.recompute_granularity == "full":
             raise NotImplementedError(
                 "layout-invariant dropout RNG does not support full activation recompute "
                 "(the recomputed forward would draw other masks); use --elastic-rng megatron")
         seeds = dropout_seeds.stream_seeds(self.layer_number - 1, self.tp_group.rank())
-        with keyed_streams(backend, seeds.default, seeds.model_parallel):
+        with keyed_streams(backend, seeds.default, seeds.model_parallel, seeds.expert):
             return forward(self, *args, **kwargs)
 
     return forward_with_keyed_rng
+
+
+def draws_randomly(config) -> bool:
+    """Whether a transformer layer of ``config`` draws random numbers when it trains: dropout,
+    or an MoE router's input jitter or forced load balancing."""
+    return bool(config.hidden_dropout or config.attention_dropout
+                or getattr(config, "moe_input_jitter_eps", None)
+                or getattr(config, "moe_router_force_load_balancing", False))
 
 
 def register(registry: PatchRegistry, backend: DeviceBackend, dropout_seeds: DropoutSeeds) -> None:

@@ -270,6 +270,43 @@ def test_eval_and_dropout_free_layers_run_unchanged_and_full_recompute_is_refuse
         run(fake_layer(1, 0, recompute_granularity="full"))
 
 
+def test_an_moe_layers_router_draws_its_keyed_streams_without_dropout(keyed_cpu):
+    """Without dropout an MoE layer still draws: the router's input jitter from the default
+    stream, forced load balancing's random logits from the expert-parallel stream; both are
+    keyed by layer and micro-batch, and the expert stream by TP rank."""
+    from megatron_elaswave.patches.transformer_layer import _keyed_forward
+
+    def router_draws(self):
+        jitter = torch.rand(3)
+        with keyed_cpu.fork("expert-parallel-rng"):
+            logits = torch.rand(3)
+        return torch.cat([jitter, logits])
+
+    run = _keyed_forward(router_draws, CPU, dropout_rng)
+    moe = dict(hidden_dropout=0.0, attention_dropout=0.0, moe_input_jitter_eps=0.01,
+               moe_router_force_load_balancing=True)
+    positioned(seed=7, iteration=3, microbatch=5)
+    expert_state = keyed_cpu.get_states()["expert-parallel-rng"].clone()
+    first = run(fake_layer(2, tp_rank=1, **moe))
+    torch.rand(10)
+    with keyed_cpu.fork("expert-parallel-rng"):
+        torch.rand(10)
+    assert torch.equal(run(fake_layer(2, tp_rank=1, **moe)), first)
+    seeds = dropout_rng.stream_seeds(1, 1)
+    expected = torch.cat([torch.rand(3, generator=torch.Generator().manual_seed(seeds.default)),
+                          torch.rand(3, generator=torch.Generator().manual_seed(seeds.expert))])
+    assert torch.equal(first, expected)
+    assert seeds.expert == rng.op_seed(7, 3, 5, 1, rng.EXPERT_ROUTING, 1)
+    assert not torch.equal(run(fake_layer(2, tp_rank=0, **moe))[3:], first[3:])
+    # The expert stream outside the layer is as the layer found it.
+    with keyed_cpu.fork("expert-parallel-rng"):
+        torch.rand(10)
+    before = keyed_cpu.get_states()["expert-parallel-rng"].clone()
+    run(fake_layer(2, tp_rank=1, **moe))
+    assert torch.equal(keyed_cpu.get_states()["expert-parallel-rng"], before)
+    assert not torch.equal(before, expert_state)
+
+
 def test_the_embedding_draws_its_keyed_mask(keyed_cpu):
     from megatron_elaswave.patches.language_model_embedding import _keyed_forward
 

@@ -42,8 +42,11 @@ HIDDEN_DROPOUT_MLP = "hidden_dropout_mlp"
 """Dropout after the MLP, before the residual add."""
 EMBEDDING_DROPOUT = "embedding_dropout"
 """Dropout on the embedding output."""
+EXPERT_ROUTING = "expert_routing"
+"""The random draws of an MoE layer's experts' stream (a router's forced load balancing)."""
 
-SITES = frozenset({ATTENTION_DROPOUT, HIDDEN_DROPOUT_ATTN, HIDDEN_DROPOUT_MLP, EMBEDDING_DROPOUT})
+SITES = frozenset({ATTENTION_DROPOUT, HIDDEN_DROPOUT_ATTN, HIDDEN_DROPOUT_MLP, EMBEDDING_DROPOUT,
+                   EXPERT_ROUTING})
 """Every known op site."""
 
 EMBEDDING_LAYER = -1

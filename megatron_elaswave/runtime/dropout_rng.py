@@ -12,7 +12,7 @@ and the embedding run::
     dropout_rng.set_iteration(iteration)       # before each training step
     dropout_rng.set_microbatch(microbatch_id)  # before each micro-batch's forward, on every stage
 
-The two streams of Megatron-Core, and what each is keyed by (:func:`stream_seeds`):
+The streams of Megatron-Core, and what each is keyed by (:func:`stream_seeds`):
 
 * the **default** device generator: hidden dropout after attention and after the MLP, and the
   embedding dropout. These act on activations every tensor-parallel rank holds in full, so the
@@ -22,7 +22,11 @@ The two streams of Megatron-Core, and what each is keyed by (:func:`stream_seeds
   attention dropout on this rank's heads (and, with sequence parallelism, everything the layer
   or embedding masks, since Megatron then runs it inside that stream). The seed differs per TP
   rank: ``op_seed(seed, iteration, microbatch, layer, ATTENTION_DROPOUT | EMBEDDING_DROPOUT,
-  tp_rank)``.
+  tp_rank)``;
+* in an MoE layer, the tracker's **expert-parallel** stream (``'expert-parallel-rng'``: the
+  random logits of a router's forced load balancing) is keyed like the model-parallel one, by
+  ``EXPERT_ROUTING`` and the TP rank whose tokens the router sees; its input jitter draws from
+  the default stream.
 
 ``op_seed`` is :func:`megatron_elaswave.planner.rng.op_seed` (pure, stable across processes and
 machines). The layer number is the global 0-based one; the embedding uses ``EMBEDDING_LAYER``.
@@ -37,8 +41,8 @@ stage that holds the layer, on the replica (data-parallel rank) that runs the mi
 number of stages or replicas, or on the order in which the schedule runs micro-batches. Two runs
 with the same TP size, seed and global batch therefore draw identical masks whatever their
 pipeline and data-parallel layout. Limits (see ``docs/rng.md``): the TP size must be the same
-(masks of sharded tensors are per shard), full activation recompute is refused, MoE expert
-streams and CUDA-graph RNG trackers are not keyed, and masks differ from stock Megatron's.
+(masks of sharded tensors are per shard), full activation recompute is refused, CUDA-graph RNG
+trackers are not keyed, and masks differ from stock Megatron's.
 
 This module does not import Megatron-Core (or torch): it is plain state and arithmetic.
 """
@@ -53,6 +57,7 @@ from megatron_elaswave.planner.rng import (
     ATTENTION_DROPOUT,
     EMBEDDING_DROPOUT,
     EMBEDDING_LAYER,
+    EXPERT_ROUTING,
     HIDDEN_DROPOUT_ATTN,
     REPLICATED,
     op_seed,
@@ -79,12 +84,15 @@ class NotPositioned(RuntimeError):
 
 @dataclass(frozen=True)
 class StreamSeeds:
-    """The seeds of Megatron's two dropout streams for one layer (or the embedding) on one rank."""
+    """The seeds of Megatron's random streams for one layer (or the embedding) on one rank."""
 
     default: int
     """For the default device generator; the same on every TP rank."""
     model_parallel: int
     """For the tracker's ``'model-parallel-rng'`` stream; differs per TP rank."""
+    expert: int
+    """For the tracker's ``'expert-parallel-rng'`` stream (an MoE layer's); differs per TP
+    rank, whose tokens its router sees."""
 
 
 @dataclass
@@ -111,6 +119,7 @@ class DropoutPosition:
         return StreamSeeds(
             default=op_seed(*coordinates, default_site, REPLICATED),
             model_parallel=op_seed(*coordinates, model_parallel_site, tp_rank),
+            expert=op_seed(*coordinates, EXPERT_ROUTING, tp_rank),
         )
 
 

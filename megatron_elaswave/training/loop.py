@@ -22,7 +22,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter, samples_digest
-from megatron_elaswave.patches.moe_utils import discard_aux_losses
+from megatron_elaswave.patches.moe_utils import MOE_LOSSES, discard_aux_losses, recorded_losses
 from megatron_elaswave.patches.schedules import forward_backward_on
 from megatron_elaswave.runtime import dropout_rng
 from megatron_elaswave.simulator.schedule import microbatch_group_size
@@ -78,6 +78,65 @@ class StepResult:
     skipped: bool
     reported: torch.Tensor | None = None
     """The sum over ranks of :meth:`Trainer.step_report`, if any."""
+    moe_losses: dict[str, float] = field(default_factory=dict)
+    """An MoE model's load-balancing (and z-) losses, as Megatron-LM's log line gives them."""
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """A step's values summed over the job (:meth:`Trainer._reduce`)."""
+
+    loss_sum: float
+    num_tokens: int
+    sample_ids: list[int]
+    """The sample that filled each slot of the global batch (-1: none, or more than one)."""
+    reported: torch.Tensor | None
+    """The sum of every rank's :meth:`Trainer.step_report`."""
+    moe_sums: torch.Tensor | None
+    """The sums of the MoE loss metrics (:func:`recorded_losses`), in an MoE model."""
+
+
+@dataclass(frozen=True)
+class MoeLosses:
+    """Which MoE loss metrics a model records, and how Megatron-LM's log line averages them: the
+    sum over every rank and micro-batch, per micro-batch of the global batch, over the MoE
+    layers (a metric Megatron sums over data-parallel ranks, times their number)."""
+
+    names: tuple[str, ...]
+    """The metrics the routers record, in :data:`MOE_LOSSES` order."""
+    num_layers: int
+    """Layers of the model: the length of each metric's record."""
+    num_moe_layers: int
+    data_parallel_size: int
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> "MoeLosses | None":
+        """The metrics of ``args`` (Megatron-LM's flags); ``None`` for a dense model."""
+        if not getattr(args, "num_experts", None):
+            return None
+        types = args.moe_router_load_balancing_type
+        types = types if isinstance(types, list) else [types]
+        coefficients = args.moe_aux_loss_coeff
+        coefficients = coefficients if isinstance(coefficients, list) else [coefficients] * len(types)
+        recorded = {kind for kind, coefficient in zip(types, coefficients) if coefficient}
+        names = [name for kind, name in (("aux_loss", MOE_LOSSES[0]), ("seq_aux_loss", MOE_LOSSES[1]),
+                                         ("global_aux_loss", MOE_LOSSES[2])) if kind in recorded]
+        if getattr(args, "moe_z_loss_coeff", None):
+            names.append(MOE_LOSSES[3])
+        pattern = getattr(args, "moe_layer_freq", 1)
+        moe_layers = (sum(pattern) if isinstance(pattern, list)
+                      else len(range(0, args.num_layers, pattern)))
+        return cls(tuple(names), args.num_layers, moe_layers, args.data_parallel_size)
+
+    def values(self, sums: torch.Tensor, num_microbatches: int) -> dict[str, float]:
+        """Each metric's value from the job-wide sums of :func:`recorded_losses`."""
+        values = {}
+        for row, name in enumerate(MOE_LOSSES):
+            if name in self.names:
+                scale = self.data_parallel_size if name == MOE_LOSSES[2] else 1
+                values[name] = float(sums[row].sum()) * scale / (
+                    num_microbatches * max(self.num_moe_layers, 1))
+        return values
 
 
 @dataclass
@@ -112,6 +171,7 @@ class Trainer:
     """Iteration records held back by :meth:`_record`."""
 
     def __post_init__(self) -> None:
+        self.moe_losses = MoeLosses.of(self.args)
         self._bind()
 
     def _bind(self) -> None:
@@ -168,9 +228,13 @@ class Trainer:
 
     def _reduce(self, data: list[StepData | MicrobatchIds], losses: list[dict], gbs: int,
                 report: torch.Tensor | None = None):
-        """One world all-reduce: loss sum, token count, which sample filled each slot, and the
-        sum of every rank's ``report``."""
+        """One world all-reduce: loss sum, token count, which sample filled each slot, the sum
+        of every rank's ``report`` and, in an MoE model, of its MoE loss metrics."""
         mbs = self.args.micro_batch_size
+        if self.moe_losses is not None:
+            moe, _ = recorded_losses(self.moe_losses.num_layers)
+            report = torch.cat([report.double(), moe.flatten()]) if report is not None \
+                else moe.flatten()
         extra = 0 if report is None else report.numel()
         vector = torch.zeros(2 + 2 * gbs + extra, dtype=torch.float64)
         if report is not None:
@@ -190,7 +254,13 @@ class Trainer:
         vector = vector.cpu()
         counts = vector[2 + gbs:2 + 2 * gbs]
         ids = [int(v) - 1 if c == 1 else -1 for v, c in zip(vector[2:2 + gbs].tolist(), counts.tolist())]
-        return float(vector[0]), int(vector[1]), ids, vector[2 + 2 * gbs:] if extra else None
+        reported = vector[2 + 2 * gbs:] if extra else None
+        moe_sums = None
+        if self.moe_losses is not None:
+            moe_size = len(MOE_LOSSES) * self.moe_losses.num_layers
+            moe_sums = reported[-moe_size:].view(len(MOE_LOSSES), -1)
+            reported = reported[:-moe_size] if reported.numel() > moe_size else None
+        return Reduced(float(vector[0]), int(vector[1]), ids, reported, moe_sums)
 
     def train_step(self) -> StepResult:
         # Every holder of a chunk gathers its parameters alike in the forward pre-hooks, whatever
@@ -213,9 +283,10 @@ class Trainer:
         self.before_optimizer_step()
         succeeded, grad_norm, _ = self.objects.optimizer.step()
         self.objects.scheduler.step(increment=gbs)
-        loss_sum, num_tokens, sample_ids, reported = self._reduce(data, losses, gbs,
-                                                                  self.step_report(losses))
-        lm_loss = loss_sum / max(num_tokens, 1)
+        reduced = self._reduce(data, losses, gbs, self.step_report(losses))
+        lm_loss = reduced.loss_sum / max(reduced.num_tokens, 1)
+        moe_losses = ({} if reduced.moe_sums is None else self.moe_losses.values(
+            reduced.moe_sums, self.layout.global_num_microbatches))
         # A step whose loss is not finite leaves no snapshot: a rollback goes to the one before.
         if self.snapshots is not None and math.isfinite(lm_loss):
             self.take_snapshot(self.iteration + 1, self.consumed_samples + gbs)
@@ -224,12 +295,13 @@ class Trainer:
         self.backend.synchronize()
         return StepResult(
             lm_loss=lm_loss,
-            num_tokens=num_tokens,
-            sample_ids=sample_ids,
+            num_tokens=reduced.num_tokens,
+            sample_ids=reduced.sample_ids,
             grad_norm=float(grad_norm) if grad_norm is not None else None,
             step_time_s=time.perf_counter() - start,
             skipped=not succeeded,
-            reported=reported,
+            reported=reduced.reported,
+            moe_losses=moe_losses,
         )
 
     def before_optimizer_step(self) -> None:
@@ -268,13 +340,15 @@ class Trainer:
             step_time_s=result.step_time_s,
             cpu_time_s=self._cpu_time_since_last_record(),
             grad_norm=result.grad_norm,
+            **({"moe_losses": result.moe_losses} if result.moe_losses else {}),
             **({"snapshot_bytes": self.snapshots.bytes_held} if self.snapshots else {}),
             **extra,
         )
         self._interval_times.append(result.step_time_s)
         lr = self.objects.optimizer.param_groups[0]["lr"]
         if self.writers is not None and self.is_logger:
-            scalars = {"lm loss": result.lm_loss, "learning-rate": lr, "batch-size": gbs}
+            scalars = {"lm loss": result.lm_loss, "learning-rate": lr, "batch-size": gbs,
+                       **result.moe_losses}
             if result.grad_norm is not None:
                 scalars["grad-norm"] = result.grad_norm
             if self.args.log_throughput:
@@ -293,7 +367,9 @@ class Trainer:
                 f"elapsed time per iteration (ms): {elapsed_ms:.1f} | {throughput}"
                 f"throughput (tokens/s): {tokens_per_s:.0f} | learning rate: {lr:.6E} | "
                 f"global batch size: {gbs:5d} | lm loss: {result.lm_loss:.6E} | "
-                f"grad norm: {grad_norm} | number of skipped iterations: {int(result.skipped):3d} |"
+                + "".join(f"{name}: {value:.6E} | " for name, value in result.moe_losses.items())
+                + f"grad norm: {grad_norm} | number of skipped iterations: "
+                f"{int(result.skipped):3d} |"
             )
             self._interval_times.clear()
         # Every rank settled the earlier iterations' snapshots before this step's reduction.
@@ -338,8 +414,8 @@ class Trainer:
                 consumed = (evaluation * self.args.eval_iters + k) * gbs
                 data = self._step_data(source, consumed)
                 losses = self._run_schedule(data, forward_only=True)
-                step_sum, step_tokens, _, _ = self._reduce(data, losses, gbs)
-                loss_sum, num_tokens = loss_sum + step_sum, num_tokens + step_tokens
+                reduced = self._reduce(data, losses, gbs)
+                loss_sum, num_tokens = loss_sum + reduced.loss_sum, num_tokens + reduced.num_tokens
         for model in self.objects.model:
             model.train()
         loss = loss_sum / max(num_tokens, 1)
