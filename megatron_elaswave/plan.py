@@ -6,9 +6,11 @@
 prints the new layout (replicas with their stages, layer ranges and micro-batch ids), the spares,
 the migration transfers in waves, the clock of every rank and the predicted throughput of every
 policy. Without ``--profile``, costs come from a synthetic profile built from the model-dimension
-flags (7B-class defaults). ``--layout`` plans from an earlier plan's output instead of the
-failure-free grid. A failed set that leaves nothing runnable prints one line on stderr and exits
-with status 2.
+flags (7B-class defaults). ``--num-experts`` makes it a mixture-of-experts model, its experts
+sharded as Megatron's ``--expert-model-parallel-size`` and ``--expert-tensor-parallel-size`` say.
+``--layout`` plans from an earlier plan's output instead of the failure-free grid. A failed set
+that leaves nothing runnable, or an expert grid the layout cannot keep, prints one line on stderr
+and exits with status 2.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
-from megatron_elaswave.layout import Layout
+from megatron_elaswave.layout import ExpertParallelism, Layout
 from megatron_elaswave.planner.cost import CostModel, MemoryModel
 from megatron_elaswave.planner.job import JobSpec
 from megatron_elaswave.planner.policies import predict_policies
@@ -25,6 +28,7 @@ from megatron_elaswave.planner.profile import (
     ProfileError,
     SyntheticDevice,
     SyntheticModel,
+    SyntheticMoE,
     load_profile,
     synthetic_profile,
 )
@@ -54,6 +58,43 @@ def _positive(kind):
     return parse
 
 
+MOE_FLAGS = ("expert_model_parallel_size", "expert_tensor_parallel_size", "moe_router_topk",
+             "moe_ffn_hidden_size", "moe_layer_freq")
+"""The flags that shape a mixture-of-experts model (``--num-experts``), by ``args`` name."""
+
+
+def add_moe_arguments(parser: argparse.ArgumentParser) -> None:
+    """Megatron's mixture-of-experts flags, as far as the costs and the layout need them."""
+    moe = parser.add_argument_group("mixture of experts (a dense model without --num-experts)")
+    moe.add_argument("--num-experts", type=_positive(int), help="routed experts per MoE layer")
+    moe.add_argument("--expert-model-parallel-size", type=_positive(int), help="default 1")
+    moe.add_argument("--expert-tensor-parallel-size", type=_positive(int),
+                     help="default: the tensor-parallel size")
+    moe.add_argument("--moe-router-topk", type=_positive(int), help="experts per token, default 2")
+    moe.add_argument("--moe-ffn-hidden-size", type=_positive(int),
+                     help="one expert's MLP width, default --ffn-hidden-size")
+    moe.add_argument("--moe-layer-freq", type=_positive(int), metavar="N",
+                     help="every N-th layer from layer 0 is an MoE layer, default 1 (all)")
+
+
+def moe_model(args: argparse.Namespace, tp: int, dp: int, ffn_hidden_size: int) -> SyntheticMoE | None:
+    """The MoE layers the flags describe for a TP ``tp`` x DP ``dp`` grid, with Megatron's
+    defaults (an expert as wide as the dense MLP, ``ffn_hidden_size``); ``None`` without
+    ``--num-experts``. Raises ``ValueError`` with one line for flags
+    without ``--num-experts`` and for an expert grid the layout cannot keep
+    (:meth:`~megatron_elaswave.layout.ExpertParallelism.check`)."""
+    if args.num_experts is None:
+        given = [name for name in MOE_FLAGS if getattr(args, name) is not None]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} needs --num-experts")
+        return None
+    experts = ExpertParallelism(args.num_experts, args.expert_model_parallel_size or 1,
+                                args.expert_tensor_parallel_size or tp)
+    experts.check(tp, dp)
+    return SyntheticMoE(experts, ffn_hidden_size=args.moe_ffn_hidden_size or ffn_hidden_size,
+                        router_topk=args.moe_router_topk or 2, layer_freq=args.moe_layer_freq or 1)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m megatron_elaswave.plan", description=__doc__.split("\n\n")[0].strip()
@@ -79,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--device-memory-gib", type=_positive(float), default=64.0)
     costs.add_argument("--bandwidth-gbytes", type=_positive(float), default=25.0, help="per-device GB/s")
     costs.add_argument("--memory-cap-gib", type=_positive(float), help="override the profile's device memory")
+    add_moe_arguments(parser)
     plan = parser.add_argument_group("planner")
     plan.add_argument("--tolerance", type=float, default=0.02, help="bottleneck slack for fewer moved bytes")
     plan.add_argument("--zero-chunks-per-replica", type=_positive(int), default=1)
@@ -90,18 +132,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load_layout(path: str) -> Layout:
+def _load_layout(path: str, experts: ExpertParallelism | None) -> Layout:
+    """The layout of an earlier plan's output (or of its ``replicas`` list), with the job's
+    expert grid."""
     with open(path, encoding="utf-8") as handle:
         try:
             record = json.load(handle)
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}: not valid JSON ({error})") from None
+    grid = None if experts is None else experts.to_json()
     try:
         if isinstance(record, dict):
-            return Layout.from_json(record["replicas"], record.get("spares", []))
-        return Layout.from_json(record)
+            return Layout.from_json(record["replicas"], record.get("spares", []), grid)
+        return Layout.from_json(record, experts=grid)
     except (KeyError, TypeError, IndexError) as error:
         raise ValueError(f"{path}: not a plan's replicas list (missing or malformed {error})") from None
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
 
 
 def plan_to_json(plan: RecoveryPlan, job: JobSpec, predicted: dict, comparison: dict | None) -> dict:
@@ -118,6 +165,8 @@ def plan_to_json(plan: RecoveryPlan, job: JobSpec, predicted: dict, comparison: 
         "frequencies": {str(rank): f for rank, f in sorted(plan.frequencies().items())},
         "predicted": {name: outcome.to_json() for name, outcome in predicted.items()},
     }
+    if job.experts is not None:
+        record["experts"] = job.experts.to_json()
     if comparison is not None:
         record["migration"]["megatron_contiguous"] = comparison
     return record
@@ -168,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     if out_of_range:
         parser.error(f"--fail: ranks {out_of_range} are outside the job's {job.world_size} ranks")
     try:
+        moe = moe_model(args, args.tp, args.dp, args.ffn_hidden_size)
+        job = replace(job, experts=None if moe is None else moe.experts)
         if args.profile:
             profile = load_profile(args.profile)
         else:
@@ -180,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                     seq_length=args.seq_length,
                     micro_batch_size=args.micro_batch_size,
                     tensor_model_parallel_size=args.tp,
+                    moe=moe,
                 ),
                 SyntheticDevice(
                     peak_tflops=args.device_tflops,
@@ -189,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         memory = MemoryModel(memory_cap_bytes=int(args.memory_cap_gib * GIB) if args.memory_cap_gib else None)
         cost = CostModel(profile, job, memory)
-        old = _load_layout(args.layout) if args.layout else job.initial_layout()
+        old = _load_layout(args.layout, job.experts) if args.layout else job.initial_layout()
         failed = set(args.fail)
         plan = plan_recovery(old, failed, cost, options)
         predicted = predict_policies(cost, old, failed, options=options, plan=plan)

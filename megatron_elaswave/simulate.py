@@ -12,7 +12,10 @@ Scenarios (synthetic profiles unless ``--profile``):
 * ``schedules``: the failure-free 7B-class job under 1F1B and the interleaved schedule.
 
 Failed stage instances are spread over replicas and stages, never an instance together with its
-snapshot buddy, so that every policy can recover.
+snapshot buddy, so that every policy can recover. ``--num-experts`` (with the other
+mixture-of-experts flags of ``python -m megatron_elaswave.plan``) makes every scenario's model an
+MoE model, its experts sharded over each case's grid; a grid that cannot keep them prints one
+line on stderr and exits with status 2.
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ import sys
 from dataclasses import dataclass, replace
 
 from megatron_elaswave.layout import even_layer_split, megatron_rank
+from megatron_elaswave.plan import add_moe_arguments, moe_model
 from megatron_elaswave.planner.cost import CostModel
 from megatron_elaswave.planner.frequency import PowerModel
 from megatron_elaswave.planner.job import JobSpec
 from megatron_elaswave.planner.policies import POLICIES, predict_policies
+from megatron_elaswave.planner.predict import stage_work
 from megatron_elaswave.planner.profile import (
     Profile,
     ProfileError,
@@ -106,6 +111,20 @@ def scale_cases() -> list[Case]:
     return cases
 
 
+def moe_case(case: Case, args: argparse.Namespace) -> Case:
+    """``case`` with the mixture-of-experts layers of the flags (itself without
+    ``--num-experts``). Raises ``ValueError`` naming the case when its grid cannot keep them."""
+    job = case.job
+    try:
+        moe = moe_model(args, job.tensor_parallel_size, job.data_parallel_size,
+                        case.model.ffn_hidden_size)
+    except ValueError as error:
+        raise ValueError(f"{case.name}: {error}") from None
+    if moe is None:
+        return case
+    return replace(case, job=replace(job, experts=moe.experts), model=replace(case.model, moe=moe))
+
+
 def _profile_for(case: Case, profile: Profile | None) -> Profile:
     if profile is not None:
         return profile
@@ -132,28 +151,34 @@ def run_case(case: Case, profile: Profile | None = None) -> dict:
     }
 
 
-def schedule_rows(profile: Profile | None = None) -> list[dict]:
-    """Failure-free TP8xPP4 7B-class replica under 1F1B and the interleaved schedule."""
+def schedules_case() -> Case:
+    """The failure-free TP8xPP4 7B-class replica of the ``schedules`` scenario."""
     job = JobSpec(8, 4, 1, num_layers=32, global_batch_size=32, micro_batch_size=1)
-    case = Case("schedules", job, MODEL_7B, 0)
+    return Case("schedules", job, MODEL_7B, 0)
+
+
+def schedule_rows(profile: Profile | None = None, case: Case | None = None) -> list[dict]:
+    """A failure-free replica (:func:`schedules_case` by default) under 1F1B and the interleaved
+    schedule."""
+    case = case or schedules_case()
+    job = case.job
     cost = CostModel(_profile_for(case, profile), job)
-    ranges = even_layer_split(32, 4)
-    times = [
-        cost.stage_forward_backward_ns(a, b, is_first=i == 0, is_last=i == 3)
-        for i, (a, b) in enumerate(ranges)
-    ]
+    ranges = even_layer_split(job.num_layers, job.pipeline_parallel_size)
+    clocks = (1.0,) * len(ranges)
+    forward, backward, all_to_all = stage_work(cost, ranges, clocks)
     rows = []
     for chunks in (1, 2, 4):
         for n in (8, 16, 32):
             work = ReplicaWork(
-                forward_s=tuple(f / 1e9 for f, _ in times),
-                backward_s=tuple(b / 1e9 for _, b in times),
-                devices=(8,) * 4,
-                clocks=(1.0,) * 4,
+                forward_s=forward,
+                backward_s=backward,
+                devices=(job.tensor_parallel_size,) * len(ranges),
+                clocks=clocks,
                 num_microbatches=n,
                 send_s=cost.send_ns / 1e9,
                 sync_s=0.0,
                 num_chunks=chunks,
+                all_to_all_s=all_to_all,
             )
             step = predict_step(
                 [work],
@@ -207,19 +232,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--profile", metavar="FILE", help="profile JSON instead of the synthetic ones")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_moe_arguments(parser)
     args = parser.parse_args(argv)
     unknown = [name for name in args.scenarios if name not in SCENARIOS]
     if unknown:
         parser.error(f"unknown scenario {unknown[0]!r}; choose from {', '.join(SCENARIOS)}")
     output = {}
     try:
+        scenarios = {name: [moe_case(case, args) for case in
+                            (SCENARIOS[name]() if SCENARIOS[name] else [schedules_case()])]
+                     for name in args.scenarios or list(SCENARIOS)}
         profile = load_profile(args.profile) if args.profile else None
-        for name in args.scenarios or list(SCENARIOS):
+    except (ValueError, OSError) as error:  # a grid that cannot keep the experts, a bad profile
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        for name, cases in scenarios.items():
             if name == "schedules":
-                output[name] = schedule_rows(profile)
+                output[name] = schedule_rows(profile, cases[0])
             else:
-                output[name] = [run_case(case, profile) for case in SCENARIOS[name]()]
-    except (ProfileError, OSError) as error:
+                output[name] = [run_case(case, profile) for case in cases]
+    except ProfileError as error:  # a profile that does not fit a scenario's job
         print(f"error: {error}", file=sys.stderr)
         return 2
     if args.json:

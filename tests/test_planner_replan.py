@@ -160,8 +160,8 @@ def test_a_replica_keeps_its_virtual_stages_until_its_stages_change():
     with pytest.raises(ValueError, match="at least 4 micro-batches"):
         Layout(8, (Replica(0, old.replicas[0].stages, (0, 1, 2), virtual_stages=2),)).validate()
     # Predictions simulate the interleaved schedule of the replicas that have chunks.
-    forward, backward = stage_work(cost, [(s.first_layer, s.last_layer)
-                                          for s in initial.replicas[0].stages], (1.0,) * 4)
+    forward, backward, _ = stage_work(cost, [(s.first_layer, s.last_layer)
+                                             for s in initial.replicas[0].stages], (1.0,) * 4)
 
     def makespan(chunks: int) -> float:
         return simulate_pipeline(forward, backward, 12, send_s=cost.send_ns / 1e9,

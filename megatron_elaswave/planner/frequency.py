@@ -1,13 +1,14 @@
 """Frequency scheduling: one clock per stage instance, from a time model and a power model.
 
 Time model: a stage's time per micro-batch at relative clock ``f`` (1.0 = nominal) is
-``compute_ns / f + fixed_ns``: the compute-bound part scales with the clock, the memory- and
-communication-bound part does not. A replica's pipeline time is the 1F1B model of
+``compute_ns / f + fixed_ns + communication_ns``: the compute-bound part scales with the clock,
+the memory-bound part and the MoE all-to-alls do not. A replica's pipeline time is the 1F1B model of
 :mod:`megatron_elaswave.planner.dataflow`; the job's step time is the slowest replica's plus the
 data-parallel synchronisation, which no clock changes.
 
 Power model: a device draws ``static_w`` whenever it is on and ``dynamic_w * f**exponent`` more while
-it computes. Energy per step sums both over all live devices (spares draw static power).
+it computes (all of a stage's time but its all-to-alls). Energy per step sums both over all live
+devices (spares draw static power).
 
 :func:`plan_clocks` first minimises the step time, then the energy, under a power envelope: the
 job's average power may not exceed what it draws with every clock at nominal. Critical stages are
@@ -58,12 +59,18 @@ class StageLoad:
     compute_ns: int
     """Part of forward plus backward time that scales with the clock."""
     fixed_ns: int
-    """Part that does not."""
+    """Part that does not, but computes."""
     devices: int
     """Devices in the stage instance (its tensor-parallel size); they share one clock."""
+    communication_ns: int = 0
+    """Part spent in MoE all-to-alls: it does not scale with the clock and draws static power only."""
 
     def time_ns(self, clock: float) -> int:
-        return round(self.compute_ns / clock) + self.fixed_ns
+        return round(self.compute_ns / clock) + self.fixed_ns + self.communication_ns
+
+    def busy_ns(self, clock: float) -> int:
+        """Of :meth:`time_ns`, the part that draws dynamic power."""
+        return self.time_ns(clock) - self.communication_ns
 
 
 @dataclass(frozen=True)
@@ -111,7 +118,7 @@ def _energy_j(
     energy = idle_devices * power.static_w * step_s
     for replica, multiplicity in groups.items():
         for stage, f in zip(replica.stages, clocks[replica]):
-            busy_s = replica.num_microbatches * stage.time_ns(f) / 1e9
+            busy_s = replica.num_microbatches * stage.busy_ns(f) / 1e9
             energy += (
                 multiplicity * stage.devices * (power.static_w * step_s + power.busy_power_w(f) * busy_s)
             )
@@ -128,7 +135,8 @@ def _slowest_clocks(replica: ReplicaLoad, deadline_ns: int, power: PowerModel) -
         return tuple(levels[0] for _ in replica.stages)
     times = [[stage.time_ns(f) for f in levels] for stage in replica.stages]
     energy = [
-        [stage.devices * power.busy_power_w(f) * t for f, t in zip(levels, stage_times)]
+        [stage.devices * power.busy_power_w(f) * (t - stage.communication_ns)
+         for f, t in zip(levels, stage_times)]
         for stage, stage_times in zip(replica.stages, times)
     ]
     index = [len(levels) - 1] * len(replica.stages)
@@ -206,8 +214,11 @@ def plan_clocks(
     )
 
 
-def stage_load(forward_ns: int, backward_ns: int, devices: int, compute_bound_fraction: float) -> StageLoad:
-    """Split a stage's measured time into its clock-scaled and fixed parts."""
-    total = forward_ns + backward_ns
-    compute = math.floor(total * compute_bound_fraction)
-    return StageLoad(compute_ns=compute, fixed_ns=total - compute, devices=devices)
+def stage_load(forward_ns: int, backward_ns: int, devices: int, compute_bound_fraction: float,
+               all_to_all_ns: int = 0) -> StageLoad:
+    """Split a stage's time, ``all_to_all_ns`` of which is MoE all-to-alls (forward and backward
+    together), into its clock-scaled, fixed and communication parts."""
+    work = forward_ns + backward_ns - all_to_all_ns
+    compute = math.floor(work * compute_bound_fraction)
+    return StageLoad(compute_ns=compute, fixed_ns=work - compute, devices=devices,
+                     communication_ns=all_to_all_ns)

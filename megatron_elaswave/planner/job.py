@@ -1,10 +1,11 @@
-"""The failure-free job the planner starts from: the parallel grid and the global batch."""
+"""The failure-free job the planner starts from: the parallel grid (with its expert grid, for a
+mixture-of-experts model) and the global batch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_elaswave.layout import Layout
+from megatron_elaswave.layout import ExpertParallelism, Layout
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class JobSpec:
     ``zero_chunks_per_replica * data_parallel_size`` chunks."""
     ranks_per_node: int | None = None
     """Launch ranks per node, which fail together when a node is lost (``None``: one node)."""
+    experts: ExpertParallelism | None = None
+    """How an MoE model's experts are sharded over each stage's ranks; ``None`` for a dense
+    model. Checked against the grid (:meth:`ExpertParallelism.check`)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -54,6 +58,8 @@ class JobSpec:
                 f"global_batch_size ({self.global_batch_size}) must be divisible by "
                 f"micro_batch_size * data_parallel_size ({self.micro_batch_size * self.data_parallel_size})"
             )
+        if self.experts is not None:
+            self.experts.check(self.tensor_parallel_size, self.data_parallel_size)
 
     @property
     def world_size(self) -> int:
@@ -68,11 +74,18 @@ class JobSpec:
     def zero_chunks_per_layer(self) -> int:
         return self.zero_chunks_per_replica * self.data_parallel_size
 
+    @property
+    def lockstep_size(self) -> int:
+        """Replicas that share expert-parallel groups (1 for a dense model)."""
+        return 1 if self.experts is None else self.experts.lockstep(self.tensor_parallel_size)
+
     def initial_layout(self) -> Layout:
+        """Megatron's failure-free layout of the job, its expert grid included."""
         return Layout.megatron(
             tp=self.tensor_parallel_size,
             pp=self.pipeline_parallel_size,
             dp=self.data_parallel_size,
             num_layers=self.num_layers,
             num_microbatches=self.num_microbatches,
+            experts=self.experts,
         )

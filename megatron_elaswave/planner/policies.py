@@ -15,6 +15,11 @@ count as failed):
 * ``restart``: all workers restart from the last checkpoint on the live devices, re-packed into as
   many full replicas as the healthy stage instances allow, keeping the global batch.
 
+In a mixture-of-experts job whose expert-parallel groups span replicas, the baselines keep its
+lockstep sets whole: a failed stage instance takes the expert-parallel partners of its stage (the
+same stage of the other replicas of its set) out with it, a replica runs only while its whole set
+does, and a restart packs whole sets.
+
 Throughput is the steady state after the change; ``downtime_s`` estimates the time the change
 itself costs (:class:`DowntimeModel`).
 """
@@ -94,7 +99,7 @@ def _uniform(
     job = cost.job
     ranges = even_layer_split(job.num_layers, job.pipeline_parallel_size)
     ones = (1.0,) * len(ranges)
-    forward, backward = stage_work(cost, ranges, ones, stage_load_factor)
+    forward, backward, all_to_all = stage_work(cost, ranges, ones, stage_load_factor)
     sync = stage_sync_s(cost, ranges, len(counts))
     work = [
         ReplicaWork(
@@ -105,14 +110,30 @@ def _uniform(
             num_microbatches=n,
             send_s=cost.send_ns / 1e9,
             sync_s=sync,
+            all_to_all_s=all_to_all,
         )
         for r, n in enumerate(counts)
     ]
     return predict(cost, work, idle_devices, power)
 
 
-def _even_counts(total: int, replicas: int) -> list[int]:
-    return [total // replicas + (r < total % replicas) for r in range(replicas)]
+def _even_counts(total: int, replicas: int, lockstep: int) -> list[int]:
+    """``total`` micro-batches dealt as evenly as whole lockstep sets of ``lockstep`` replicas
+    allow (each member of a set runs as many)."""
+    sets = replicas // lockstep
+    return [total // lockstep // sets + (r // lockstep < total // lockstep % sets)
+            for r in range(replicas)]
+
+
+def _lockstep_hits(hit: list[list[bool]], lockstep: int) -> list[list[bool]]:
+    """Per replica and stage, whether the stage instance failed or an expert-parallel partner
+    of it did (the same stage of a replica of its lockstep set)."""
+    def partners(replica: int) -> range:
+        first = replica - replica % lockstep
+        return range(first, first + lockstep)
+
+    return [[any(hit[p][s] for p in partners(r)) for s in range(len(stages))]
+            for r, stages in enumerate(hit)]
 
 
 def predict_policies(
@@ -131,9 +152,12 @@ def predict_policies(
     grid = job.initial_layout()
     all_failed = failed | (grid.known_ranks() - old.known_ranks())
     tp, pp, dp = job.tensor_parallel_size, job.pipeline_parallel_size, job.data_parallel_size
+    lockstep = job.lockstep_size
     total = job.num_microbatches
     alive = job.world_size - len(all_failed)
-    hit = [[not all_failed.isdisjoint(stage.ranks) for stage in r.stages] for r in grid.replicas]
+    failed_instances = [[not all_failed.isdisjoint(stage.ranks) for stage in r.stages]
+                        for r in grid.replicas]
+    hit = _lockstep_hits(failed_instances, lockstep)
     healthy_replicas = sum(1 for r in hit if not any(r))
     outcomes: dict[str, PolicyOutcome] = {}
 
@@ -184,20 +208,23 @@ def predict_policies(
         )
         outcomes["torchft_grad_accum"] = PolicyOutcome(
             "torchft_grad_accum",
-            _uniform(cost, _even_counts(total, healthy_replicas), idle, power),
+            _uniform(cost, _even_counts(total, healthy_replicas, lockstep), idle, power),
             downtime.reconfigure_s + step_s,
         )
 
-    healthy_instances = sum(1 for r in hit for h in r if not h)
-    restart_replicas = min(dp, healthy_instances // pp)
+    healthy_instances = sum(1 for r in failed_instances for h in r if not h)
+    restart_replicas = min(dp, healthy_instances // pp) // lockstep * lockstep
     if restart_replicas == 0:
         outcomes["restart"] = PolicyOutcome(
-            "restart", None, reason="fewer healthy stage instances than stages"
+            "restart", None,
+            reason=f"fewer healthy stage instances than the {lockstep * pp} of one lockstep set"
+            if lockstep > 1 else "fewer healthy stage instances than stages"
         )
     else:
         outcomes["restart"] = PolicyOutcome(
             "restart",
-            _uniform(cost, _even_counts(total, restart_replicas), alive - restart_replicas * tp * pp, power),
+            _uniform(cost, _even_counts(total, restart_replicas, lockstep),
+                     alive - restart_replicas * tp * pp, power),
             downtime.restart_s + downtime.checkpoint_load_s + downtime.checkpoint_interval_steps / 2 * step_s,
         )
     return {name: outcomes[name] for name in POLICIES}

@@ -119,7 +119,8 @@ def replica_loads(cost: CostModel, layout: Layout) -> list[ReplicaLoad]:
         key = tuple((s.first_layer, s.last_layer, len(s.ranks)) for s in replica.stages)
         if key not in cache:
             cache[key] = tuple(
-                stage_load(f, b, len(s.ranks), cost.compute_bound_fraction)
+                stage_load(f, b, len(s.ranks), cost.compute_bound_fraction,
+                           2 * cost.stage_all_to_all_ns(s.first_layer, s.last_layer))
                 for (f, b), s in zip(stage_times_ns(cost, replica.stages), replica.stages)
             )
         loads.append(ReplicaLoad(cache[key], replica.num_microbatches, cost.send_ns))
@@ -160,8 +161,6 @@ def repartition(
         if s.ranks in index_of:
             for layer in range(s.first_layer, s.last_layer + 1):
                 current[layer] = index_of[s.ranks]
-    owned, chunks = cost.optimizer_share(num_replicas)
-    move_bytes = cost.param_bytes + cost.param_count * cost.memory.optimizer_bytes_per_param * owned // chunks
     count = len(stages)
     problem = PartitionProblem(
         layer_time_ns=cost.layer_time_ns,
@@ -175,7 +174,7 @@ def repartition(
         stage_extra_bytes=[cost.stage_extra_bytes(i, count, num_replicas) for i in range(count)],
         stage_in_flight=[count - i for i in range(count)],
         memory_cap_bytes=cost.memory_cap_bytes,
-        layer_move_bytes=move_bytes,
+        layer_move_bytes=cost.layer_move_bytes(num_replicas),
         current_stage=current,
         tolerance=tolerance,
     )

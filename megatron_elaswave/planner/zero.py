@@ -20,6 +20,14 @@ failed is copied from the buddy; parameters come from a live holder of the same 
 every holder failed, are rebuilt from the buddies' master weights. When a rank and its buddy both
 failed the state is lost and planning stops with :class:`StateLostError`.
 
+Experts. The routed experts of an MoE layer stay at their expert coordinates
+(:meth:`~megatron_elaswave.layout.Layout.expert_coordinates`): a layer's experts move with it to
+the rank of its new stage instance at the same TP rank, from a live holder of the same experts
+(or, when all failed, from the snapshots of their shards). Their optimizer state is not owned by
+replicas but sharded contiguously over the ranks that hold the same experts (Megatron's expert
+data parallelism); when those ranks change (a layer moves, a lockstep set leaves), every element
+whose holder changes is copied. Only the other, dense, state follows interleaved ownership.
+
 Transfers. A change becomes a list of rank-to-rank copies grouped into waves: within one wave no
 rank takes part in two copies, so every wave runs as disjoint concurrent copies.
 :func:`contiguous_migration` gives the same figures for Megatron's contiguous layout (each layer
@@ -28,6 +36,7 @@ group's flat buffer sharded in equal contiguous slices over its holders), for co
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -301,14 +310,25 @@ class _Sources:
         return buddy
 
 
+def _dense_parts(cost: CostModel) -> tuple[list[int], list[int]]:
+    """Per part (embedding, layers, loss): bytes and elements of its parameters on one rank that
+    are not routed experts, the state interleaved ownership shards."""
+    dense_bytes = [cost.embedding.param_bytes, *(cost.param_bytes - cost.expert_param_bytes).tolist(),
+                   cost.loss.param_bytes]
+    dense_counts = [cost.embedding.param_count, *(cost.param_count - cost.expert_param_count).tolist(),
+                    cost.loss.param_count]
+    return dense_bytes, dense_counts
+
+
 def _parameter_copies(old: Layout, new: Layout, failed: frozenset[int], cost: CostModel) -> list[tuple]:
     """Parameters of every part that lands on a stage instance that did not hold it: from the
     part's old holder in the same replica or, when it failed, from the next replica with a live
-    holder; when every holder failed, rebuilt chunk by chunk from the snapshots' master weights."""
+    holder; when every holder failed, rebuilt chunk by chunk from the snapshots' master weights.
+    An MoE layer's routed experts come the same way from the holders of the same experts
+    (:func:`_expert_parameter_copies`)."""
     num_layers, job = new.num_layers, cost.job
     dtype_bytes = cost.profile.config.params_dtype_bytes
-    part_bytes = [cost.embedding.param_bytes, *cost.param_bytes.tolist(), cost.loss.param_bytes]
-    part_counts = [cost.embedding.param_count, *cost.param_count.tolist(), cost.loss.param_count]
+    part_bytes, part_counts = _dense_parts(cost)
     old_replicas = old.replica_by_index()
     old_order = tuple(sorted(old_replicas))
     holders: dict[int, list[StageInstance]] = {}
@@ -331,6 +351,9 @@ def _parameter_copies(old: Layout, new: Layout, failed: frozenset[int], cost: Co
                 continue
             name = _part_name(part, num_layers)
             for tp_rank, dst in enumerate(now[part].ranks):
+                if 0 < part <= num_layers and cost.expert_param_count[part - 1]:
+                    copies += _expert_parameter_copies(old, old_holder, sources, cost, peers,
+                                                       part, tp_rank, dst)
                 live = (old_holder(p, part).ranks[tp_rank] for p in peers)
                 src = next((rank for rank in live if rank not in failed), None)
                 if src is not None:
@@ -347,10 +370,98 @@ def _parameter_copies(old: Layout, new: Layout, failed: frozenset[int], cost: Co
     return copies
 
 
+def _same_experts(layout: Layout, replica: int, tp_rank: int) -> list[tuple[int, int]]:
+    """``(replica index, TP rank)`` of every position of ``layout`` that holds the experts that
+    ``tp_rank`` of ``replica`` holds (the same expert TP and expert-parallel rank), in expert
+    data-parallel order."""
+    tp, coordinates = layout.tensor_parallel_size, layout.experts.coordinates
+    wanted = coordinates(replica, tp_rank, tp)[:2]
+    return [(r, t) for r in sorted(layout.replica_by_index()) for t in range(tp)
+            if coordinates(r, t, tp)[:2] == wanted]
+
+
+def _expert_parameter_copies(old: Layout, old_holder, sources: _Sources, cost: CostModel,
+                             peers: tuple[int, ...], part: int, tp_rank: int, dst: int) -> list[tuple]:
+    """The routed experts of MoE layer ``part`` that rank ``dst``, at ``tp_rank`` of the first of
+    ``peers``, now needs: from the first live old holder of the same experts, taking replicas in
+    the order of ``peers`` (its own first); when every one failed, rebuilt from the snapshots of
+    their expert data-parallel shards (Megatron's contiguous sharding of the experts' state)."""
+    layer, name = part - 1, _part_name(part, old.num_layers)
+    positions = _same_experts(old, peers[0], tp_rank)
+    order = {replica: i for i, replica in enumerate(peers)}
+    live = (old_holder(r, part).ranks[t] for r, t in sorted(positions, key=lambda p: (order[p[0]], p[1])))
+    src = next((rank for rank in live if rank not in sources.failed), None)
+    if src is not None:
+        return [] if src == dst else [(src, dst, int(cost.expert_param_bytes[layer]),
+                                       f"params {name} experts tp {tp_rank}")]
+    dtype_bytes = cost.profile.config.params_dtype_bytes
+    sizes = chunk_counts(int(cost.expert_param_count[layer]), len(positions)) * dtype_bytes
+    copies = []
+    for shard, (r, t) in enumerate(positions):
+        what = f"params {name} experts shard {shard} tp {tp_rank} from snapshot"
+        src = sources.optimizer_source(old_holder(r, part).ranks[t], what)
+        if src != dst:
+            copies.append((src, dst, int(sizes[shard]), what))
+    return copies
+
+
+def _expert_holders(layout: Layout, layer: int) -> dict[tuple[int, int], list[int]]:
+    """The ranks holding MoE layer ``layer``, by ``(expert TP rank, expert-parallel rank)``, in
+    expert data-parallel order: each list shares one copy of those experts' optimizer state."""
+    tp, coordinates = layout.tensor_parallel_size, layout.experts.coordinates
+    holders: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for index, replica in sorted(layout.replica_by_index().items()):
+        stage = _part_holders(replica, layout.num_layers)[layer + 1]
+        for t, rank in enumerate(stage.ranks):
+            holders[coordinates(index, t, tp)[:2]].append(rank)
+    return holders
+
+
+def _moved_elements(count: int, before: list[int], after: list[int]) -> list[tuple[int, int, int, int]]:
+    """``(first, end, old holder, new holder)`` of every element range of a ``count``-element
+    tensor, sharded contiguously over ``before`` and then over ``after``, whose holder changes."""
+    def bounds(holders: list[int]) -> list[int]:
+        return np.concatenate(([0], np.cumsum(chunk_counts(count, len(holders))))).tolist()
+
+    old_bounds, new_bounds = bounds(before), bounds(after)
+    cuts = sorted(set(old_bounds) | set(new_bounds))
+    moved = []
+    for first, end in zip(cuts, cuts[1:]):
+        was = before[bisect.bisect_right(old_bounds, first) - 1]
+        now = after[bisect.bisect_right(new_bounds, first) - 1]
+        if was != now:
+            moved.append((first, end, was, now))
+    return moved
+
+
+def _expert_optimizer_copies(old: Layout, new: Layout, failed: frozenset[int],
+                             cost: CostModel) -> list[tuple]:
+    """The routed experts' optimizer state of every MoE layer whose holders change: each set of
+    ranks holding the same experts shards it contiguously in expert data-parallel order, as
+    Megatron's distributed optimizer does over the expert data-parallel group, and every element
+    whose holder changes is copied, from the old holder's snapshot buddy where it failed."""
+    if new.experts is None:
+        return []
+    sources = _Sources(old, failed)
+    per_param = cost.memory.optimizer_bytes_per_param
+    copies = []
+    for layer in np.nonzero(cost.expert_param_count)[0].tolist():
+        before, after = _expert_holders(old, layer), _expert_holders(new, layer)
+        count = int(cost.expert_param_count[layer])
+        for (etp, ep), holders in sorted(before.items()):
+            what = f"optimizer layer {layer} experts etp {etp} ep {ep}"
+            for first, end, was, dst in _moved_elements(count, holders, after[etp, ep]):
+                src = sources.optimizer_source(was, what)
+                if src != dst:
+                    copies.append((src, dst, (end - first) * per_param, what))
+    return copies
+
+
 def _optimizer_copies(old: Layout, new: Layout, failed: frozenset[int], cost: CostModel) -> list[tuple]:
+    """The dense optimizer chunks whose owning stage instance changes (interleaved ownership)."""
     num_layers, job = new.num_layers, cost.job
     num_chunks = job.zero_chunks_per_layer
-    part_counts = [cost.embedding.param_count, *cost.param_count.tolist(), cost.loss.param_count]
+    _, part_counts = _dense_parts(cost)
     old_replicas, new_replicas = old.replica_by_index(), new.replica_by_index()
     old_live, new_live = tuple(sorted(old_replicas)), tuple(sorted(new_replicas))
     changed = np.array(
@@ -417,7 +528,7 @@ def contiguous_migration(old: Layout, new: Layout, failed: frozenset[int], cost:
     parameters as in the interleaved plan, and every optimizer element whose owning rank changes,
     merged into one copy per (source, destination) pair."""
     num_layers = new.num_layers
-    part_counts = [cost.embedding.param_count, *cost.param_count.tolist(), cost.loss.param_count]
+    _, part_counts = _dense_parts(cost)
     before, after = _contiguous_owners(old, part_counts), _contiguous_owners(new, part_counts)
     old_holders = {r.index: _part_holders(r, num_layers) for r in old.replicas}
     new_holders = {r.index: _part_holders(r, num_layers) for r in new.replicas}
@@ -436,7 +547,7 @@ def contiguous_migration(old: Layout, new: Layout, failed: frozenset[int], cost:
                     src = sources.optimizer_source(src, what)
                     if src != dst:
                         merged[src, dst] += (hi - lo) * cost.memory.optimizer_bytes_per_param
-    copies = _parameter_copies(old, new, failed, cost)
+    copies = _parameter_copies(old, new, failed, cost) + _expert_optimizer_copies(old, new, failed, cost)
     copies += [
         (src, dst, size, "optimizer (contiguous shards)") for (src, dst), size in sorted(merged.items())
     ]
@@ -445,7 +556,8 @@ def contiguous_migration(old: Layout, new: Layout, failed: frozenset[int], cost:
 
 def interleaved_migration(old: Layout, new: Layout, failed: frozenset[int], cost: CostModel) -> MigrationPlan:
     """The copies that take ``old`` (before ``failed`` died) to ``new`` with interleaved ownership."""
-    copies = _parameter_copies(old, new, failed, cost) + _optimizer_copies(old, new, failed, cost)
+    copies = (_parameter_copies(old, new, failed, cost) + _optimizer_copies(old, new, failed, cost)
+              + _expert_optimizer_copies(old, new, failed, cost))
     return schedule_waves(copies, cost)
 
 

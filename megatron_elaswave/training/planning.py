@@ -13,6 +13,7 @@ from megatron_elaswave.planner.job import JobSpec
 from megatron_elaswave.planner.profile import (
     SyntheticDevice,
     SyntheticModel,
+    SyntheticMoE,
     load_profile,
     synthetic_profile,
 )
@@ -58,7 +59,9 @@ def failure_free_layout(args: argparse.Namespace, global_batch_size: int | None 
 
 def cost_model(args: argparse.Namespace, vocab_size: int, backend: DeviceBackend) -> CostModel:
     """The planner's costs: a measured profile (``--elastic-profile``) or one from FLOP counts
-    on a nominal device of the backend's kind."""
+    on a nominal device of the backend's kind; for an MoE model (``--num-experts``) with its
+    experts, as the layout shards them, and the ``--moe-*`` shape of its MoE layers."""
+    experts = expert_parallelism(args)
     job = JobSpec(
         tensor_parallel_size=args.tensor_model_parallel_size,
         pipeline_parallel_size=args.pipeline_model_parallel_size,
@@ -67,15 +70,21 @@ def cost_model(args: argparse.Namespace, vocab_size: int, backend: DeviceBackend
         global_batch_size=args.global_batch_size,
         micro_batch_size=args.micro_batch_size,
         ranks_per_node=ranks_per_node(),
+        experts=experts,
     )
     if args.elastic_profile:
         profile = load_profile(args.elastic_profile)
     else:
+        moe = None if experts is None else SyntheticMoE(
+            experts, ffn_hidden_size=args.moe_ffn_hidden_size or args.ffn_hidden_size,
+            router_topk=args.moe_router_topk,
+            layer_freq=args.moe_layer_freq if isinstance(args.moe_layer_freq, int)
+            else tuple(args.moe_layer_freq))
         profile = synthetic_profile(
             SyntheticModel(num_layers=args.num_layers, hidden_size=args.hidden_size,
                            ffn_hidden_size=args.ffn_hidden_size, vocab_size=vocab_size,
                            seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
-                           tensor_model_parallel_size=args.tensor_model_parallel_size),
+                           tensor_model_parallel_size=args.tensor_model_parallel_size, moe=moe),
             CPU_DEVICE if backend.name == "cpu" else SyntheticDevice())
     return CostModel(profile, job, MemoryModel())
 

@@ -14,6 +14,16 @@ Parts are the transformer layers (by global layer number), the embedding and the
 rank 0 that holds it; medians over micro-batches go into the profile. Link speeds come from a
 ping-pong between pipeline neighbours and an all-reduce over the data-parallel group. On an
 accelerator every timestamp is taken after a device synchronisation.
+
+An MoE layer is marked as one in the profile (its ``moe`` object): the bytes of its routed
+experts' parameters on the rank, and what its dispatch sends per micro-batch (top-k x the rank's
+tokens x hidden size x bytes per element). Its forward's two exchanges, the dispatcher's dispatch
+and combine (all-to-alls, or the all-gather and reduce-scatter of the allgather dispatcher), are
+timed apart, and their median is taken out of the layer's forward time and, as the backward runs
+the same exchanges in reverse (not timed: they run inside autograd), out of its backward time.
+The profile's ``expert_bandwidth_bytes_per_s`` is the bandwidth at which the cost model's
+all-to-all (two exchanges of latency + bytes sent / bandwidth) takes that median, so the planner
+puts back what was taken out at the measured expert-parallel size.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import torch.distributed as dist
 from torch.autograd.graph import saved_tensors_hooks
 
 from megatron_elaswave.device import DeviceBackend
-from megatron_elaswave.planner.profile import OpCost, Profile, ProfileConfig, save_profile
+from megatron_elaswave.planner.profile import ExpertCost, OpCost, Profile, ProfileConfig, save_profile
 
 _BANDWIDTH_PROBE_BYTES = 4 << 20
 _LINK_REPEATS = 10
@@ -46,18 +56,31 @@ def _parameter_bytes(modules) -> int:
     return sum(p.numel() * p.element_size() for m in modules if m is not None for p in m.parameters())
 
 
+def _median(values) -> float:
+    return statistics.median(values) if values else 0.0
+
+
 @dataclass
 class _PartSamples:
     forward_s: list[float] = field(default_factory=list)
     backward_s: list[float] = field(default_factory=list)
     activation_bytes: list[int] = field(default_factory=list)
     param_bytes: int = 0
+    expert_param_bytes: int | None = None
+    """Of ``param_bytes``, the routed experts' in an MoE layer; ``None`` in a dense part."""
+    all_to_all_s: list[float] = field(default_factory=list)
+    """An MoE layer's forward dispatch plus combine, one sample per micro-batch."""
 
-    def cost(self) -> OpCost:
-        median = lambda values: statistics.median(values) if values else 0.0  # noqa: E731
-        return OpCost(forward_s=median(self.forward_s), backward_s=median(self.backward_s),
+    def cost(self, all_to_all_bytes: int) -> OpCost:
+        """The medians, an MoE layer's exchanges taken out of its forward and its backward
+        (which sends ``all_to_all_bytes`` per dispatch)."""
+        exchanges = _median(self.all_to_all_s)
+        moe = None if self.expert_param_bytes is None else ExpertCost(self.expert_param_bytes,
+                                                                      all_to_all_bytes)
+        return OpCost(forward_s=max(0.0, _median(self.forward_s) - exchanges),
+                      backward_s=max(0.0, _median(self.backward_s) - exchanges),
                       param_bytes=self.param_bytes,
-                      activation_bytes=int(median(self.activation_bytes)))
+                      activation_bytes=int(_median(self.activation_bytes)), moe=moe)
 
 
 class PartTimer:
@@ -117,6 +140,32 @@ class PartTimer:
             self._backward_started = None
 
 
+class ExchangeTimer:
+    """Times the exchanges of an MoE layer's forward, its dispatch and its combine, by wrapping
+    the layer's methods: one sample, their sum, per micro-batch."""
+
+    def __init__(self, profiler: "CostProfiler", samples: _PartSamples, moe_layer: torch.nn.Module) -> None:
+        self.profiler, self.samples = profiler, samples
+        self._dispatch_s = 0.0
+        moe_layer.dispatch = self._timed(moe_layer.dispatch, completes_sample=False)
+        moe_layer.combine = self._timed(moe_layer.combine, completes_sample=True)
+
+    def _timed(self, exchange, *, completes_sample: bool):
+        def timed(*args, **kwargs):
+            if not self.profiler.recording or not torch.is_grad_enabled():
+                return exchange(*args, **kwargs)
+            started = self.profiler.now()
+            result = exchange(*args, **kwargs)
+            elapsed = self.profiler.now() - started
+            if completes_sample:
+                self.samples.all_to_all_s.append(self._dispatch_s + elapsed)
+            else:
+                self._dispatch_s = elapsed
+            return result
+
+        return timed
+
+
 class CostProfiler:
     """Attaches :class:`PartTimer` hooks to a rank's model chunks and writes the profile."""
 
@@ -142,6 +191,9 @@ class CostProfiler:
             samples = self.layers[layer.layer_number - 1]
             samples.param_bytes = _parameter_bytes([layer])
             PartTimer(self, samples, layer, layer)
+            if layer.is_moe_layer:
+                samples.expert_param_bytes = _parameter_bytes([layer.mlp.experts])
+                ExchangeTimer(self, samples, layer.mlp)
         if chunk.pre_process:
             self.embedding = _PartSamples(param_bytes=_parameter_bytes([chunk.embedding]))
             PartTimer(self, self.embedding, chunk.embedding, chunk.embedding,
@@ -151,11 +203,14 @@ class CostProfiler:
             self.loss = _PartSamples(param_bytes=_parameter_bytes([norm, chunk.output_layer]))
             PartTimer(self, self.loss, norm, chunk)
 
-    def local_costs(self) -> dict:
+    def local_costs(self, all_to_all_bytes: int) -> dict:
+        """This rank's parts' costs (an MoE layer's dispatch sending ``all_to_all_bytes``), and
+        the median forward exchanges of its MoE layers."""
         return {
-            "layers": {index: s.cost() for index, s in self.layers.items()},
-            "embedding": self.embedding.cost() if self.embedding else None,
-            "loss": self.loss.cost() if self.loss else None,
+            "layers": {index: s.cost(all_to_all_bytes) for index, s in self.layers.items()},
+            "embedding": self.embedding.cost(0) if self.embedding else None,
+            "loss": self.loss.cost(0) if self.loss else None,
+            "exchanges_s": [_median(s.all_to_all_s) for s in self.layers.values() if s.all_to_all_s],
         }
 
 
@@ -201,39 +256,80 @@ def _allreduce_bandwidth(group: dist.ProcessGroup, backend: DeviceBackend) -> fl
     return traffic / statistics.median(times)
 
 
+def _dispatch_bytes(args) -> int:
+    """What one rank sends in an MoE layer's dispatch of one micro-batch: each of its tokens
+    (``1 / TP`` of the micro-batch's, with sequence parallelism) to its top-k experts."""
+    element_bytes = 2 if (args.bf16 or args.fp16) else 4
+    tokens = args.micro_batch_size * args.seq_length // args.tensor_model_parallel_size
+    return args.moe_router_topk * tokens * args.hidden_size * element_bytes
+
+
+def _expert_bandwidth(exchanges_s: list[float], dispatch_bytes: int, expert_parallel_size: int,
+                      latency_s: float) -> float | None:
+    """The bandwidth at which the cost model's dispatch plus combine (each ``latency + bytes sent
+    / bandwidth``, a rank keeping ``1 / EP`` of its bytes) take the median measured time; ``None``
+    without expert parallelism, or when the exchanges took no longer than their latency."""
+    if expert_parallel_size == 1 or not exchanges_s:
+        return None
+    per_exchange = statistics.median(exchanges_s) / 2 - latency_s
+    if per_exchange <= 0:
+        return None
+    return dispatch_bytes * (expert_parallel_size - 1) / expert_parallel_size / per_exchange
+
+
+def _config(args) -> ProfileConfig:
+    """The measured configuration, an MoE model's experts and router included."""
+    notes = {"pipeline_model_parallel_size": args.pipeline_model_parallel_size,
+             "hidden_size": args.hidden_size, "num_layers": args.num_layers}
+    experts = {}
+    if args.num_experts:
+        notes.update(moe_router_topk=args.moe_router_topk,
+                     moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                     moe_token_dispatcher_type=args.moe_token_dispatcher_type)
+        experts = dict(num_experts=args.num_experts,
+                       expert_model_parallel_size=args.expert_model_parallel_size,
+                       expert_tensor_parallel_size=args.expert_tensor_parallel_size)
+    return ProfileConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        micro_batch_size=args.micro_batch_size,
+        seq_length=args.seq_length,
+        params_dtype_bytes=4 if not (args.bf16 or args.fp16) else 2,
+        **experts,
+        notes=notes,
+    )
+
+
 def write_profile(path: str, profiler: CostProfiler, pg_collection, args, device_name: str) -> None:
     """Gather every rank's measurements and write the profile from rank 0 (collective)."""
     latency = _p2p_latency(pg_collection.pp, profiler.backend)
     bandwidth = _allreduce_bandwidth(pg_collection.dp, profiler.backend)
-    measured = profiler.local_costs() if (pg_collection.tp.rank() == 0
-                                          and pg_collection.dp.rank() == 0) else None
+    dispatch_bytes = _dispatch_bytes(args) if args.num_experts else 0
+    measured = profiler.local_costs(dispatch_bytes) if (pg_collection.tp.rank() == 0
+                                                        and pg_collection.dp.rank() == 0) else None
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, (measured, latency, bandwidth))
     if dist.get_rank() != 0:
         return
-    layers, embedding, loss = {}, None, None
+    layers, embedding, loss, exchanges = {}, None, None, []
     for costs, _, _ in gathered:
         if costs is None:
             continue
         layers.update(costs["layers"])
         embedding = embedding or costs["embedding"]
         loss = loss or costs["loss"]
+        exchanges += costs["exchanges_s"]
     latencies = [lat for _, lat, _ in gathered if lat > 0]
+    p2p_latency = statistics.median(latencies) if latencies else 0.0
     profile = Profile(
         device=device_name,
-        config=ProfileConfig(
-            tensor_model_parallel_size=args.tensor_model_parallel_size,
-            micro_batch_size=args.micro_batch_size,
-            seq_length=args.seq_length,
-            params_dtype_bytes=4 if not (args.bf16 or args.fp16) else 2,
-            notes={"pipeline_model_parallel_size": args.pipeline_model_parallel_size,
-                   "hidden_size": args.hidden_size, "num_layers": args.num_layers},
-        ),
+        config=_config(args),
         layers=tuple(layers[i] for i in sorted(layers)),
         embedding=embedding,
         loss=loss,
-        p2p_latency_s=statistics.median(latencies) if latencies else 0.0,
+        p2p_latency_s=p2p_latency,
         dp_bandwidth_bytes_per_s=statistics.median(bw for _, _, bw in gathered),
+        expert_bandwidth_bytes_per_s=_expert_bandwidth(exchanges, dispatch_bytes,
+                                                       args.expert_model_parallel_size, p2p_latency),
     )
     save_profile(profile, path)
 
