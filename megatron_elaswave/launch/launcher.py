@@ -9,7 +9,8 @@ decide what to do. It guarantees:
   lists the keys). With ``--store etcd://...`` the store is the job's namespace on an etcd
   cluster (:mod:`megatron_elaswave.launch.etcd_store`) instead, and every agent, node 0's included, is
   a client: any node can be lost. Agents wait until all ``--nnodes`` of them have joined before
-  any worker starts.
+  any worker starts. An agent given no node rank (``--rdzv-backend c10d``) takes one as it
+  reaches the store, the agent that hosts it being node 0 (:func:`_take_node_rank`).
 * **Deaths are reported at once.** A worker that exits with a non-zero code or is killed by a
   signal is recorded as a :class:`~megatron_elaswave.launch.store.WorkerDeath` within
   :data:`POLL_INTERVAL_S`; a worker that exits with 0 is recorded as a normal exit.
@@ -55,6 +56,8 @@ Exit status of an agent, judged on its own node's workers:
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import functools
 import json
 import os
@@ -133,6 +136,9 @@ JOB_OVER_STATUSES = frozenset({0, 2, 3})
 training script's one-line error), and cannot continue (the state is lost; the survivors
 stopped). ``--rejoin`` starts no worker once one has ended with any of them."""
 
+NODE_ARRIVALS_KEY = "elaswave/nodes/arrivals"
+"""Counts the agents that took a node rank as they reached the job store (``store.add``)."""
+
 LOST_STORE_EXIT_STATUS = 1
 """Exit status of an agent that lost the job store (node 0's agent is gone, and the job with it)."""
 
@@ -177,8 +183,9 @@ class LaunchConfig:
     """Workers per node; the same on every node."""
     nnodes: int = 1
     """Number of node agents that form the job."""
-    node_rank: int = 0
-    """This agent's node rank; node rank 0 hosts the job store."""
+    node_rank: int | None = 0
+    """This agent's node rank; node rank 0 hosts the job store. ``None``: the agent takes one
+    as it reaches the job store (:func:`run`; ``--rdzv-backend c10d`` without a node rank)."""
     master_addr: str = "127.0.0.1"
     """Address of node rank 0, where the job store listens."""
     master_port: int = 29500
@@ -210,13 +217,15 @@ class LaunchConfig:
     preload: tuple[str, ...] = DEFAULT_PRELOAD
     """Modules a fork server imports once, while the job forms, to fork every worker from
     (:mod:`megatron_elaswave.launch.spawn`); empty to execute each worker afresh."""
+    role: str = "default"
+    """The workers' ``ROLE_NAME`` (torchrun's ``--role``)."""
 
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
             raise UsageError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
         if self.nnodes < 1:
             raise UsageError(f"--nnodes must be at least 1, got {self.nnodes}")
-        if not 0 <= self.node_rank < self.nnodes:
+        if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise UsageError(
                 f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes}"
             )
@@ -295,7 +304,7 @@ class LaunchConfig:
             GROUP_RANK=str(self.node_rank),
             GROUP_WORLD_SIZE=str(self.nnodes),
             NODE_RANK=str(self.node_rank),
-            ROLE_NAME="default",
+            ROLE_NAME=self.role,
             ROLE_RANK=str(rank),
             ROLE_WORLD_SIZE=world_size,
             MASTER_ADDR=self.master_addr,
@@ -346,7 +355,11 @@ def run(config: LaunchConfig) -> int:
     try:
         with _SignalLatch() as signals:
             try:
-                store = _host_store(config) if config.is_store_host else _connect(config, signals)
+                if config.node_rank is None:
+                    config, store = _take_node_rank(config, signals)
+                else:
+                    store = (_host_store(config) if config.is_store_host
+                             else _connect(config, signals))
                 replaces_lost_node = _join(store, config, signals)
             except _Interrupted as interrupt:
                 _log(f"received {_signal_name(interrupt.signum)} before the workers started")
@@ -438,8 +451,11 @@ def _wait_until(
 # fail in milliseconds, not after the seconds that importing torch takes.
 
 
-def _host_store(config: LaunchConfig) -> TCPStore:
-    _check_port_free(config.master_port)
+def _host_store(config: LaunchConfig, listener: socket.socket | None = None) -> TCPStore:
+    """Node 0's ``TCPStore``, on ``listener`` if given (the store takes the socket over), else on
+    the master port once it is found free."""
+    if listener is None:
+        _check_port_free(config.master_port)
     from torch.distributed import TCPStore
 
     try:
@@ -449,9 +465,62 @@ def _host_store(config: LaunchConfig) -> TCPStore:
             is_master=True,
             wait_for_workers=False,
             timeout=_STORE_TIMEOUT,
+            master_listen_fd=None if listener is None else listener.detach(),
         )
     except RuntimeError as error:
         raise LaunchError(f"cannot host the job store: {_first_line(error)}") from None
+
+
+def _take_node_rank(config: LaunchConfig, signals: _SignalLatch) -> tuple[LaunchConfig, Store]:
+    """This agent's node rank when it was given none, and the job store.
+
+    Without :attr:`~LaunchConfig.store`, the agent on the machine of the master address that
+    binds the master port first hosts the store and is node 0; the others take 1, 2, ... in the
+    order they reach it. With the store on etcd, all are clients and take 0, 1, ... in that
+    order. An agent that finds every node rank taken is refused in one line: a lost node is
+    replaced with ``--rejoin`` and its node rank.
+    """
+    if config.store is None and is_this_machine(config.master_addr):
+        listener = _listen(config.master_port)
+        if listener is not None:
+            placed = dataclasses.replace(config, node_rank=0)
+            return placed, _host_store(placed, listener)
+    store = _connect(config, signals)
+    first = 1 if config.store is None else 0
+    node_rank = first + store.add(NODE_ARRIVALS_KEY, 1) - 1
+    if node_rank >= config.nnodes:
+        raise UsageError(f"all {config.nnodes} node ranks of this job are taken; to replace a "
+                         "lost node, start its launcher with --rejoin --node-rank R")
+    return dataclasses.replace(config, node_rank=node_rank), store
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether ``host`` names an address of this machine: one that a socket here can bind."""
+    try:
+        addresses = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return False
+    for family, _, _, _, address in addresses:
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            try:
+                probe.bind((address[0], 0, *address[2:]))
+            except OSError:
+                continue
+        return True
+    return False
+
+
+def _listen(port: int) -> socket.socket | None:
+    """A socket listening on ``port`` of every address of this machine, for the job store to
+    take over; ``None`` if another process listens there (another agent hosts the store)."""
+    try:
+        if socket.has_dualstack_ipv6():
+            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+        return socket.create_server(("", port))
+    except OSError as error:
+        if error.errno == errno.EADDRINUSE:
+            return None
+        raise UsageError(f"cannot host the job store on port {port}: {error.strerror}") from None
 
 
 def _check_port_free(port: int) -> None:
