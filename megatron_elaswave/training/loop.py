@@ -8,6 +8,7 @@ gradient does not depend on how the batch is split over replicas and micro-batch
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -171,8 +172,12 @@ class Trainer:
     """Iteration records held back by :meth:`_record`."""
 
     def __post_init__(self) -> None:
-        self.moe_losses = MoeLosses.of(self.args)
         self._bind()
+
+    @functools.cached_property
+    def moe_losses(self) -> MoeLosses | None:
+        """The MoE loss metrics the model records (``None`` for a dense model)."""
+        return MoeLosses.of(self.args)
 
     def _bind(self) -> None:
         """Derive what the loop uses from the layout, the objects and the groups; called again

@@ -1,0 +1,348 @@
+"""Mixtures of experts under ``--elastic``, in Megatron-LM's own loop.
+
+Megatron-LM's Mixtral recipe (``examples/mixtral/train_mixtral_8x7b_distributed.sh``: 8 experts,
+top-2, aux loss, the alltoall dispatcher, GQA, RoPE, SwiGLU, RMSNorm, bf16, the distributed
+optimizer with ``--overlap-grad-reduce --overlap-param-gather``) and a DeepSeek-V3-style
+configuration (a dense first layer, a shared expert, a sigmoid router with an expert bias and
+group-limited top-k, the sequence-level aux loss) scaled down to eight CPU ranks. Without a
+failure, ``--elastic`` follows Megatron-LM's loop without it (its log lines: lm loss, the
+load-balancing loss, grad norm); through failures every iteration completes on the failure-free
+run's samples with its loss. Layouts: expert parallelism over the replicas (one lockstep set of
+four, or two sets of two with expert data parallelism 2), and inside each tensor-parallel group
+(TP2 with sequence parallelism). Faults: a SIGKILL from outside after a log line, a kill between
+the all-to-alls of an MoE layer, and a SIGKILL of a rank right after layers and experts moved
+onto it.
+
+Megatron-LM's loop comes from the training package of the installed megatron-core (0.19 on) or
+a checkout named by ``MEGATRON_LM_PATH``, as in ``test_megatron_adaptor.py``; skipped where
+neither is at hand.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from harness import free_port, launch
+from megatron_elaswave.metrics import read_metrics
+from test_megatron_adaptor import TRAINING_SCRIPT
+from test_megatron_lm_recipes import CPU, assert_on_trajectory
+
+pytestmark = pytest.mark.multiprocess
+needs_megatron_lm = pytest.mark.skipif(
+    TRAINING_SCRIPT is None, reason="no Megatron-LM training package: set MEGATRON_LM_PATH, or "
+    "install megatron-core 0.19 or later")
+
+PARITY_TOLERANCE = 1e-5
+"""Relative: ``--elastic`` without a failure against Megatron-LM's loop without it."""
+LOSS_TOLERANCE = 1e-4
+"""Relative: a run through failures against the failure-free run."""
+ITERATIONS = 10
+LOG_LINE = re.compile(r"iteration +(\d+)/ +\d+ \|(.*)")
+
+
+def mixtral_recipe(*, tp: int = 1, pp: int = 2, ep: int = 4) -> list[str]:
+    """``train_mixtral_8x7b_distributed.sh`` at 4 layers, hidden 64, 8 experts of FFN 128; the
+    recipe's ``--moe-grouped-gemm`` needs Transformer Engine, which a CPU does not run, and its
+    checkpoint flags are left to the checkpoint tests."""
+    return [
+        "--use-mcore-models", "--disable-bias-linear", "--seq-length", "32",
+        "--max-position-embeddings", "64", "--num-layers", "4", "--hidden-size", "64",
+        "--ffn-hidden-size", "128", "--num-attention-heads", "4", "--init-method-std", "0.01",
+        "--attention-dropout", "0.0", "--hidden-dropout", "0.0", "--normalization", "RMSNorm",
+        "--position-embedding-type", "rope", "--no-rope-fusion", "--swiglu",
+        "--untie-embeddings-and-output-weights", "--group-query-attention",
+        "--num-query-groups", "2", "--no-masked-softmax-fusion", "--no-position-embedding",
+        "--rotary-base", "1000000",
+        "--num-experts", "8", "--moe-router-topk", "2", "--moe-router-load-balancing-type",
+        "aux_loss", "--moe-aux-loss-coeff", "1e-2", "--moe-token-dispatcher-type", "alltoall",
+        "--overlap-param-gather", "--overlap-grad-reduce",
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "300",
+        "--split", "99990,8,2", "--micro-batch-size", "1", "--global-batch-size", "16",
+        "--lr", "1e-4", "--train-iters", str(ITERATIONS), "--lr-decay-iters", "320",
+        "--lr-decay-style", "cosine", "--min-lr", "1.0e-5", "--weight-decay", "0.1",
+        "--lr-warmup-iters", "5", "--clip-grad", "1.0", "--bf16",
+        "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+        "--expert-model-parallel-size", str(ep), "--use-distributed-optimizer",
+        "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0", *CPU,
+    ]
+
+
+def deepseek_v3_style() -> list[str]:
+    """The Mixtral model with DeepSeek-V3's routing: a dense first layer (``--moe-layer-freq``),
+    a shared expert, a sigmoid router with an expert bias (aux-loss-free balancing), top-2 of 8
+    experts in 4 groups limited to 2, the sequence-level aux loss, an fp32 router; expert
+    parallelism 2 over eight ranks at TP1 x PP2: two lockstep sets of two replicas, expert data
+    parallelism 2."""
+    flags = mixtral_recipe(ep=2)
+    at = flags.index("--moe-router-load-balancing-type")
+    flags[at + 1] = "seq_aux_loss"
+    flags[flags.index("--moe-aux-loss-coeff") + 1] = "1e-4"
+    return flags + [
+        "--moe-layer-freq", "[0]*1+[1]*3", "--moe-ffn-hidden-size", "32",
+        "--moe-shared-expert-intermediate-size", "32", "--moe-router-score-function", "sigmoid",
+        "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-3",
+        "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
+        "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp32",
+    ]
+
+
+def log_lines(output: str) -> dict[int, dict[str, float]]:
+    """Megatron-LM's iteration lines by iteration: every ``name: number`` field."""
+    lines = {}
+    for iteration, fields in LOG_LINE.findall(output):
+        values = {}
+        for field in fields.split("|"):
+            name, _, value = field.partition(":")
+            try:
+                values[name.strip()] = float(value)
+            except ValueError:
+                continue
+        assert int(iteration) not in lines, f"iteration {iteration} was logged twice"
+        lines[int(iteration)] = values
+    return lines
+
+
+def run(tmp_path: Path, name: str, flags: list[str], *, elastic: bool = True,
+        kill: tuple[int, int] | None = None, kill_on_death: tuple[int, int] | None = None,
+        nproc: int = 8) -> dict:
+    """Megatron-LM's ``pretrain_gpt.py`` with ``flags`` (and ``--elastic``) on ``nproc`` ranks;
+    ``kill=(rank, iteration)`` SIGKILLs ``rank`` from outside once the log line of
+    ``iteration`` is out; ``kill_on_death=(dead, rank)`` SIGKILLs ``rank`` as soon as the
+    launcher reports the death of ``dead``, in the middle of the recovery from it. The run's
+    output, log lines and records."""
+    metrics = tmp_path / f"{name}.jsonl"
+    extra = ["--elastic", "--elastic-rebalance-window", "0", "--elastic-metrics-file",
+             str(metrics)] if elastic else []
+    with launch(["-m", "megatron_elaswave.run_megatron_lm", str(TRAINING_SCRIPT), *flags, *extra],
+                nproc, master_port=free_port(), log_path=tmp_path / f"{name}.log") as job:
+        if kill is not None:
+            rank, iteration = kill
+            job.wait_for(lambda: max(log_lines(job.output()), default=0) >= iteration, 300,
+                         f"iteration {iteration}")
+            job.kill_worker(rank)
+        if kill_on_death is not None:
+            dead, rank = kill_on_death
+            job.wait_for(lambda: f"worker rank {dead} (pid" in job.output(), 300,
+                         f"the death of rank {dead}")
+            job.kill_worker(rank)
+        returncode, output = job.wait(600)
+    assert returncode == 0, output[-6000:]
+    return {"output": output, "lines": log_lines(output),
+            "iterations": read_metrics(str(metrics), "iteration") if elastic else [],
+            "recoveries": read_metrics(str(metrics), "recovery") if elastic else []}
+
+
+def assert_lines_agree(got: dict, reference: dict, tolerance: float) -> None:
+    """Every iteration logged once, each field of the reference's line within ``tolerance``."""
+    assert sorted(got["lines"]) == list(range(1, ITERATIONS + 1)), got["output"][-4000:]
+    for iteration, fields in reference["lines"].items():
+        for name in ("lm loss", "load_balancing_loss", "seq_load_balancing_loss", "grad norm"):
+            if name in fields:
+                value = got["lines"][iteration][name]
+                assert value == pytest.approx(fields[name], rel=tolerance, abs=1e-6), \
+                    (iteration, name, fields[name], value)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory) -> dict[str, dict]:
+    """The Mixtral recipe without a failure, in Megatron-LM's loop without and with
+    ``--elastic``."""
+    root = tmp_path_factory.mktemp("mixtral")
+    return {"megatron-lm": run(root, "megatron-lm", mixtral_recipe(), elastic=False),
+            "elastic": run(root, "elastic", mixtral_recipe())}
+
+
+@needs_megatron_lm
+@pytest.mark.timeout(900)
+def test_mixtral_recipe_with_elastic_follows_megatron_lms_own_loop(mixtral):
+    assert "load_balancing_loss" in mixtral["megatron-lm"]["lines"][1]
+    assert_lines_agree(mixtral["elastic"], mixtral["megatron-lm"], PARITY_TOLERANCE)
+    # The job's own account of the load-balancing loss (its metrics file) is Megatron-LM's.
+    for record in mixtral["elastic"]["iterations"]:
+        logged = mixtral["megatron-lm"]["lines"][record["iteration"]]["load_balancing_loss"]
+        assert record["moe_losses"]["load_balancing_loss"] == pytest.approx(
+            logged, rel=PARITY_TOLERANCE)
+
+
+@needs_megatron_lm
+@pytest.mark.timeout(900)
+def test_a_sigkilled_rank_of_an_expert_parallel_group_over_the_replicas(tmp_path, mixtral):
+    """TP1 x PP2 x DP4 with expert parallelism 4: every replica shares each MoE layer's
+    all-to-all, so the four run in lockstep. Rank 5 (replica 1's second stage) is SIGKILLed
+    after iteration 3: all four replicas run the model on one stage each, every expert staying
+    at its expert-parallel rank; Megatron-LM's log line goes on, on its trajectory."""
+    killed = run(tmp_path, "killed", mixtral_recipe(), kill=(5, 3))
+    assert_on_trajectory(killed, mixtral["elastic"])
+    assert_lines_agree(killed, mixtral["megatron-lm"], LOSS_TOLERANCE)
+    [recovery] = killed["recoveries"]
+    assert recovery["failed_ranks"] == [5]
+    layout = killed["iterations"][-1]["layout"]
+    assert [[stage["ranks"] for stage in replica["stages"]] for replica in layout] == \
+        [[[0]], [[1]], [[2]], [[3]]]
+    assert [replica["num_microbatches"] for replica in layout] == [4, 4, 4, 4]
+
+
+@needs_megatron_lm
+@pytest.mark.timeout(900)
+def test_expert_parallelism_inside_tensor_parallel_groups_through_a_sigkill(tmp_path):
+    """TP2 x PP2 x DP2 with sequence parallelism and expert parallelism 2 at expert TP 1: each
+    stage's tensor-parallel pair splits the experts, so the replicas run apart. Rank 5 is
+    SIGKILLed after iteration 3: its replica runs on one stage, its partner rank 4 waits as a
+    spare, the other replica keeps two stages and the micro-batches are dealt by speed."""
+    flags = mixtral_recipe(tp=2, pp=2, ep=2) + ["--sequence-parallel",
+                                                "--expert-tensor-parallel-size", "1"]
+    reference = run(tmp_path, "megatron-lm", flags, elastic=False)
+    killed = run(tmp_path, "killed", flags, kill=(5, 3))
+    assert_lines_agree(killed, reference, LOSS_TOLERANCE)
+    [recovery] = killed["recoveries"]
+    assert recovery["failed_ranks"] == [5]
+    stages = [len(replica["stages"]) for replica in killed["iterations"][-1]["layout"]]
+    assert stages == [1, 2]
+
+
+@needs_megatron_lm
+@pytest.mark.timeout(1200)
+def test_deepseek_v3_style_survives_a_kill_between_all_to_alls_and_one_in_the_recovery(
+        tmp_path):
+    """Two lockstep sets (replicas 0-1 and 2-3). Rank 4 is killed between the dispatch and the
+    combine all-to-all of an MoE layer in iteration 3, its expert-parallel peer waiting in the
+    combine: the recovery would run replicas 0 and 1 on one stage each, moving layers 2-3 and
+    their experts to ranks 0 and 1. As soon as the launcher reports rank 4's death, rank 0 is
+    SIGKILLed from outside, in the middle of that recovery: the set of replicas 0 and 1 leaves
+    the job whole (its all-to-alls cannot run without replica 0), and replicas 2 and 3 run the
+    global batch, with the experts' state of their own expert data parallelism and the expert
+    biases from the snapshots. Megatron-LM's loop without ``--elastic`` is the reference of the
+    lines (load-balancing losses included)."""
+    flags = deepseek_v3_style()
+    reference = run(tmp_path, "megatron-lm", flags, elastic=False)
+    failure_free = run(tmp_path, "elastic", flags)
+    assert_lines_agree(failure_free, reference, PARITY_TOLERANCE)
+    killed = run(tmp_path, "killed", flags + [
+        "--elastic-inject-failure", "rank=4,iteration=3,phase=alltoall"],
+        kill_on_death=(4, 0))
+    assert "injected failure: rank 4 kill in the alltoall of iteration 3" in killed["output"]
+    assert_on_trajectory(killed, failure_free)
+    assert_lines_agree(killed, reference, LOSS_TOLERANCE)
+    failed = {rank for recovery in killed["recoveries"] for rank in recovery["failed_ranks"]}
+    assert failed == {0, 4}
+    last = killed["iterations"][-1]["layout"]
+    assert [(r["replica"], len(r["stages"]), r["num_microbatches"]) for r in last] == \
+        [(2, 2, 8), (3, 2, 8)]
+
+
+# -- the project's pretrain_gpt.py ---------------------------------------------------------------
+
+PRETRAIN = str(Path(__file__).resolve().parents[1] / "scripts" / "pretrain_gpt.py")
+
+
+def pretrain_gpt_flags(*, ep: int, etp: int = 1, iterations: int = ITERATIONS,
+                       dispatcher: str = "alltoall") -> list[str]:
+    """``pretrain_gpt.py`` with the DeepSeek-V3-style MoE layers of :func:`deepseek_v3_style`,
+    TP1 x PP2 on eight ranks, no dropout."""
+    return [
+        "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128",
+        "--num-attention-heads", "4", "--seq-length", "32", "--disable-bias-linear",
+        "--micro-batch-size", "1", "--global-batch-size", "16", "--train-iters", str(iterations),
+        "--lr", "1e-4", "--lr-decay-style", "constant", "--hidden-dropout", "0",
+        "--attention-dropout", "0", "--mock-data", "--vocab-size", "300", "--log-interval", "1",
+        "--eval-interval", "1000", "--use-distributed-optimizer",
+        "--pipeline-model-parallel-size", "2", "--num-experts", "8", "--moe-router-topk", "2",
+        "--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", str(etp),
+        "--moe-token-dispatcher-type", dispatcher, "--moe-layer-freq", "[0]*1+[1]*3",
+        "--moe-ffn-hidden-size", "32", "--moe-shared-expert-intermediate-size", "32",
+        "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+        "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4",
+        "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
+    ]
+
+
+def pretrain_gpt(tmp_path: Path, name: str, flags: list[str], *,
+                 launcher_args: tuple[str, ...] = (), wait_for: str | None = None) -> dict:
+    """The project's ``pretrain_gpt.py`` on eight ranks; with ``wait_for``, the run must print
+    it. Its records."""
+    metrics = tmp_path / f"{name}.jsonl"
+    with launch([PRETRAIN, *flags, "--elastic-rebalance-window", "0", "--elastic-metrics-file",
+                 str(metrics)], 8, master_port=free_port(), launcher_args=launcher_args,
+                log_path=tmp_path / f"{name}.log") as job:
+        if wait_for is not None:
+            job.wait_for(lambda: wait_for in job.output(), 600, wait_for)
+        returncode, output = job.wait(600)
+    assert returncode == 0, output[-6000:]
+    return {"output": output, "iterations": read_metrics(str(metrics), "iteration"),
+            "recoveries": read_metrics(str(metrics), "recovery"),
+            "grows": read_metrics(str(metrics), "grow")}
+
+
+def assert_moe_losses_agree(got: dict, reference: dict, tolerance: float) -> None:
+    for ref, record in zip(reference["iterations"], got["iterations"], strict=True):
+        for name, value in ref["moe_losses"].items():
+            assert record["moe_losses"][name] == pytest.approx(value, rel=tolerance), \
+                (record["iteration"], name)
+
+
+@pytest.mark.timeout(900)
+def test_pretrain_gpt_with_elastic_follows_its_plain_path_with_expert_tensor_parallelism(
+        tmp_path):
+    """Expert parallelism 2 x expert tensor parallelism 2 over four replicas (one lockstep
+    set), the allgather dispatcher: ``--elastic`` trains as the same script without it, on
+    Megatron's own groups."""
+    flags = pretrain_gpt_flags(ep=2, etp=2, iterations=6, dispatcher="allgather")
+    plain = pretrain_gpt(tmp_path, "plain", flags)
+    elastic = pretrain_gpt(tmp_path, "elastic", flags + ["--elastic"])
+    assert_on_trajectory(elastic, plain)
+    assert_moe_losses_agree(elastic, plain, PARITY_TOLERANCE)
+    assert "seq_load_balancing_loss: " in elastic["output"]
+
+
+@pytest.fixture(scope="module")
+def two_lockstep_sets(tmp_path_factory) -> dict:
+    """The failure-free run with expert parallelism 2 over four replicas: two lockstep sets."""
+    return pretrain_gpt(tmp_path_factory.mktemp("moe"), "failure-free",
+                        pretrain_gpt_flags(ep=2) + ["--elastic"])
+
+
+@pytest.mark.timeout(900)
+def test_pretrain_gpt_survives_a_kill_and_one_right_after_layers_and_experts_moved(
+        tmp_path, two_lockstep_sets):
+    """Rank 4 (replica 0's second stage) is SIGKILLed in iteration 3: replicas 0 and 1 are to
+    run on one stage each, layers 2-3 and their experts moved onto ranks 0 and 1. Rank 0 is
+    SIGKILLed as soon as it has restored that state, before it snapshots it: the set of
+    replicas 0 and 1 leaves the job, replicas 2 and 3 run the global batch, the routers' expert
+    biases and the experts' state coming from the snapshots. Each step's snapshot completes in the step (``--elastic-snapshot-overlap off``),
+    so the first recovery rolls back to iteration 2 and the second failure lands in the change
+    before iteration 3."""
+    killed = pretrain_gpt(tmp_path, "killed", pretrain_gpt_flags(ep=2) + [
+        "--elastic", "--elastic-snapshot-overlap", "off",
+        "--elastic-inject-failure", "rank=4,iteration=3",
+        "--elastic-inject-failure", "rank=0,iteration=3,phase=relayout"])
+    # Rank 0 held a stage of the layout rank 4's failure led to, and had restored its state.
+    assert "injected failure: rank 0 kill in the relayout of iteration 3" in killed["output"]
+    assert_on_trajectory(killed, two_lockstep_sets)
+    assert_moe_losses_agree(killed, two_lockstep_sets, LOSS_TOLERANCE)
+    [recovery] = killed["recoveries"]  # the second failure came before the re-run completed
+    assert recovery["failed_ranks"] == [0, 4] and recovery["rolled_back_to"] == 2
+    assert [(r["replica"], len(r["stages"]), r["num_microbatches"])
+            for r in recovery["layout"]] == [(2, 2, 8), (3, 2, 8)]
+
+
+@pytest.mark.timeout(900)
+def test_a_replacement_rejoins_an_moe_job_and_its_layout_returns(tmp_path, two_lockstep_sets):
+    """Under ``elaswave-run --rejoin``, rank 5 is SIGKILLed in iteration 3 and started again:
+    its lockstep set runs on one stage per replica until the replacement joins, then the job
+    runs its first layout again, on the failure-free trajectory."""
+    flags = pretrain_gpt_flags(ep=2, iterations=200) + ["--elastic", "--log-interval", "20"]
+    reference = pretrain_gpt(tmp_path, "reference", flags)
+    rejoined = pretrain_gpt(tmp_path, "rejoined",
+                            flags + ["--elastic-inject-failure", "rank=5,iteration=3"],
+                            launcher_args=("--rejoin", "--rejoin-delay", "1"),
+                            wait_for="ranks [5] joined after iteration")
+    assert_on_trajectory(rejoined, reference)
+    [recovery] = rejoined["recoveries"]
+    [grow] = rejoined["grows"]
+    assert recovery["failed_ranks"] == [5] and grow["joined_ranks"] == [5]
+    assert [len(r["stages"]) for r in recovery["layout"]] == [1, 1, 2, 2]
+    assert grow["layout"] == reference["iterations"][0]["layout"]
+    assert rejoined["iterations"][-1]["world_size"] == 8
