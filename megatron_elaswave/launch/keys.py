@@ -141,6 +141,9 @@ NODE_CHANGES_KEY = "elaswave/nodes/changes"
 NODES_STATE_KEY = "elaswave/nodes/state"
 """``{"lost": [...], "done": [...]}``: one read tells a launcher which nodes still run."""
 
+NODE_ARRIVALS_KEY = "elaswave/nodes/arrivals"
+"""Counts the agents that took a node rank as they reached the job store (``store.add``)."""
+
 
 # -- failure detection and agreement -----------------------------------------------------------
 

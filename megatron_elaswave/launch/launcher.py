@@ -78,6 +78,7 @@ from megatron_elaswave.launch.decisions import Decision
 from megatron_elaswave.launch.etcd_store import EtcdAddress, StoreURLError
 from megatron_elaswave.launch.keys import (
     ALERT_COUNT_KEY,
+    NODE_ARRIVALS_KEY,
     NODE_CHANGES_KEY,
     decision_key,
     node_done_key,
@@ -135,9 +136,6 @@ JOB_OVER_STATUSES = frozenset({0, 2, 3})
 """Worker exit statuses that end the job for every worker: training finished, bad input (the
 training script's one-line error), and cannot continue (the state is lost; the survivors
 stopped). ``--rejoin`` starts no worker once one has ended with any of them."""
-
-NODE_ARRIVALS_KEY = "elaswave/nodes/arrivals"
-"""Counts the agents that took a node rank as they reached the job store (``store.add``)."""
 
 LOST_STORE_EXIT_STATUS = 1
 """Exit status of an agent that lost the job store (node 0's agent is gone, and the job with it)."""
