@@ -317,9 +317,11 @@ def write_common(directory: str, common: Mapping[str, Any]) -> None:
 
 
 def optimizer_common_state(chained_optimizer) -> dict:
-    """The optimizer's part of ``common.pt`` as a single ``DistributedOptimizer`` saves it
-    (what Megatron-LM's loop, whose optimizer chains one, loads): the parameter groups of every
-    optimizer ``chained_optimizer`` chains, one per set of identifying keys, with the step."""
+    """The optimizer's part of ``common.pt`` as Megatron-LM's loop saves it: the parameter groups
+    of every optimizer ``chained_optimizer`` chains, one per set of identifying keys, with the
+    step, in a single ``DistributedOptimizer``'s form for a dense model; for an MoE model, whose
+    optimizer in Megatron-LM's loop chains one over the dense parameters and one over the
+    experts, one such form per optimizer, keyed 0 and 1."""
     from megatron.core.optimizer.optimizer import param_group_identifier_keys
 
     groups: dict[tuple, dict] = {}
@@ -328,8 +330,14 @@ def optimizer_common_state(chained_optimizer) -> dict:
             identity = tuple(group.get(key, group.get(f"pre_{key}"))
                              for key in param_group_identifier_keys)
             groups.setdefault(identity, group)
-    return {"optimizer": {"param_groups": list(groups.values())},
-            "param_state_sharding_type": SHARDED_METADATA["distrib_optim_sharding_type"]}
+
+    def single(param_groups: list[dict]) -> dict:
+        return {"optimizer": {"param_groups": param_groups},
+                "param_state_sharding_type": SHARDED_METADATA["distrib_optim_sharding_type"]}
+
+    dense = [group for group in groups.values() if not group.get("is_expert_parallel")]
+    experts = [group for group in groups.values() if group.get("is_expert_parallel")]
+    return single(dense) if not experts else {0: single(dense), 1: single(experts)}
 
 
 def is_fully_reshardable(content_metadata: Mapping) -> bool:
@@ -375,15 +383,20 @@ def background_saves():
 def load_chained_optimizer(chained_optimizer, loaded: Mapping) -> None:
     """Load the optimizer part of a checkpoint loaded with a template of
     ``chained_optimizer.sharded_state_dict(..., metadata=SHARDED_METADATA)`` into each optimizer
-    it chains: the parameter groups come from ``common.pt`` in a single optimizer's form (or, in
-    a checkpoint that chained several, per optimizer), the state from the template's part of
-    each."""
+    it chains: the parameter groups come from ``common.pt`` in a single optimizer's form, or per
+    optimizer (an MoE model's dense and expert optimizers, or a checkpoint that chained several),
+    every optimizer then given all of them; the state from the template's part of each."""
     optimizers = chained_optimizer.chained_optimizers
     if len(optimizers) == 1:
         optimizers[0].load_state_dict(loaded)
         return
     common = {key: value for key, value in loaded.items() if not isinstance(key, int)}
-    if not common:  # saved by a rank that chained several optimizers: use the first's groups
-        common = {key: value for key, value in loaded[0].items() if key != "param_state"}
+    if not common:
+        saved = [value for key, value in sorted(loaded.items())
+                 if isinstance(key, int) and "optimizer" in value]
+        common = {key: value for key, value in saved[0].items() if key != "param_state"}
+        common["optimizer"] = {**saved[0]["optimizer"], "param_groups": [
+            group for entry in saved for group in entry["optimizer"]["param_groups"]]}
     for index, optimizer in enumerate(optimizers):
-        optimizer.load_state_dict({**common, **loaded[index]})
+        state = {key: value for key, value in loaded[index].items() if key != "optimizer"}
+        optimizer.load_state_dict({**common, **state})

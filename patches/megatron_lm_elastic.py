@@ -739,6 +739,13 @@ def _elastic_run() -> bool:
     return bool(getattr(args, "elastic", False))
 
 
+def _launch_parallel_sizes() -> tuple[int, int]:
+    """Megatron-LM's tensor and data-parallel sizes of the launch, which its micro-batch
+    calculator keeps whatever the job's layout."""
+    args = sys.modules[GLOBAL_VARS].get_args()
+    return args.tensor_model_parallel_size, args.data_parallel_size
+
+
 def keep_writers_on_logging_rank(args: argparse.Namespace, runtime: ElasticRuntime) -> None:
     """Megatron-LM's TensorBoard and W&B writers (``megatron.training.global_vars``), which
     Megatron-LM opens on the last rank only, live on the rank that prints the log line now:
@@ -803,7 +810,7 @@ def register(registry: PatchRegistry, backend: DeviceBackend, runtime: ElasticRu
     registry.register(f"{training_utils_modules()[0]}.is_last_rank", distributed.is_last_rank)
     moe_utils.register_job_wide_reduction(
         registry, active=_elastic_run, sum_over_job=lambda values: distributed.all_reduce(values),
-        data_parallel_size=lambda: sys.modules[GLOBAL_VARS].get_args().data_parallel_size)
+        parallel_sizes=_launch_parallel_sizes)
     if backend.name == "cuda":
         for module in loop_modules():
             registry.register(f"{module}.torch", torch_with_distributed(torch, distributed))

@@ -48,31 +48,37 @@ def register(registry: PatchRegistry, backend: DeviceBackend) -> None:
         registry.register_wrapper(f"{MODULE}.maybe_move_tensor_to_cpu", host_tensors_as_numpy)
 
 
-def _sum_over_job(values: torch.Tensor, needs_data_parallel_mean: bool,
-                  sum_over_job: Callable[[torch.Tensor], None], data_parallel_size: int) -> None:
+def _sum_over_job(values: torch.Tensor, divisor: int,
+                  sum_over_job: Callable[[torch.Tensor], None]) -> None:
     sum_over_job(values)
-    if needs_data_parallel_mean:
-        values /= data_parallel_size
+    values /= divisor
 
 
 def register_job_wide_reduction(registry: PatchRegistry, *, active: Callable[[], bool],
                                 sum_over_job: Callable[[torch.Tensor], None],
-                                data_parallel_size: Callable[[], int]) -> None:
-    """While ``active()``, reduce the MoE loss metrics that Megatron sums over a group (the load
-    balancing losses) by ``sum_over_job`` (a sum over every rank that trains) instead of over
-    ``parallel_state``'s pipeline, tensor and data-parallel groups, then divide by
-    ``data_parallel_size()`` where Megatron averages over its data-parallel group.
+                                parallel_sizes: Callable[[], tuple[int, int]]) -> None:
+    """While ``active()``, reduce the MoE metrics Megatron logs (the load-balancing and z-losses)
+    by ``sum_over_job`` (a sum over every rank that trains) instead of over ``parallel_state``'s
+    pipeline, tensor and data-parallel groups; ``parallel_sizes()`` gives the job's launch
+    ``(tensor, data)`` parallel sizes, which Megatron-LM's calculator keeps.
 
-    Megatron's value is the sum over every rank of its micro-batches' values, over the
-    data-parallel size; after a failure the replicas differ in depth and in how many
-    micro-batches they run, and its groups no longer pair the ranks that hold each layer, but the
-    job's ranks still run the global batch's micro-batches between them, each MoE layer's once
-    per tensor-parallel rank. Metrics Megatron reduces over no such group (the z-loss) keep
-    Megatron's reduction on ``parallel_state``'s groups.
+    Megatron's value of a metric is the sum over the ranks of its micro-batches' values, over
+    the data-parallel size where it averages over data-parallel ranks, and over the tensor
+    parallel size where it does not sum over tensor-parallel ranks (the z-loss). After a failure
+    the replicas differ in depth and in how many micro-batches they run, and a rank's
+    ``parallel_state`` groups no longer pair the ranks that hold each layer; but the job's ranks
+    still run the global batch's micro-batches between them, each MoE layer's once per
+    tensor-parallel rank. (megatron-core 0.16.1 logs a metric it reduces over no group, the
+    z-loss, as one replica's; here it is the mean over the replicas.)
 
     megatron-core 0.16.1 reduces in ``reduce_aux_losses_tracker_across_ranks`` (a dict per
     metric, ``reduce_group_has_dp``); 0.19 in ``MoEMetricsTracker._sync_metrics`` (``MetricEntry``,
     ``needs_dp_avg``)."""
+
+    def divisor(summed_over_tp: bool, averaged_over_dp: bool) -> int:
+        tp, dp = parallel_sizes()
+        return (1 if summed_over_tp else tp) * (dp if averaged_over_dp else 1)
+
     try:
         from megatron.core.transformer.moe import moe_logging
     except ImportError:
@@ -84,13 +90,12 @@ def register_job_wide_reduction(registry: PatchRegistry, *, active: Callable[[],
             def sync_metrics(self, metric_names, pg_collection=None):
                 if not active():
                     return sync(self, metric_names, pg_collection)
-                grouped = [n for n in metric_names
-                           if n in self._metrics and self._metrics[n].reduce_group is not None]
-                sync(self, [n for n in metric_names if n not in grouped], pg_collection)
-                for name in grouped:
-                    entry = self._metrics[name]
-                    _sum_over_job(entry.values, entry.needs_dp_avg, sum_over_job,
-                                  data_parallel_size())
+                for name in metric_names:
+                    if name in self._metrics:
+                        entry = self._metrics[name]
+                        _sum_over_job(entry.values,
+                                      divisor(entry.reduce_group is not None, entry.needs_dp_avg),
+                                      sum_over_job)
             return sync_metrics
 
         registry.register_wrapper(f"{moe_logging.__name__}.MoEMetricsTracker._sync_metrics",
@@ -105,13 +110,12 @@ def register_job_wide_reduction(registry: PatchRegistry, *, active: Callable[[],
             if not active():
                 return reduce(track_names, pg_collection)
             tracker = get_moe_layer_wise_logging_tracker()
-            names = list(tracker) if track_names is None else list(track_names)
-            grouped = [n for n in names if tracker[n].get("reduce_group") is not None]
-            reduce([n for n in names if n not in grouped], pg_collection)
-            for name in grouped:
-                _sum_over_job(tracker[name]["values"],
-                              not tracker[name].get("reduce_group_has_dp", False), sum_over_job,
-                              data_parallel_size())
+            for name in list(tracker) if track_names is None else track_names:
+                entry = tracker[name]
+                grouped = entry.get("reduce_group") is not None
+                _sum_over_job(entry["values"],
+                              divisor(grouped, grouped and not entry.get("reduce_group_has_dp")),
+                              sum_over_job)
         return reduce_across_ranks
 
     registry.register_wrapper(f"{MODULE}.reduce_aux_losses_tracker_across_ranks", job_wide_reduce)

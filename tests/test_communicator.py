@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -107,6 +108,18 @@ def test_expert_specs_of_the_grid_are_megatrons_expert_groups(tp, pp, dp, ep, et
     for role, groups in expected.items():
         assert lists_of(specs, role) == sorted(tuple(ranks) for ranks in groups), role
     assert layout.lockstep_size == max(1, ep * etp // tp)
+
+
+@pytest.mark.parametrize("experts, tp, dp, message", [
+    ((6, 4, 1), 1, 4, "6 experts cannot be split evenly over 4 expert-parallel ranks"),
+    ((8, 4, 1), 1, 2, "expert tensor x expert parallel size 4 must divide the 2 ranks"),
+    ((6, 3, 1), 2, 3, "expert tensor x expert parallel size 3 and tensor-parallel size 2 "
+     "must divide one another"),
+])
+def test_an_expert_grid_the_layout_cannot_keep_is_refused(experts, tp, dp, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Layout.megatron(tp=tp, pp=1, dp=dp, num_layers=2, num_microbatches=dp,
+                        experts=ExpertParallelism(*experts))
 
 
 def test_expert_groups_follow_a_layer_that_moves_to_a_new_holder():

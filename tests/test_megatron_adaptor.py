@@ -260,8 +260,6 @@ def test_megatron_lm_with_elastic_survives_a_sigkilled_rank_on_the_trajectory(tm
      "without Transformer Engine (the legacy GroupedMLP keeps a rank's experts in one tensor"),
     (1, ["--context-parallel-size", "2"], "does not support --context-parallel-size > 1: a "
      "failed rank's sequence shards are not resharded"),
-    (2, ["--sequence-parallel"], "--sequence-parallel needs Transformer Engine or Apex norms, "
-     "which run on CUDA only; on cpu drop it"),
 ])
 def test_megatron_lm_with_elastic_refuses_what_it_cannot_do_in_one_line(tmp_path, tp, extra,
                                                                         message):

@@ -346,3 +346,56 @@ def test_a_replacement_rejoins_an_moe_job_and_its_layout_returns(tmp_path, two_l
     assert [len(r["stages"]) for r in recovery["layout"]] == [1, 1, 2, 2]
     assert grow["layout"] == reference["iterations"][0]["layout"]
     assert rejoined["iterations"][-1]["world_size"] == 8
+
+
+# -- checkpoints ---------------------------------------------------------------------------------
+
+
+@needs_megatron_lm
+@pytest.mark.timeout(1800)
+def test_a_checkpoint_saved_after_a_failure_loads_in_megatron_lms_own_loop(tmp_path):
+    """The DeepSeek-V3-style job saves iteration 4 after rank 4 failed in iteration 3: its two
+    lockstep sets then run one and two stages. Megatron-LM's loop without ``--elastic`` resumes
+    that checkpoint (the experts by global index, the expert optimizer's state, the routers'
+    expert biases) as it resumes one it saved itself, and ``--elastic`` resumes it on the
+    uninterrupted run."""
+    flags = deepseek_v3_style()
+    at = flags.index("--train-iters")
+    first_half = flags[:at + 1] + ["4"] + flags[at + 2:]
+    saved = {"elastic": tmp_path / "saved-by-elastic", "megatron-lm": tmp_path / "saved-by-megatron-lm"}
+    run(tmp_path, "saving-elastic", first_half + [
+        "--save", str(saved["elastic"]), "--save-interval", "4",
+        "--elastic-inject-failure", "rank=4,iteration=3"])
+    run(tmp_path, "saving-megatron-lm", first_half + ["--save", str(saved["megatron-lm"]),
+                                                      "--save-interval", "4"], elastic=False)
+    for directory in saved.values():
+        assert (directory / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    resumed = {saver: run(tmp_path, f"megatron-lm-loads-{saver}", flags + ["--load", str(path)],
+                          elastic=False)["lines"] for saver, path in saved.items()}
+    assert sorted(resumed["elastic"]) == list(range(5, ITERATIONS + 1))
+    for iteration, fields in resumed["megatron-lm"].items():
+        for name in ("lm loss", "seq_load_balancing_loss", "grad norm"):
+            assert resumed["elastic"][iteration][name] == pytest.approx(
+                fields[name], rel=PARITY_TOLERANCE, abs=1e-6), (iteration, name)
+    uninterrupted = run(tmp_path, "uninterrupted", flags)
+    elastic = run(tmp_path, "elastic-loads-elastic", flags + ["--load", str(saved["elastic"])])
+    assert_on_trajectory(elastic, {"iterations": [r for r in uninterrupted["iterations"]
+                                                  if r["iteration"] > 4]})
+
+
+@pytest.mark.timeout(900)
+def test_pretrain_gpt_resumes_an_moe_checkpoint_in_another_expert_layout(tmp_path):
+    """``pretrain_gpt.py`` saves iteration 4 after a failure with expert parallelism 2 (two
+    lockstep sets, one of them on one stage per replica), and resumes it with expert
+    parallelism 4: every expert is found by its global index, on the uninterrupted run."""
+    flags = pretrain_gpt_flags(ep=2) + ["--elastic"]
+    uninterrupted = pretrain_gpt(tmp_path, "uninterrupted", flags)
+    at = flags.index("--train-iters")
+    pretrain_gpt(tmp_path, "saving", flags[:at + 1] + ["4"] + flags[at + 2:] + [
+        "--save", str(tmp_path / "saved"), "--save-interval", "4",
+        "--elastic-inject-failure", "rank=4,iteration=3"])
+    at = flags.index("--expert-model-parallel-size")
+    resumed = pretrain_gpt(tmp_path, "resumed", flags[:at + 1] + ["4"] + flags[at + 2:] + [
+        "--load", str(tmp_path / "saved")])
+    assert_on_trajectory(resumed, {"iterations": [r for r in uninterrupted["iterations"]
+                                                  if r["iteration"] > 4]})

@@ -128,6 +128,7 @@ def run_single(flags: list[str], env: dict | None = None) -> subprocess.Complete
 
 BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "1", "--lr", "1e-3"]
+MOE = ["--mock-data", "--vocab-size", "64", "--num-experts", "8", "--disable-bias-linear"]
 
 
 @pytest.mark.parametrize("flags, world_size, message", [
@@ -151,6 +152,21 @@ BASE = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"
      "give one prefix, or weights and prefixes in pairs (W1 P1 W2 P2 ...)"),
     (["--mock-data", "--vocab-size", "64", "--wandb-project", "p"], 1,
      "--wandb-project needs --wandb-exp-name"),
+    (MOE + ["--num-experts", "6", "--expert-model-parallel-size", "4"], 4,
+     "--num-experts 6 is not divisible by --expert-model-parallel-size 4"),
+    (MOE[:-2] + ["6", "--disable-bias-linear", "--expert-model-parallel-size", "3"], 4,
+     "--expert-model-parallel-size 3 x --expert-tensor-parallel-size 1 does not divide the 4 "
+     "ranks of a pipeline stage"),
+    (["--mock-data", "--vocab-size", "64", "--no-such-flag"], 1,
+     "unrecognized arguments: --no-such-flag"),
+    (MOE + ["--moe-layer-freq", "[0]*1+[1]*2"], 1, "--moe-layer-freq names 3 layers, the model "
+     "has 2"),
+    (MOE + ["--moe-layer-freq", "[0]+[2]"], 1, "a layer pattern holds only 0 and 1"),
+    (MOE + ["--moe-router-topk", "9"], 1, "--moe-router-topk must be between 1 and "
+     "--num-experts 8"),
+    ([*MOE[:-1]], 1, "MoE layers have no bias: add --disable-bias-linear"),
+    (MOE + ["--tensor-model-parallel-size", "2"], 2, "MoE with --tensor-model-parallel-size > 1 "
+     "needs sequence parallelism"),
 ])
 def test_bad_input_is_a_one_line_error(flags, world_size, message):
     result = run_single(BASE + flags, env={"WORLD_SIZE": str(world_size), "RANK": "0"})

@@ -123,7 +123,11 @@ class ElasticHooks:
 
     def train_step(self, iteration: int) -> StepResult | None:
         from megatron_elaswave.training.migration import StateLost
-        from megatron_elaswave.training.recovery import CannotContinue, cannot_continue_line
+        from megatron_elaswave.training.recovery import (
+            CannotContinue,
+            StepFailed,
+            cannot_continue_line,
+        )
 
         try:
             return self.job.train_step(iteration)
@@ -133,6 +137,11 @@ class ElasticHooks:
             exit_with(exit_status.CANNOT_CONTINUE,
                       cannot_continue_line(error, self.job.trainer.args.save), every_rank=True,
                       prefix="")
+        except StepFailed as error:  # the iteration's own error; every member stops with it
+            self.job.finish_saves()
+            if error.announce:
+                exit_with(exit_status.STEP_FAILED, str(error), every_rank=True)
+            sys.exit(exit_status.STEP_FAILED)
 
     def swap_into(self, model: list, optimizer: object, scheduler: object) -> None:
         self.job.swap_into(model, optimizer, scheduler)

@@ -273,8 +273,16 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> None:
                             "profile JSON here (see docs/planner.md)")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors (an unknown flag, a value of the wrong type) are one line
+    on stderr, exit status 2, like every other bad input of the script."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="pretrain_gpt.py",
         description="GPT pretraining on Megatron-Core with Megatron-LM's flags, plus --elastic.",
         allow_abbrev=False,
@@ -502,11 +510,11 @@ def _validate_moe(args: argparse.Namespace) -> None:
                  f"layers, the model has {args.num_layers}")
     _fail_unless(isinstance(pattern, list) or pattern > 0, "--moe-layer-freq must be positive")
     _fail_unless(args.disable_bias_linear, "MoE layers have no bias: add --disable-bias-linear")
-    # megatron-core runs MoE with tensor parallelism only under sequence parallelism, which the
-    # torch norms (without Transformer Engine or Apex) refuse.
+    # megatron-core runs MoE with tensor parallelism only under sequence parallelism.
     _fail_unless(tp == 1, "MoE with --tensor-model-parallel-size > 1 needs sequence "
-                          "parallelism (Transformer Engine or Apex norms); use "
-                          "--expert-model-parallel-size for the experts instead")
+                          "parallelism, which this script does not run; use "
+                          "--expert-model-parallel-size for the experts, or Megatron-LM's "
+                          "pretrain_gpt.py with --sequence-parallel")
     args.moe_ffn_hidden_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
 
 

@@ -61,7 +61,7 @@ from megatron_elaswave.runtime.snapshot import PendingSnapshot, SnapshotStore
 
 from .checkpoint import checkpoint_dir, latest_complete, write_tracker
 from .loop import log
-from .migration import Piece
+from .migration import BUFFER, Piece
 
 ABANDONED = "abandoned"
 COMMITTING = "committing"
@@ -107,13 +107,18 @@ class SaveRequest:
 
     def boxes(self) -> list[Box]:
         """What this rank writes, from its snapshot: the model weights (the main parameters
-        cast to the model's dtype) and the three optimizer tensors of every piece."""
+        cast to the model's dtype) and the three optimizer tensors of every piece, and the
+        trained buffers it writes (the routers' expert biases)."""
         tensors = self.snapshot.snapshot.tensors
         boxes = []
         for key, segments in self.pieces:
             piece = Piece.parse(key)
             values = tensors[key].reshape(-1)
             for segment in segments:
+                if piece.kind == BUFFER:  # a trained buffer: the model's own, no optimizer state
+                    boxes += segment_boxes(segment, piece.start, values,
+                                           dtype=segment.placement.dtype)
+                    continue
                 boxes += segment_boxes(segment, piece.start, values,
                                        key_prefix=optimizer_state_prefix(piece.kind))
                 if piece.kind == "param":

@@ -81,10 +81,12 @@ class Piece:
 
 
 def _chunk_buffers(objects):
-    """``(global name, tensor)`` of every trained buffer of every chunk (the routers' expert
-    biases)."""
+    """``(global name, tensor, whether this rank is the first of the chunk's data-parallel
+    group)`` of every trained buffer of every chunk (the routers' expert biases)."""
     for ddp in objects.model:
-        yield from expert_biases(ddp.module).items()
+        first = ddp.dp_cp_group.rank() == 0
+        for name, buffer in expert_biases(ddp.module).items():
+            yield name, buffer, first
 
 
 def _chunk_params(objects):
@@ -111,14 +113,21 @@ class NamedShard:
                 keys = {kind: Piece(tp_rank, name, kind, span.start, span.stop).key
                         for kind in KINDS}
                 self._entries.append((optimizer, param, keys))
-        self._buffers = {Piece(tp_rank, name, BUFFER, 0, buffer.numel()).key: buffer
-                         for name, buffer in _chunk_buffers(objects)}
+        self._buffers, self._first_holder_of = {}, set()
+        for name, buffer, first in _chunk_buffers(objects):
+            key = Piece(tp_rank, name, BUFFER, 0, buffer.numel()).key
+            self._buffers[key] = buffer
+            if first:
+                self._first_holder_of.add(key)
 
     def pieces_of(self, params: Mapping[int, object]) -> list[tuple[str, object]]:
-        """``(key, params[id(parameter)])`` of every tensor of the shard whose parameter is in
-        ``params`` (by ``id``)."""
-        return [(key, params[id(param)]) for _, param, keys in self._entries
-                if id(param) in params for key in keys.values()]
+        """``(key, params[id(tensor)])`` of every tensor of the shard whose parameter is in
+        ``params`` (by ``id``), and of every trained buffer in ``params`` that this rank is the
+        first holder of, of its layer's data-parallel holders (every holder has it whole)."""
+        pieces = [(key, params[id(param)]) for _, param, keys in self._entries
+                  if id(param) in params for key in keys.values()]
+        return pieces + [(key, params[id(buffer)]) for key, buffer in self._buffers.items()
+                         if key in self._first_holder_of and id(buffer) in params]
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """The shard's tensors by key: views of the optimizer's own, as they are now."""
@@ -149,7 +158,7 @@ def needed_pieces(objects, tp_rank: int) -> list[Piece]:
         if span:
             needs += [Piece(tp_rank, name, kind, span.start, span.stop) for kind in KINDS[1:]]
     needs += [Piece(tp_rank, name, BUFFER, 0, buffer.numel())
-              for name, buffer in _chunk_buffers(objects)]
+              for name, buffer, _ in _chunk_buffers(objects)]
     return needs
 
 
@@ -318,7 +327,7 @@ def load_pieces(objects, values: Sequence[torch.Tensor], step: float) -> None:
         if span:
             tensors.update({kind: next(received) for kind in KINDS[1:]})
         set_shard_state(optimizer, param, tensors)
-    for _, buffer in _chunk_buffers(objects):
+    for _, buffer, _ in _chunk_buffers(objects):
         buffer.copy_(next(received).view_as(buffer).to(buffer.dtype))
     for optimizer in objects.optimizer.chained_optimizers:
         for state in optimizer.optimizer.state.values():
