@@ -27,6 +27,7 @@ import pytest
 
 from harness import free_port, launch
 from megatron_elaswave.metrics import read_metrics
+from megatron_elaswave.training.checkpoint import write_tracker
 from test_megatron_adaptor import TRAINING_SCRIPT
 from test_megatron_lm_recipes import CPU, assert_on_trajectory
 
@@ -357,19 +358,17 @@ def test_a_checkpoint_saved_after_a_failure_loads_in_megatron_lms_own_loop(tmp_p
     """The DeepSeek-V3-style job saves iteration 4 after rank 4 failed in iteration 3: its two
     lockstep sets then run one and two stages. Megatron-LM's loop without ``--elastic`` resumes
     that checkpoint (the experts by global index, the expert optimizer's state, the routers'
-    expert biases) as it resumes one it saved itself, and ``--elastic`` resumes it on the
-    uninterrupted run."""
+    expert biases) as it resumes one it saved itself, and ``--elastic`` resumes it on the run
+    that saved it."""
     flags = deepseek_v3_style()
-    at = flags.index("--train-iters")
-    first_half = flags[:at + 1] + ["4"] + flags[at + 2:]
     saved = {"elastic": tmp_path / "saved-by-elastic", "megatron-lm": tmp_path / "saved-by-megatron-lm"}
-    run(tmp_path, "saving-elastic", first_half + [
+    saving = run(tmp_path, "saving-elastic", flags + [
         "--save", str(saved["elastic"]), "--save-interval", "4",
         "--elastic-inject-failure", "rank=4,iteration=3"])
-    run(tmp_path, "saving-megatron-lm", first_half + ["--save", str(saved["megatron-lm"]),
-                                                      "--save-interval", "4"], elastic=False)
-    for directory in saved.values():
-        assert (directory / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    run(tmp_path, "saving-megatron-lm", flags + ["--save", str(saved["megatron-lm"]),
+                                                 "--save-interval", "4"], elastic=False)
+    for directory in saved.values():  # resume the checkpoint of iteration 4
+        write_tracker(str(directory), 4)
     resumed = {saver: run(tmp_path, f"megatron-lm-loads-{saver}", flags + ["--load", str(path)],
                           elastic=False)["lines"] for saver, path in saved.items()}
     assert sorted(resumed["elastic"]) == list(range(5, ITERATIONS + 1))
@@ -377,9 +376,8 @@ def test_a_checkpoint_saved_after_a_failure_loads_in_megatron_lms_own_loop(tmp_p
         for name in ("lm loss", "seq_load_balancing_loss", "grad norm"):
             assert resumed["elastic"][iteration][name] == pytest.approx(
                 fields[name], rel=PARITY_TOLERANCE, abs=1e-6), (iteration, name)
-    uninterrupted = run(tmp_path, "uninterrupted", flags)
     elastic = run(tmp_path, "elastic-loads-elastic", flags + ["--load", str(saved["elastic"])])
-    assert_on_trajectory(elastic, {"iterations": [r for r in uninterrupted["iterations"]
+    assert_on_trajectory(elastic, {"iterations": [r for r in saving["iterations"]
                                                   if r["iteration"] > 4]})
 
 
