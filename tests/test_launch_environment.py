@@ -435,6 +435,20 @@ def _survive_a_sigkill(nodes: list[LaunchedJob], out_dir: Path) -> None:
         assert (death["cause"], death["signal"]) == ("signal", "SIGKILL")
 
 
+def _two_nodes_survive_a_sigkill(tmp_path, command: list[str], port: int, out,
+                                 environment_of) -> None:
+    """Two launchers of ``command`` that only ``environment_of(node)`` places: each is the node
+    its environment names, and the job survives a SIGKILLed worker."""
+    with contextlib.ExitStack() as stack:
+        nodes = [stack.enter_context(_start_launcher(
+            command, environment_of(n), tmp_path / f"node{n}.log", node_rank=n,
+            master_port=port)) for n in (0, 1)]
+        records = _node_records(nodes[0])
+        assert {n: record.pid for n, record in records.items()} == {0: nodes[0].pid,
+                                                                    1: nodes[1].pid}
+        _survive_a_sigkill(nodes, out)
+
+
 @multiprocess
 @pytest.mark.timeout(240)
 def test_two_nodes_placed_only_by_slurm_survive_a_sigkilled_worker(tmp_path):
@@ -447,14 +461,8 @@ def test_two_nodes_placed_only_by_slurm_survive_a_sigkilled_worker(tmp_path):
             "SLURM_NNODES": "2", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "127.0.0.[1-2]",
             "MASTER_PORT": str(port)}
     command = ["--nproc-per-node", "2", worker_script("survivor.py"), str(out), "3"]
-    with contextlib.ExitStack() as stack:
-        nodes = [stack.enter_context(_start_launcher(
-            command, _clean_environment(**step, SLURM_NODEID=str(n), SLURM_PROCID=str(n)),
-            tmp_path / f"node{n}.log", node_rank=n, master_port=port)) for n in (0, 1)]
-        records = _node_records(nodes[0])
-        assert {n: record.pid for n, record in records.items()} == {0: nodes[0].pid,
-                                                                    1: nodes[1].pid}
-        _survive_a_sigkill(nodes, out)
+    _two_nodes_survive_a_sigkill(tmp_path, command, port, out, lambda n: _clean_environment(
+        **step, SLURM_NODEID=str(n), SLURM_PROCID=str(n)))
 
 
 @multiprocess
@@ -469,14 +477,8 @@ def test_two_pods_placed_only_by_a_pytorchjob_survive_a_sigkilled_worker(tmp_pat
            "PET_MASTER_PORT": str(port), "WORLD_SIZE": "4", "PET_NNODES": "2",
            "PET_NPROC_PER_NODE": "2"}
     command = [worker_script("survivor.py"), str(out), "3"]
-    with contextlib.ExitStack() as stack:
-        nodes = [stack.enter_context(_start_launcher(
-            command, _clean_environment(**pod, RANK=str(n), PET_NODE_RANK=str(n)),
-            tmp_path / f"node{n}.log", node_rank=n, master_port=port)) for n in (0, 1)]
-        records = _node_records(nodes[0])
-        assert {n: record.pid for n, record in records.items()} == {0: nodes[0].pid,
-                                                                    1: nodes[1].pid}
-        _survive_a_sigkill(nodes, out)
+    _two_nodes_survive_a_sigkill(tmp_path, command, port, out, lambda n: _clean_environment(
+        **pod, RANK=str(n), PET_NODE_RANK=str(n)))
 
 
 @multiprocess
