@@ -330,11 +330,11 @@ def test_pretrain_gpt_survives_a_kill_and_one_right_after_layers_and_experts_mov
 
 
 @pytest.mark.timeout(900)
-def test_a_replacement_rejoins_an_moe_job_and_its_layout_returns(tmp_path, two_lockstep_sets):
+def test_a_replacement_rejoins_an_moe_job_and_its_layout_returns(tmp_path):
     """Under ``elaswave-run --rejoin``, rank 5 is SIGKILLed in iteration 3 and started again:
     its lockstep set runs on one stage per replica until the replacement joins, then the job
     runs its first layout again, on the failure-free trajectory."""
-    flags = pretrain_gpt_flags(ep=2, iterations=200) + ["--elastic", "--log-interval", "20"]
+    flags = pretrain_gpt_flags(ep=2, iterations=80) + ["--elastic", "--log-interval", "20"]
     reference = pretrain_gpt(tmp_path, "reference", flags)
     rejoined = pretrain_gpt(tmp_path, "rejoined",
                             flags + ["--elastic-inject-failure", "rank=5,iteration=3"],
@@ -382,12 +382,13 @@ def test_a_checkpoint_saved_after_a_failure_loads_in_megatron_lms_own_loop(tmp_p
 
 
 @pytest.mark.timeout(900)
-def test_pretrain_gpt_resumes_an_moe_checkpoint_in_another_expert_layout(tmp_path):
+def test_pretrain_gpt_resumes_an_moe_checkpoint_in_another_expert_layout(tmp_path,
+                                                                         two_lockstep_sets):
     """``pretrain_gpt.py`` saves iteration 4 after a failure with expert parallelism 2 (two
     lockstep sets, one of them on one stage per replica), and resumes it with expert
     parallelism 4: every expert is found by its global index, on the uninterrupted run."""
     flags = pretrain_gpt_flags(ep=2) + ["--elastic"]
-    uninterrupted = pretrain_gpt(tmp_path, "uninterrupted", flags)
+    uninterrupted = two_lockstep_sets
     at = flags.index("--train-iters")
     pretrain_gpt(tmp_path, "saving", flags[:at + 1] + ["4"] + flags[at + 2:] + [
         "--save", str(tmp_path / "saved"), "--save-interval", "4",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
+import re
 import signal
 import statistics
 import socket
@@ -289,3 +291,77 @@ def time_sliced(jobs: dict[str, Callable[[int], SlicedJob]], rounds: int, window
             for job in started.values():
                 job.kill()
     return Alternated(runs, rounds_per_set=rounds)
+
+
+MEGATRON_LM_LINE = re.compile(r"iteration +(\d+)/ +\d+ \|(.*)")
+"""Megatron-LM's iteration log line: the iteration, then its ``name: value | ...`` fields."""
+MEGATRON_LM_ELAPSED = "elapsed time per iteration (ms)"
+
+
+def megatron_lm_record(line: str) -> dict[str, float] | None:
+    """Megatron-LM's iteration log line as a record: ``iteration``, each field with a number by
+    its name, and :data:`STEP_TIME`, the line's elapsed time per iteration in seconds (at
+    ``--log-interval 1`` the wall time of that iteration, on the logging rank); ``None`` for any
+    other line."""
+    match = MEGATRON_LM_LINE.search(line)
+    if match is None:
+        return None
+    record: dict[str, float] = {"iteration": int(match.group(1))}
+    for field in match.group(2).split("|"):
+        name, _, value = field.partition(":")
+        try:
+            record[name.strip()] = float(value)
+        except ValueError:
+            continue
+    if MEGATRON_LM_ELAPSED not in record:
+        return None
+    record[STEP_TIME] = record[MEGATRON_LM_ELAPSED] / 1e3
+    return record
+
+
+class MegatronLMJob(SlicedJob):
+    """A :class:`SlicedJob` of Megatron-LM's own loop as users run it under elaswave-run:
+    ``elaswave-run -m megatron_elaswave.run_megatron_lm TRAINING_SCRIPT ARGS``; its records are
+    Megatron-LM's iteration log lines in the job's output (:func:`megatron_lm_record`; run it
+    with ``--log-interval 1``), the same with ``--elastic`` and without."""
+
+    RUNNER = "megatron_elaswave.run_megatron_lm"
+
+    def __init__(self, training_script: Path | str, script_args: Sequence[str], nproc: int,
+                 launcher_args: Sequence[str] = ()) -> None:
+        super().__init__(Path(self.RUNNER), [str(training_script), *script_args], nproc,
+                         launcher_args=["-m", *launcher_args])
+
+    def _read(self) -> None:
+        try:
+            with open(self._records_path, "rb") as handle:
+                handle.seek(self._offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for line in lines:
+            record = megatron_lm_record(line.decode(errors="replace"))
+            if record is not None:
+                self.records.append(record)
+
+
+def bootstrap_ratio_interval(times: Alternated, arm: str, base: str, measure: str = STEP_TIME,
+                             confidence: float = 0.95, draws: int = 4000,
+                             seed: int = 0) -> tuple[float, float]:
+    """A percentile bootstrap interval for :meth:`Alternated.paired_ratio`, resampling on both
+    levels the runs have: sets with replacement, then the rounds of each drawn set with
+    replacement (the median of a set's drawn rounds' ratios, the median over the drawn sets).
+    Narrower than :func:`median_interval` with few sets, where that is their whole range; it
+    takes the sets as a sample of the machine's states, which a handful of sets is not always."""
+    ratios = times.round_ratios(arm, base, measure)
+    size = times.rounds_per_set
+    sets = [ratios[start:start + size] for start in range(0, len(ratios), size)]
+    draw = random.Random(seed)
+    medians = sorted(
+        statistics.median(statistics.median(draw.choices(rounds, k=len(rounds)))
+                          for rounds in draw.choices(sets, k=len(sets)))
+        for _ in range(draws))
+    tail = (1 - confidence) / 2
+    return medians[int(tail * (draws - 1))], medians[int(round((1 - tail) * (draws - 1)))]
