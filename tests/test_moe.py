@@ -398,3 +398,34 @@ def test_pretrain_gpt_resumes_an_moe_checkpoint_in_another_expert_layout(tmp_pat
         "--load", str(tmp_path / "saved")])
     assert_on_trajectory(resumed, {"iterations": [r for r in uninterrupted["iterations"]
                                                   if r["iteration"] > 4]})
+
+
+@pytest.mark.timeout(900)
+def test_an_moe_job_whose_lockstep_set_cannot_go_on_saves_and_stops_in_one_line(
+        tmp_path, two_lockstep_sets):
+    """Expert parallelism 4 over the four replicas: one lockstep set. Both stages of replica 1
+    fail in iteration 3: no replica of the set may leave it, so the survivors gather the state
+    into one lockstep set of replicas of one stage each, save it and stop with one line (exit
+    status 3); ``--load`` finishes the run on the trajectory, with expert parallelism 2."""
+    checkpoint = tmp_path / "checkpoint"
+    flags = pretrain_gpt_flags(ep=4) + ["--elastic"]
+    metrics = tmp_path / "stopped.jsonl"
+    with launch([PRETRAIN, *flags, "--save", str(checkpoint), "--elastic-metrics-file",
+                 str(metrics), "--elastic-inject-failure", "rank=1,iteration=3",
+                 "--elastic-inject-failure", "rank=5,iteration=3"], 8, master_port=free_port(),
+                log_path=tmp_path / "stopped.log") as job:
+        returncode, output = job.wait(600)
+    assert returncode != 0 and "Traceback" not in output, output[-4000:]
+    for survivor in (0, 2, 3, 4, 6, 7):
+        assert re.search(rf"worker rank {survivor} \(pid \d+\) exited with code 3", output), \
+            output[-4000:]
+    at = re.escape(str(checkpoint))
+    saved = re.search(r"cannot continue: .*\. The state of iteration (\d+) is saved in "
+                      rf"{at}/iter_\d+: resume with --load {at}", output)
+    assert saved, output[-4000:]
+    stopped = read_metrics(str(metrics), "iteration")
+    assert [r["iteration"] for r in stopped] == list(range(1, int(saved.group(1)) + 1))
+    at = flags.index("--expert-model-parallel-size")
+    resumed = pretrain_gpt(tmp_path, "resumed", flags[:at + 1] + ["2"] + flags[at + 2:] + [
+        "--load", str(checkpoint)])
+    assert_on_trajectory({"iterations": stopped + resumed["iterations"]}, two_lockstep_sets)

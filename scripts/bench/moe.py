@@ -42,6 +42,7 @@ Two measurements:
 from __future__ import annotations
 
 import argparse
+import shlex
 import json
 import os
 import signal
@@ -152,7 +153,8 @@ def step_time(args: argparse.Namespace, script: Path, say) -> dict:
         return lambda train_iters: MegatronLMJob(script, [*recipe(args, train_iters), *extra],
                                                  args.nproc)
 
-    times = time_sliced({"megatron-lm": arm([]), "elastic": arm(ELASTIC)}, args.rounds,
+    times = time_sliced({"megatron-lm": arm([]), "elastic": arm(ELASTIC + args.elastic_args)},
+                        args.rounds,
                         args.window, args.warmup_iters, sets=args.sets, report=say)
     low, high = times.ratio_interval("elastic", "megatron-lm")
     boot_low, boot_high = bootstrap_ratio_interval(times, "elastic", "megatron-lm")
@@ -184,7 +186,7 @@ class KilledJob:
         self.port = free_port()
         command = [sys.executable, "-m", "megatron_elaswave.launch.run",
                    f"--nproc-per-node={nproc}", f"--master-port={self.port}", "-m",
-                   MegatronLMJob.RUNNER, str(script), *flags, *ELASTIC,
+                   MegatronLMJob.RUNNER, str(script), *flags, *ELASTIC, *args.elastic_args,
                    "--elastic-metrics-file", str(self.metrics)]
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen(
@@ -381,6 +383,9 @@ def main() -> None:
     parser.add_argument("--training-script",
                         help="Megatron-LM's pretrain_gpt.py (default: MEGATRON_LM_PATH's, else "
                              "tests/megatron_lm_pretrain_gpt.py)")
+    parser.add_argument("--elastic-args", type=shlex.split, default=[], metavar="FLAGS",
+                        help="more flags of the --elastic jobs, as one word "
+                             "(--elastic-args='--elastic-snapshot-replicas 1')")
     parser.add_argument("--skip-step-time", action="store_true")
     parser.add_argument("--skip-mttr", action="store_true")
     parser.add_argument("--output", help="write the figures to this JSON file")
