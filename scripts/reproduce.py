@@ -621,10 +621,12 @@ def machine() -> str:
 
 KEPT_SECTIONS = {
     "## megatron-core 0.16.1 and 0.19.2": "megatron_core_lines.md",
+    "## Mixtures of experts": "moe.md",
     "## One GPU: the accelerator path": "gpu_check.md",
 }
 """The report's last sections, heading -> file under ``docs/results/`` kept as it stands: written
-by ``scripts/bench/lines.py`` (two Python environments) and by a GPU run of
+by ``scripts/bench/lines.py`` (two Python environments), from ``scripts/bench/moe.py`` (which
+needs Megatron-LM's training package: the 0.19 line's environment) and by a GPU run of
 ``scripts/gpu_check.sh``."""
 
 
