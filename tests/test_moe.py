@@ -161,8 +161,12 @@ def mixtral(tmp_path_factory) -> dict[str, dict]:
 def test_mixtral_recipe_with_elastic_follows_megatron_lms_own_loop(mixtral):
     assert "load_balancing_loss" in mixtral["megatron-lm"]["lines"][1]
     assert_lines_agree(mixtral["elastic"], mixtral["megatron-lm"], PARITY_TOLERANCE)
-    # The job's own account of the load-balancing loss (its metrics file) is Megatron-LM's.
+    # The job's own account of the load-balancing loss (its metrics file) is Megatron-LM's. Its
+    # second line is left out: Megatron-LM 0.19 does not reset its accumulators after the first
+    # line (`should_reset = not is_first_iteration`), so that line averages iterations 1 and 2.
     for record in mixtral["elastic"]["iterations"]:
+        if record["iteration"] == 2:
+            continue
         logged = mixtral["megatron-lm"]["lines"][record["iteration"]]["load_balancing_loss"]
         assert record["moe_losses"]["load_balancing_loss"] == pytest.approx(
             logged, rel=PARITY_TOLERANCE)

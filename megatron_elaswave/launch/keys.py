@@ -80,6 +80,9 @@ Durable checkpoints (:mod:`~megatron_elaswave.training.durable`):
                                                (snapshots of layout ``g``)
 ``rt/ckpt/<iteration>-g<g>/outcome``           ``committing``, ``committed`` or ``abandoned``, first
                                                written with ``compare_set``
+``rt/ckpt/<iteration>-g<g>/error``             why the save could not be written (the first
+                                               writer or finaliser that failed says)
+``rt/ckpt/failed``                             the first save of the job that could not be written
 ``rt/ckpt/lock``                               the save that commits now (empty when none)
 =============================================  ==========================================================
 
@@ -214,12 +217,15 @@ def done_key(generation: int, rank: int) -> str:
 
 def checkpoint_key(save: str, what: str) -> str:
     """Keys of the durable checkpoint ``save`` (``<iteration>-g<generation>``): ``part/<rank>``,
-    ``outcome``."""
+    ``outcome``, ``error``."""
     return f"rt/ckpt/{save}/{what}"
 
 
 CHECKPOINT_LOCK_KEY = "rt/ckpt/lock"
 """The durable checkpoint that commits now; empty when none does."""
+
+CHECKPOINT_FAILED_KEY = "rt/ckpt/failed"
+"""The first durable checkpoint of the job that could not be written (its save id)."""
 
 FINISHED_KEY = "rt/finished"
 """Set when the job ends: empty when every member finished, else why the survivors stopped."""

@@ -122,6 +122,7 @@ class ElasticHooks:
         return self.job.evaluation_splits()
 
     def train_step(self, iteration: int) -> StepResult | None:
+        from megatron_elaswave.training.durable import SaveFailed
         from megatron_elaswave.training.migration import StateLost
         from megatron_elaswave.training.recovery import (
             CannotContinue,
@@ -142,6 +143,9 @@ class ElasticHooks:
             if error.announce:
                 exit_with(exit_status.STEP_FAILED, str(error), every_rank=True)
             sys.exit(exit_status.STEP_FAILED)
+        except SaveFailed as error:  # every member knows it at the same iteration
+            self.job.finish_saves()
+            exit_with(exit_status.SAVE_FAILED, str(error), every_rank=True)
 
     def swap_into(self, model: list, optimizer: object, scheduler: object) -> None:
         self.job.swap_into(model, optimizer, scheduler)
@@ -189,7 +193,13 @@ class ElasticHooks:
         self.job.save(iteration, floating_point_operations)
 
     def finish_saves(self) -> None:
+        """Before Megatron-LM's loop exits: the saves in flight are written, and the job ends
+        non-zero where its last one (the final or preemption save) was not."""
         self.job.finish_saves()
+        trainer = self.job.trainer
+        if trainer.args.save and (
+                failure := trainer.durable.last_save_failure(trainer.iteration)) is not None:
+            exit_with(exit_status.SAVE_FAILED, failure.line(trainer.args.save), every_rank=True)
 
 
 def exit_with(code: int, message: str, *, every_rank: bool = False,
@@ -198,5 +208,7 @@ def exit_with(code: int, message: str, *, every_rank: bool = False,
     ``every_rank``: every rank fails the same checks)."""
     if every_rank or not dist.is_initialized() or dist.get_rank() == 0:
         script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "megatron-lm"
-        print(f"{script}: {prefix}{message}", file=sys.stderr, flush=True)
+        # One write: the workers of a node share their launcher's output.
+        sys.stderr.write(f"{script}: {prefix}{message}\n")
+        sys.stderr.flush()
     sys.exit(code)

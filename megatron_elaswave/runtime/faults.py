@@ -26,7 +26,9 @@ the first MoE layer of the first micro-batch of iteration ``I`` to reach its exp
 the all-to-all that dispatched the tokens and the one that combines the experts' outputs, in
 which its expert-parallel peers then wait for it), ``checkpoint``
 (on the rank's checkpoint writer thread, once it has written its part of the durable checkpoint
-of iteration ``I`` and before it reports it: the save is left incomplete).
+of iteration ``I`` and before it reports it: the save is left incomplete), ``commit`` (on the
+finaliser's writer thread, once every part of that checkpoint is indexed and it is marked
+``committing``, before its directory is renamed into place: a survivor completes the commit).
 
 ``--elastic-inject-slowdown rank=R,factor=F[,iteration=I]`` makes rank ``R`` a straggler from
 iteration ``I`` on: after each transformer layer's forward it sleeps ``(F - 1)`` times that
@@ -47,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "snapshot", "recovery", "relayout",
-          "evaluation", "alltoall", "checkpoint")
+          "evaluation", "alltoall", "checkpoint", "commit")
 KINDS = ("kill", "hang", "raise", "poison", "nan")
 
 

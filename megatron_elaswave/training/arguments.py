@@ -224,11 +224,22 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> None:
                        metavar="rank=R,iteration=I[,phase=P][,kind=kill|hang|raise|poison|nan]",
                        help="fail rank R during iteration I (repeatable); phases: forward, "
                             "backward, allreduce, optimizer, snapshot, recovery, relayout, "
-                            "evaluation (the one after iteration I)")
+                            "evaluation (the one after iteration I), alltoall, checkpoint, "
+                            "commit (docs/elastic.md)")
     group.add_argument("--elastic-max-step-retries", type=int, default=1,
                        help="times an iteration that fails with no rank failing (an error of "
                             "its own, not a peer's death) is re-run from its snapshot before the "
                             "job stops with that error (default 1)")
+    group.add_argument("--elastic-save-failures", choices=("stop", "warn"), default="stop",
+                       help="when a checkpoint cannot be written (after its retries): stop the "
+                            "job in one line naming the error and the last complete checkpoint "
+                            "(stop, default), or train on with a warning at every save (warn); "
+                            "either way the job exits non-zero if its final or preemption save "
+                            "was not written")
+    group.add_argument("--elastic-save-retries", type=int, default=2,
+                       help="times a checkpoint write that met a transient storage error (EIO, "
+                            "EAGAIN, ESTALE...) is tried again, 1 s later and then twice as long "
+                            "each time (default 2)")
     group.add_argument("--elastic-inject-slowdown", action="append", default=[],
                        metavar="rank=R,factor=F[,iteration=I]",
                        help="make rank R's compute take F times as long from iteration I on "
@@ -373,7 +384,9 @@ def validate_elastic(args: argparse.Namespace, world_size: int, *,
                  "--elastic-inject-failure and --elastic-inject-slowdown need --elastic")
     _fail_unless(args.elastic_rebalance_window >= 0,
                  "--elastic-rebalance-window must not be negative")
-    _fail_unless(args.elastic_rebalance_min_gain >= 1, "--elastic-rebalance-min-gain must be >= 1")
+    # A gain of 1 would re-deal for nothing, back and forth.
+    _fail_unless(args.elastic_rebalance_min_gain > 1, "--elastic-rebalance-min-gain must be > 1")
+    _fail_unless(args.elastic_save_retries >= 0, "--elastic-save-retries must be >= 0")
     _fail_unless(args.elastic_slow_stage_factor > 1, "--elastic-slow-stage-factor must be > 1")
     _fail_unless(args.elastic_heartbeat_timeout > 0, "--elastic-heartbeat-timeout must be positive")
     _fail_unless(args.elastic_max_step_retries >= 0,
@@ -387,6 +400,8 @@ def validate_elastic(args: argparse.Namespace, world_size: int, *,
                  "--elastic reshards the distributed optimizer's state: add --use-distributed-optimizer")
     _fail_unless(not args.fp16, "--elastic does not support --fp16 (loss scaling); use --bf16")
     _validate_experts(args)
+    if getattr(args, "save", None):
+        _check_writable(args.save)
     for slowdown in args.elastic_inject_slowdown:
         _fail_unless(slowdown.rank < world_size,
                      f"--elastic-inject-slowdown rank {slowdown.rank} is not a rank of this "
@@ -398,6 +413,20 @@ def validate_elastic(args: argparse.Namespace, world_size: int, *,
         _fail_unless(failure.iteration <= args.train_iters,
                      f"--elastic-inject-failure iteration {failure.iteration} is beyond "
                      f"--train-iters {args.train_iters}")
+
+
+def _check_writable(save: str) -> None:
+    """``--save`` can be created and written here: a save that fails later stops the job, this
+    one is refused before the job starts."""
+    probe = os.path.join(save, f".elaswave-write-test-{os.getpid()}")
+    try:
+        os.makedirs(save, exist_ok=True)
+        with open(probe, "w", encoding="utf-8"):
+            pass
+        os.remove(probe)
+    except OSError as error:
+        raise ArgumentError(f"--save {save} cannot be written: {error.strerror} "
+                            f"({error.filename or save})") from None
 
 
 def _validate_experts(args: argparse.Namespace) -> None:

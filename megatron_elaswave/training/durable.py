@@ -22,31 +22,52 @@ the rank writes. A save goes as follows (:class:`DurableCheckpoints`):
    ``<save>/iter_<iteration>`` and only then writes ``latest_checkpointed_iteration.txt``
    (atomically, by rename). A checkpoint the tracker names is therefore always complete.
 
-When a writer fails before its part is written, the survivors abandon the save after their
-recovery (:meth:`DurableCheckpoints.abandon_saves_of`): its outcome key in the store becomes
-``abandoned`` unless the finaliser already took it to ``committing``, after which every part is on
-storage and the save completes. An abandoned save leaves a ``.partial`` directory, which the next
-committed save removes; the tracker still names the last complete checkpoint. Commits of
-different saves are serialised by a lock in the store, and the tracker only moves forward.
+Every save resolves, whatever process dies when:
+
+* When a writer *process* fails before its part is written, the survivors abandon the save after
+  their recovery (:meth:`DurableCheckpoints.abandon_saves_of`): its outcome key in the store
+  becomes ``abandoned`` unless the finaliser already took it to ``committing``, after which every
+  part is on storage and the save completes, by the finaliser or, if the finaliser is the rank
+  that failed, by the lowest surviving writer. At the end of the job, :meth:`~DurableCheckpoints.finish`
+  does the same for a writer that dies then, so that no survivor waits on a save nobody will
+  finish.
+* When a *write* fails (storage full, a path that cannot be created, a bug), it is tried again
+  after a transient storage error (``EIO``, ``EAGAIN``, ``ESTALE``...; :attr:`DurableConfig.retries`
+  times), else the save is abandoned and its error recorded in the store. The job then stops in
+  one line naming the error and the last complete checkpoint
+  (:attr:`DurableCheckpoints.failed`, :meth:`~DurableCheckpoints.failure_line`), or trains on
+  with a warning under ``--elastic-save-failures warn``; either way a final or preemption save
+  that was not written ends the job with a non-zero status.
+
+An abandoned save leaves a ``.partial`` directory, which the next committed save removes; the
+tracker still names the last complete checkpoint. Commits of different saves are serialised by a
+lock in the store, and the tracker only moves forward.
 
 Store keys (:mod:`megatron_elaswave.launch.keys`): ``rt/ckpt/<iteration>-g<generation>/part/<rank>`` (a
 writer's part is on storage), ``rt/ckpt/<iteration>-g<generation>/outcome`` (``committing``,
-``committed`` or ``abandoned``, first written with ``compare_set``) and ``rt/ckpt/lock`` (the save
-that commits, empty when none).
+``committed`` or ``abandoned``, first written with ``compare_set``),
+``rt/ckpt/<iteration>-g<generation>/error`` (why a write failed), ``rt/ckpt/failed`` (the first
+save of the job that failed) and ``rt/ckpt/lock`` (the save that commits, empty when none).
 """
 
 from __future__ import annotations
 
+import errno
+import itertools
 import os
 import queue
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from megatron_elaswave.launch.keys import CHECKPOINT_LOCK_KEY, checkpoint_key
+from megatron_elaswave.launch.keys import (
+    CHECKPOINT_FAILED_KEY,
+    CHECKPOINT_LOCK_KEY,
+    checkpoint_key,
+)
 from megatron_elaswave.patches.dist_checkpointing import (
     Box,
     Segment,
@@ -59,7 +80,7 @@ from megatron_elaswave.patches.dist_checkpointing import (
 )
 from megatron_elaswave.runtime.snapshot import PendingSnapshot, SnapshotStore
 
-from .checkpoint import checkpoint_dir, latest_complete, write_tracker
+from .checkpoint import checkpoint_dir, latest_complete, resume_hint, write_tracker
 from .loop import log
 from .migration import BUFFER, Piece
 
@@ -69,10 +90,21 @@ COMMITTED = "committed"
 
 _POLL_S = 0.05
 
+TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ESTALE,
+                              errno.ETIMEDOUT, errno.ENOLCK, errno.ECONNRESET})
+"""Storage errors that a write may not meet again (a network file system's hiccup): the write
+is retried. Anything else (no space, no permission, a path under a file) fails the save."""
+
+_T = TypeVar("_T")
+
+
+class SaveFailed(RuntimeError):
+    """A durable checkpoint could not be written: the job stops (or, ending, exits non-zero)."""
+
 
 @dataclass
-class SaveRequest:
-    """One save, as one of its writers takes part in it (module docstring)."""
+class SaveName:
+    """Which save: what every writer knows of it until it is resolved."""
 
     root: str
     """``--save``."""
@@ -81,16 +113,6 @@ class SaveRequest:
     """The layout version the snapshots were taken in; with the iteration, names the save."""
     writers: tuple[int, ...]
     """Launch ranks that write a part: every rank that held a stage."""
-    snapshot: PendingSnapshot
-    """This rank's snapshot of ``iteration``, pinned until the request is done."""
-    pieces: list[tuple[str, tuple[Segment, ...]]]
-    """Each snapshot tensor this rank writes (by key, :class:`~.migration.Piece`) and where its
-    parameter's elements go."""
-    objects: dict[str, Any]
-    """``ShardedObject`` data this rank writes, by unique key."""
-    common: dict | None = None
-    """``common.pt``, on the finaliser (the lowest writer) only."""
-    requested_at: float = field(default_factory=time.monotonic)
 
     @property
     def save_id(self) -> str:
@@ -104,6 +126,29 @@ class SaveRequest:
     @property
     def finaliser(self) -> int:
         return min(self.writers)
+
+    def key(self, what: str) -> str:
+        return checkpoint_key(self.save_id, what)
+
+
+@dataclass
+class SaveRequest(SaveName):
+    """One save, as one of its writers takes part in it (module docstring)."""
+
+    snapshot: PendingSnapshot
+    """This rank's snapshot of ``iteration``, pinned until the request is done."""
+    pieces: list[tuple[str, tuple[Segment, ...]]]
+    """Each snapshot tensor this rank writes (by key, :class:`~.migration.Piece`) and where its
+    parameter's elements go."""
+    objects: dict[str, Any]
+    """``ShardedObject`` data this rank writes, by unique key."""
+    common: dict | None = None
+    """``common.pt``, on the finaliser (the lowest writer) only."""
+    requested_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def name(self) -> SaveName:
+        return SaveName(self.root, self.iteration, self.generation, self.writers)
 
     def boxes(self) -> list[Box]:
         """What this rank writes, from its snapshot: the model weights (the main parameters
@@ -136,29 +181,56 @@ class DurableConfig:
     timeout_s: float
     """How long the finaliser waits for every writer's part, and for the commit lock, before
     it abandons the save."""
+    retries: int = 2
+    """How often a write that met a transient storage error (:data:`TRANSIENT_ERRNOS`) is tried
+    again before the save fails."""
+    retry_backoff_s: float = 1.0
+    """The wait before the first retry; each further one waits twice as long."""
+
+
+@dataclass(frozen=True)
+class SaveFailure:
+    """A save that could not be written."""
+
+    iteration: int
+    reason: str
+    """``rank <r>: <error class>: <message>``, from the first rank that failed it."""
+
+    def line(self, root: str) -> str:
+        return (f"the checkpoint of iteration {self.iteration} could not be written "
+                f"({self.reason}); {resume_hint(root)}")
 
 
 class DurableCheckpoints:
     """This rank's writer of durable checkpoints: a thread that takes :class:`SaveRequest`\\ s in
     order (module docstring). ``store_factory`` makes the thread its own client of the job
     store; ``store`` is the training thread's, ``snapshots`` the store of the snapshots the
-    requests pin; ``before_publishing(iteration)`` runs between a part's write and its report
-    (fault injection)."""
+    requests pin; ``dead()`` the launch ranks known dead (a writer among them never finishes its
+    part); ``inject(phase, iteration)`` runs between a part's write and its report (phase
+    ``checkpoint``) and between a save's ``committing`` and its rename (``commit``), for fault
+    injection."""
 
     def __init__(self, config: DurableConfig, store, store_factory: Callable[[], Any],
-                 snapshots: SnapshotStore,
-                 before_publishing: Callable[[int], Any] = lambda iteration: None) -> None:
+                 snapshots: SnapshotStore, dead: Callable[[], Collection[int]] = frozenset,
+                 inject: Callable[[str, int], Any] = lambda phase, iteration: None) -> None:
         self.config = config
         self.store = store
         self._store_factory = store_factory
         self._snapshots = snapshots
-        self._before_publishing = before_publishing
+        self._dead = dead
+        self._inject = inject
         self._queue: queue.Queue[SaveRequest | None] = queue.Queue()
         self._pending: dict[str, SaveRequest] = {}
         """Requests queued or being written, by save id."""
-        self._unresolved: dict[str, tuple[int, ...]] = {}
-        """The writers of each save this rank took part in whose outcome it has not seen
-        committed or abandoned, by save id."""
+        self._unresolved: dict[str, SaveName] = {}
+        """Each save this rank took part in whose outcome it has not seen committed or
+        abandoned, by save id."""
+        self._failures: dict[str, SaveFailure] = {}
+        """The saves this rank took part in that could not be written, by save id."""
+        self._outcomes: dict[str, str] = {}
+        """The outcome of each save this rank took part in, once resolved."""
+        self._last: str | None = None
+        """The save this rank submitted last."""
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
@@ -170,7 +242,8 @@ class DurableCheckpoints:
         self._snapshots.pin(request.snapshot.snapshot)
         with self._lock:
             self._pending[request.save_id] = request
-            self._unresolved[request.save_id] = request.writers
+            self._unresolved[request.save_id] = request.name
+            self._last = request.save_id
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="elaswave-checkpoint-writer",
                                             daemon=True)
@@ -191,39 +264,112 @@ class DurableCheckpoints:
 
     def finish(self, timeout_s: float) -> None:
         """Return once every save this rank took part in is written here and committed or
-        abandoned by the job (the finaliser commits; a failed writer's saves are abandoned), or
-        after ``timeout_s``: what there is to resume from is then known."""
+        abandoned by the job, or after ``timeout_s``: what there is to resume from is then
+        known. A save whose writer is dead (:meth:`abandon_saves_of`) does not hold it up."""
         deadline = time.monotonic() + timeout_s
-        self.wait(timeout_s)
+        while time.monotonic() < deadline:
+            with self._lock:
+                unresolved = dict(self._unresolved)
+            for save_id, name in unresolved.items():
+                failed = frozenset(self._dead()).intersection(name.writers)
+                if not self._resolved(save_id, self.store) and failed:
+                    self._resolve_failed_writers(self.store, name, failed)
+            with self._lock:
+                if not self._pending and not self._unresolved:
+                    return
+            time.sleep(_POLL_S)
+
+    @property
+    def failed(self) -> SaveFailure | None:
+        """The first save this rank took part in that could not be written, as far as it knows."""
         with self._lock:
-            unresolved = sorted(self._unresolved)
-        for save_id in unresolved:
-            while time.monotonic() < deadline and not self._resolved(save_id, self.store):
-                time.sleep(_POLL_S)
+            return next(iter(self._failures.values()), None)
+
+    @property
+    def failing(self) -> SaveFailure | None:
+        """The latest save this rank took part in that could not be written, unless a later one
+        was committed since, as far as this rank knows."""
+        with self._lock:
+            if not self._failures:
+                return None
+            failure = max(self._failures.values(), key=lambda failure: failure.iteration)
+            committed = [int(save_id.split("-g")[0])
+                         for save_id, outcome in self._outcomes.items() if outcome == COMMITTED]
+        return None if committed and max(committed) > failure.iteration else failure
+
+    def first_failure(self) -> SaveFailure | None:
+        """The first save of the job that could not be written, as the job store says (the same
+        on every rank)."""
+        if not self.store.check([CHECKPOINT_FAILED_KEY]):
+            return self.failed
+        save_id = self.store.get(CHECKPOINT_FAILED_KEY).decode()
+        reason = self.store.get(checkpoint_key(save_id, "error")).decode()
+        return SaveFailure(int(save_id.split("-g")[0]), reason)
+
+    def last_save_failure(self, iteration: int) -> SaveFailure | None:
+        """After :meth:`finish`: why this rank's save of ``iteration`` (the final or preemption
+        save) is not committed, or ``None`` if it is, or if the last save this rank took part in
+        is of another iteration (a rank left without a stage writes none)."""
+        with self._lock:
+            save_id = self._last
+        if save_id is None or int(save_id.split("-g")[0]) != iteration:
+            return None
+        self._resolved(save_id, self.store)
+        with self._lock:
+            outcome = self._outcomes.get(save_id)
+            failure = self._failures.get(save_id)
+        if outcome == COMMITTED:
+            return None
+        error = checkpoint_key(save_id, "error")
+        if self.store.check([error]):  # the first rank that failed it says, on every rank
+            return SaveFailure(iteration, self.store.get(error).decode())
+        if failure is not None:
+            return failure
+        return SaveFailure(iteration, "a rank that wrote it failed" if outcome == ABANDONED
+                           else f"not committed within {self.config.timeout_s:g} s")
 
     def _resolved(self, save_id: str, store) -> bool:
-        """Whether the job committed or abandoned ``save_id`` (then it is forgotten here)."""
+        """Whether the job committed or abandoned ``save_id`` (then it is forgotten here, and
+        why it failed remembered)."""
         key = checkpoint_key(save_id, "outcome")
-        if not (store.check([key]) and store.get(key).decode() in (COMMITTED, ABANDONED)):
+        if not store.check([key]):
             return False
+        outcome = store.get(key).decode()
+        if outcome not in (COMMITTED, ABANDONED):
+            return False
+        error = checkpoint_key(save_id, "error")
+        reason = store.get(error).decode() if outcome == ABANDONED and store.check([error]) \
+            else None
         with self._lock:
-            self._unresolved.pop(save_id, None)
+            name = self._unresolved.pop(save_id, None)
+            self._outcomes[save_id] = outcome
+            if reason is not None and save_id not in self._failures and name is not None:
+                self._failures[save_id] = SaveFailure(name.iteration, reason)
         return True
 
     def abandon_saves_of(self, failed: set[int] | frozenset[int]) -> None:
         """After a recovery from the failure of ``failed``: abandon every save this rank took
         part in that one of them writes and that is not resolved yet, unless its finaliser
-        already commits it (then every part is on storage). A commit lock a failed finaliser
-        held is released."""
+        already commits it (then every part is on storage: the lowest surviving writer completes
+        the commit of a finaliser among ``failed``). A commit lock a failed finaliser held is
+        released."""
         with self._lock:
             unresolved = dict(self._unresolved)
-        for save_id, writers in unresolved.items():
-            if failed.isdisjoint(writers) or self._resolved(save_id, self.store):
-                continue
-            self.store.compare_set(checkpoint_key(save_id, "outcome"), "", ABANDONED)
-            if min(writers) in failed:
-                self.store.compare_set(CHECKPOINT_LOCK_KEY, save_id, "")
-            self._resolved(save_id, self.store)
+        for save_id, name in unresolved.items():
+            if not failed.isdisjoint(name.writers) and not self._resolved(save_id, self.store):
+                self._resolve_failed_writers(self.store, name, failed)
+
+    def _resolve_failed_writers(self, store, name: SaveName, failed: Collection[int]) -> None:
+        """Resolve ``name``, some of whose writers (``failed``) are gone (:meth:`abandon_saves_of`)."""
+        outcome = store.compare_set(name.key("outcome"), "", ABANDONED).decode()
+        if name.finaliser in failed:
+            if outcome == COMMITTING:
+                survivors = [writer for writer in name.writers if writer not in failed]
+                if survivors and self.config.rank == min(survivors):
+                    self._commit_for(store, name, name.finaliser)
+            else:
+                store.compare_set(CHECKPOINT_LOCK_KEY, name.save_id, "")
+        self._resolved(name.save_id, store)
 
     def close(self) -> None:
         """Stop the thread once the requests queued are done."""
@@ -239,10 +385,8 @@ class DurableCheckpoints:
         while (request := self._queue.get()) is not None:
             try:
                 self._write(store, request)
-            except Exception as error:  # the job goes on; this save is abandoned
-                store.compare_set(checkpoint_key(request.save_id, "outcome"), "", ABANDONED)
-                log(f" rank {self.config.rank}: the checkpoint of iteration {request.iteration} "
-                    f"is abandoned ({type(error).__name__}: {error})")
+            except BaseException as error:  # torch's CheckpointException is no Exception
+                self._fail(store, request.name, error)
             finally:
                 self._snapshots.unpin(request.snapshot.snapshot)
                 with self._idle:
@@ -253,8 +397,44 @@ class DurableCheckpoints:
             for save_id in earlier:
                 self._resolved(save_id, store)
 
-    def _abandoned(self, store, request: SaveRequest) -> bool:
-        key = checkpoint_key(request.save_id, "outcome")
+    def _fail(self, store, name: SaveName, error: BaseException) -> None:
+        """Abandon ``name`` for ``error`` and say why in the store: the job stops (or warns) on
+        it at its next step boundary."""
+        error = _unwrapped(error)
+        what = f"{type(error).__name__}: {_first_line(error)}"
+        reason = f"rank {self.config.rank}: {what}"
+        with self._lock:
+            self._failures.setdefault(name.save_id, SaveFailure(name.iteration, reason))
+        log(f" rank {self.config.rank}: the checkpoint of iteration {name.iteration} could not "
+            f"be written ({what})")
+        try:
+            store.compare_set(name.key("error"), "", reason)
+            store.compare_set(CHECKPOINT_FAILED_KEY, "", name.save_id)
+            if store.compare_set(name.key("outcome"), "", ABANDONED).decode() == COMMITTING:
+                store.compare_set(name.key("outcome"), COMMITTING, ABANDONED)
+            store.compare_set(CHECKPOINT_LOCK_KEY, name.save_id, "")
+        except Exception:  # the store is gone: the failure monitor stops the job on it
+            pass
+
+    def _retrying(self, action: Callable[[], _T], what: str) -> _T:
+        """``action()``, tried again after a transient storage error (:attr:`DurableConfig.retries`
+        times, :attr:`DurableConfig.retry_backoff_s` and then twice as long each time); raises
+        its last error, or at once one that is not transient."""
+        wait = self.config.retry_backoff_s
+        for attempt in itertools.count():
+            try:
+                return action()
+            except BaseException as error:
+                if attempt >= self.config.retries or not _transient(error):
+                    raise
+                log(f" rank {self.config.rank}: {what} failed ({type(error).__name__}: "
+                    f"{_first_line(error)}); trying again in {wait:g} s")
+                time.sleep(wait)
+                wait *= 2
+        raise AssertionError("unreachable")
+
+    def _abandoned(self, store, request: SaveName) -> bool:
+        key = request.key("outcome")
         return store.check([key]) and store.get(key).decode() == ABANDONED
 
     def _write(self, store, request: SaveRequest) -> None:
@@ -263,17 +443,20 @@ class DurableCheckpoints:
             return
         request.snapshot.snapshot.verify()  # never write state that does not match its checksums
         part = f"rank{self.config.rank}"
-        shutil.rmtree(os.path.join(request.directory, part), ignore_errors=True)
-        write_part(request.directory, part, request.boxes(), request.objects)
-        self._before_publishing(request.iteration)
-        store.set(checkpoint_key(request.save_id, f"part/{self.config.rank}"), "")
+
+        def write() -> None:
+            shutil.rmtree(os.path.join(request.directory, part), ignore_errors=True)
+            write_part(request.directory, part, request.boxes(), request.objects)
+
+        self._retrying(write, f"writing the checkpoint of iteration {request.iteration}")
+        self._inject("checkpoint", request.iteration)
+        store.set(request.key(f"part/{self.config.rank}"), "")
         if self.config.rank == request.finaliser:
             self._finalise(store, request)
 
     def _finalise(self, store, request: SaveRequest) -> None:
         """Wait for every part, index them and commit (module docstring)."""
-        outcome_key = checkpoint_key(request.save_id, "outcome")
-        parts = [checkpoint_key(request.save_id, f"part/{writer}") for writer in request.writers]
+        parts = [request.key(f"part/{writer}") for writer in request.writers]
         deadline = time.monotonic() + self.config.timeout_s
         while not store.check(parts):
             if self._abandoned(store, request):
@@ -285,13 +468,18 @@ class DurableCheckpoints:
                 raise TimeoutError(f"not every writer wrote its part within "
                                    f"{self.config.timeout_s:g} s")
             time.sleep(_POLL_S)
-        merged = merge_parts(request.directory, [f"rank{writer}" for writer in request.writers])
-        if merged.gaps:
-            raise RuntimeError(f"the parts do not cover {merged.gaps[:3]}")
-        write_common(request.directory, request.common)
-        write_index(request.directory, merged)
-        _remove_other_parts(request)
-        _sync_directory(request.directory)
+
+        def index() -> None:
+            merged = merge_parts(request.directory,
+                                 [f"rank{writer}" for writer in request.writers])
+            if merged.gaps:
+                raise RuntimeError(f"the parts do not cover {merged.gaps[:3]}")
+            write_common(request.directory, request.common)
+            write_index(request.directory, merged)
+            _remove_other_parts(request)
+            _sync_directory(request.directory)
+
+        self._retrying(index, f"indexing the checkpoint of iteration {request.iteration}")
         lock = request.save_id
         while store.compare_set(CHECKPOINT_LOCK_KEY, "", lock).decode() != lock:
             if self._abandoned(store, request):
@@ -299,20 +487,69 @@ class DurableCheckpoints:
             if time.monotonic() > deadline:
                 raise TimeoutError("another checkpoint held the commit lock")
             time.sleep(_POLL_S)
+        if store.compare_set(request.key("outcome"), "", COMMITTING).decode() != COMMITTING:
+            store.compare_set(CHECKPOINT_LOCK_KEY, lock, "")
+            shutil.rmtree(request.directory, ignore_errors=True)
+            return
+        self._inject("commit", request.iteration)
+        self._commit_for(store, request.name, requested_at=request.requested_at)
+
+    def _commit_for(self, store, name: SaveName, failed_finaliser: int | None = None,
+                    requested_at: float | None = None) -> None:
+        """Move the checkpoint of ``name`` (indexed, ``committing``, its lock held) into place,
+        for its finaliser (which asked for it at ``requested_at``) or for ``failed_finaliser``;
+        the save is committed, or failed."""
         try:
-            if store.compare_set(outcome_key, "", COMMITTING).decode() != COMMITTING:
-                shutil.rmtree(request.directory, ignore_errors=True)
-                return
-            directory = _commit(request)
-            store.set(outcome_key, COMMITTED)
-        finally:
-            store.compare_set(CHECKPOINT_LOCK_KEY, request.save_id, "")
-        _remove_abandoned_partials(request)
-        log(f" saved checkpoint at iteration {request.iteration} to {directory} (written in the "
-            f"background in {time.monotonic() - request.requested_at:.2f} s)")
+            directory = self._retrying(lambda: _commit(name),
+                                       f"committing the checkpoint of iteration {name.iteration}")
+        except BaseException as error:
+            self._fail(store, name, error)
+            return
+        store.set(name.key("outcome"), COMMITTED)
+        store.compare_set(CHECKPOINT_LOCK_KEY, name.save_id, "")
+        _remove_abandoned_partials(name)
+        how = (f"its commit completed for rank {failed_finaliser}, which failed"
+               if failed_finaliser is not None else
+               f"written in the background in {time.monotonic() - requested_at:.2f} s")
+        log(f" saved checkpoint at iteration {name.iteration} to {directory} ({how})")
 
 
-def _remove_other_parts(request: SaveRequest) -> None:
+def _unwrapped(error: BaseException) -> BaseException:
+    """The error torch's ``CheckpointException`` wraps (its first rank's), else ``error``."""
+    failures = getattr(error, "failures", None)  # rank -> (error, traceback)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        first = first[0] if isinstance(first, tuple) else first
+        if isinstance(first, BaseException):
+            return _unwrapped(first)
+    return error
+
+
+def _transient(error: BaseException) -> bool:
+    """Whether ``error`` is, or wraps, a storage error a retry may not meet
+    (:data:`TRANSIENT_ERRNOS`); torch's ``CheckpointException`` holds each rank's error."""
+    seen, todo = set(), [error]
+    while todo:
+        current = todo.pop()
+        if not isinstance(current, BaseException) or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in TRANSIENT_ERRNOS:
+            return True
+        failures = getattr(current, "failures", None)  # rank -> (error, traceback)
+        if isinstance(failures, dict):
+            todo += [failure[0] if isinstance(failure, tuple) else failure
+                     for failure in failures.values()]
+        todo += [current.__cause__, current.__context__]
+    return False
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _remove_other_parts(request: SaveName) -> None:
     """Parts of an earlier attempt at the same save by ranks that do not write this one."""
     wanted = {f"rank{writer}" for writer in request.writers}
     for entry in os.listdir(request.directory):
@@ -320,28 +557,30 @@ def _remove_other_parts(request: SaveRequest) -> None:
             shutil.rmtree(os.path.join(request.directory, entry), ignore_errors=True)
 
 
-def _commit(request: SaveRequest) -> str:
+def _commit(request: SaveName) -> str:
     """Rename the complete directory into place and move the tracker to it (never backwards).
-    A checkpoint of the same iteration that the tracker names already is kept."""
+    A checkpoint of the same iteration that the tracker names already is kept. Done again after
+    any step of it, it completes it (a finaliser that died in the middle)."""
     final = checkpoint_dir(request.root, request.iteration)
     latest = latest_complete(request.root)
-    if os.path.exists(final):
-        if latest is not None and latest[0] == request.iteration:
-            shutil.rmtree(request.directory, ignore_errors=True)
-            return final
-        trash = f"{final}.replaced-g{request.generation}"
-        os.rename(final, trash)
-        os.rename(request.directory, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.rename(request.directory, final)
-    _sync_directory(request.root)
+    if os.path.exists(request.directory):  # not renamed into place yet
+        if os.path.exists(final):
+            if latest is not None and latest[0] == request.iteration:
+                shutil.rmtree(request.directory, ignore_errors=True)
+                return final
+            trash = f"{final}.replaced-g{request.generation}"
+            os.rename(final, trash)
+            os.rename(request.directory, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(request.directory, final)
+        _sync_directory(request.root)
     if latest is None or request.iteration >= latest[0]:
         write_tracker(request.root, request.iteration)
     return final
 
 
-def _remove_abandoned_partials(request: SaveRequest) -> None:
+def _remove_abandoned_partials(request: SaveName) -> None:
     """The ``.partial`` directories of the saves of earlier iterations: abandoned (the writers
     take saves in order, so none is still written) or left by a job that was killed."""
     prefix = "iter_"

@@ -56,7 +56,7 @@ from megatron_elaswave.runtime.world import release_retired
 
 from . import relayout
 from .checkpoint import TrainingProgress, checkpoint_common, checkpoint_dir
-from .durable import ABANDONED, COMMITTED, DurableCheckpoints, SaveRequest
+from .durable import ABANDONED, COMMITTED, DurableCheckpoints, SaveFailed, SaveRequest
 from .layer_groups import ModelFactory, build_stage_objects
 from .loop import StepResult, Trainer, log
 from .migration import NamedShard, StateLost, adam_step, load_pieces, migrate, needed_pieces
@@ -72,7 +72,7 @@ from .recovery import CannotContinue, Recovery
 from .relayout import LayoutChange
 from .restore import RestoreRound
 from .snapshots import StepSnapshots, restore_rng_states
-from .stopping import StopConditions, describe
+from .stopping import SAVE_FAILED, StopConditions, describe
 from .stragglers import ForwardTimer, StageCompute, StepTimes, StragglerDetector
 from .writers import ScalarWriters
 
@@ -207,7 +207,9 @@ class ElasticTrainer(Trainer):
         size = self.monitor.job_size
         report = torch.zeros((3 if self.detector is None else 8) * size, dtype=torch.float64)
         report[list(self.monitor.waiting_to_join())] = 1.0
-        report[2 * size + self.rank] = self.stop_conditions.code()
+        report[2 * size + self.rank] = self.stop_conditions.code() or (
+            SAVE_FAILED if self.args.elastic_save_failures == "stop" and self.durable.failed
+            else 0)
         if self.is_data_reporter and losses:
             local_loss = torch.stack([entry["lm loss"][0] for entry in losses]).sum()
             report[size + self.rank] = local_loss.item()
@@ -233,8 +235,12 @@ class ElasticTrainer(Trainer):
 
     def _stop_reason(self, report: torch.Tensor) -> str | None:
         """Why the job stops after this iteration, from the step's summed reports (the lowest
-        rank that asked says), or ``None``."""
+        rank that asked says), or ``None``. Raises :class:`~.durable.SaveFailed` where a rank's
+        checkpoint could not be written (``--elastic-save-failures stop``)."""
         codes = [int(code) for code in report.view(-1, self.monitor.job_size)[2].tolist() if code]
+        if SAVE_FAILED in codes:
+            self.durable.finish(self.durable.config.timeout_s)  # the saves still in flight
+            raise SaveFailed(self.durable.first_failure().line(self.args.save))
         return describe(codes[0], self.args.exit_duration_in_mins) if codes else None
 
     def _follow_report(self, report: torch.Tensor) -> None:
@@ -398,6 +404,9 @@ class ElasticTrainer(Trainer):
         if self.args.save and (
                 (interval and self.iteration % interval == 0)
                 or self.iteration >= self.args.train_iters or self.stopping is not None):
+            if self.is_logger and (failure := self.durable.failing) is not None:
+                log(f" warning: {failure.line(self.args.save)}; training goes on "
+                    f"(--elastic-save-failures warn)")
             self.save_durably(self.args.save)
 
     def save_durably(self, root: str, floating_point_operations: float = 0.0) -> SaveRequest | None:

@@ -65,7 +65,7 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
     snapshots = StepSnapshots(layout, rank, snapshot_config(args, copies),
                               group=registry.host_group(Role.WORLD))
     parts = _runtime_parts(args, backend, rank, vocab_size, config, model_factory, store,
-                           snapshots)
+                           snapshots, monitor)
     parts["governor"].apply(nominal_clock_plan(parts["cost"], layout, 0, PowerModel()), layout)
     return ElasticTrainer(
         args=args, objects=objects, pg_collection=objects.schedule_groups, backend=backend,
@@ -99,7 +99,7 @@ def _abandon_waits_on_failure(monitor: FailureMonitor) -> None:
 
 def _runtime_parts(args: argparse.Namespace, backend: DeviceBackend, rank: int, vocab_size: int,
                    config: MonitorConfig, model_factory: ModelFactory, store,
-                   snapshots: StepSnapshots) -> dict:
+                   snapshots: StepSnapshots, monitor: FailureMonitor) -> dict:
     """The trainer's model factory, planner costs, clock governor, fault injection, straggler
     handling, durable checkpoints and reasons to stop early, from the flags."""
     injector = FaultInjector(args.elastic_inject_failure, rank,
@@ -112,9 +112,11 @@ def _runtime_parts(args: argparse.Namespace, backend: DeviceBackend, rank: int, 
                                             args.elastic_dvfs_command), rank),
         injector=injector,
         durable=DurableCheckpoints(
-            DurableConfig(rank=rank, timeout_s=timeout.total_seconds()), store,
+            DurableConfig(rank=rank, timeout_s=timeout.total_seconds(),
+                          retries=args.elastic_save_retries), store,
             lambda: connect_store(timeout=timeout), snapshots.store,
-            before_publishing=lambda iteration: injector.at("checkpoint", iteration)),
+            dead=lambda: monitor.recorded_deaths()[0],
+            inject=injector.at),
         stop_conditions=StopConditions(on_signal=args.exit_signal_handler,
                                        duration_mins=args.exit_duration_in_mins),
         slowdowns=tuple(args.elastic_inject_slowdown),
@@ -163,7 +165,7 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
             registry=registry, monitor=monitor, store=store,
             **_runtime_parts(args, backend, rank, vocab_size, config,
                              model_factory or ModelFactory.from_flags(args, vocab_size), store,
-                             snapshots),
+                             snapshots, monitor),
             **trainer_fields)
         trainer.complete_change(plan)
     except Exception as error:

@@ -16,3 +16,7 @@ PEER_FAILED = 1
 JOIN_INTERRUPTED = 1
 """A failure interrupted a replacement's join: the job goes on without it (``--rejoin`` starts
 it again)."""
+
+SAVE_FAILED = 4
+"""A checkpoint could not be written (``--elastic-save-failures stop``), or the final or
+preemption save was not."""

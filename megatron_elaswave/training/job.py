@@ -29,6 +29,7 @@ from .checkpoint import (
 )
 from .data import MicrobatchSource, build_datasets, load_tokenizer, padded_vocab_size
 from .distributed import init_default_group, init_model_parallel, shutdown
+from .durable import SaveFailed
 from .elastic import run_elastic
 from .elastic_setup import build_elastic_trainer, join_elastic_job
 from .planning import failure_free_layout
@@ -158,7 +159,11 @@ def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: in
     with trainer.monitor:
         try:
             run_elastic(trainer)
-        except (CannotContinue, StateLost, StepFailed) as stopped:
+            # Within the monitor: a writer that dies now is seen, not waited on.
+            trainer.durable.finish(trainer.durable.config.timeout_s)
+            if failure := trainer.durable.last_save_failure(trainer.iteration):
+                raise SaveFailed(failure.line(args.save))
+        except (CannotContinue, StateLost, StepFailed, SaveFailed) as stopped:
             with contextlib.suppress(RuntimeError):  # a lost job store is what stopped it
                 trainer.store.set(FINISHED_KEY, str(stopped) or type(stopped).__name__)
                 # What there is to resume from is known before every survivor says it.
@@ -168,7 +173,6 @@ def elastic_train_job(args: argparse.Namespace, backend: DeviceBackend, rank: in
             trainer.governor.backend.close()
             if trainer.writers is not None:
                 trainer.writers.close()
-    trainer.durable.finish(trainer.durable.config.timeout_s)
     trainer.durable.close()
     trainer.metrics.close()
 

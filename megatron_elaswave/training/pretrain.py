@@ -89,6 +89,7 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
     from .checkpoint import CheckpointError
     from .recovery import cannot_continue_line
     from .data import DataError
+    from .durable import SaveFailed
     from .recovery import CannotContinue, StepFailed
     from .job import CannotRejoin, train_job
     from .relayout import JobStopped, JoinInterrupted
@@ -119,6 +120,9 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
         if error.announce:
             say(f"error: {error}")
         return exit_status.STEP_FAILED
+    except SaveFailed as error:  # every rank knows it; each says it, since rank 0 may be gone
+        say(f"error: {error}")
+        return exit_status.SAVE_FAILED
     return 0
 
 

@@ -51,6 +51,9 @@ class StopConditions:
 
 SIGNALLED = 1
 TIMED_OUT = 2
+SAVE_FAILED = 3
+"""A checkpoint this rank wrote could not be written (``--elastic-save-failures stop``): the job
+stops in one line, with a non-zero status (:mod:`.durable`)."""
 
 
 def describe(code: int, duration_mins: float | None) -> str:

@@ -1,0 +1,326 @@
+"""Saves that fail are loud, and every save resolves (``training/durable.py``).
+
+In one process: the writers of a save (one :class:`DurableCheckpoints` per rank, over one job
+store) with a storage error put in their way, and a finaliser that stops in the middle of its
+commit. Then real jobs, faults from outside: a ``--save`` that cannot be created, and a file
+system filled up under a running job (a small tmpfs), which stops in one line naming the error
+and the last complete checkpoint, or with ``--elastic-save-failures warn`` trains to the end and
+exits non-zero because its final save was not written, in this project's script and in
+Megatron-LM's loop; and the finaliser SIGKILLed once its save is marked committing, whose commit
+a survivor completes.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from harness import free_port, launch
+from megatron_elaswave.launch.keys import CHECKPOINT_LOCK_KEY, checkpoint_key
+from megatron_elaswave.training import durable, exit_status
+from megatron_elaswave.training.checkpoint import latest_complete
+from megatron_elaswave.training.durable import (
+    ABANDONED,
+    COMMITTED,
+    DurableCheckpoints,
+    DurableConfig,
+    SaveRequest,
+)
+from test_durable_checkpoints import MEGATRON_LM_ITERS, TRAIN_ITERS, flags, is_complete
+from test_megatron_adaptor import TRAINING_SCRIPT, megatron_lm_flags, needs_megatron_lm
+from test_pretrain_gpt import PRETRAIN, text_data  # noqa: F401  (fixture)
+
+ITERATION = 4
+
+
+class Snapshot:
+    """What a request pins: nothing to write beyond its objects, checksums that hold."""
+
+    tensors: dict = {}
+
+    def verify(self) -> None:
+        pass
+
+
+class Taken:
+    snapshot = Snapshot()
+
+    def wait(self) -> None:
+        pass
+
+
+class NoPins:
+    def pin(self, snapshot) -> None:
+        pass
+
+    def unpin(self, snapshot) -> None:
+        pass
+
+
+def writers(root: Path, ranks: tuple[int, ...], *, dead=frozenset, retries: int = 2):
+    """One writer per rank over one job store, and the request each submits for iteration 4."""
+    store = dist.HashStore()
+    checkpoints = {rank: DurableCheckpoints(
+        DurableConfig(rank=rank, timeout_s=30, retries=retries, retry_backoff_s=0.01), store,
+        lambda: store, NoPins(), dead=dead) for rank in ranks}
+    requests = {rank: SaveRequest(
+        root=str(root), iteration=ITERATION, generation=0, writers=ranks, snapshot=Taken(),
+        pieces=[], objects={f"object{rank}": rank},
+        common={"iteration": ITERATION} if rank == min(ranks) else None) for rank in ranks}
+    return store, checkpoints, requests
+
+
+def outcome(store, request: SaveRequest) -> str:
+    key = request.key("outcome")
+    return store.get(key).decode() if store.check([key]) else ""
+
+
+def failing_writes(monkeypatch, errors: list[BaseException]) -> list[str]:
+    """``write_part`` raises each of ``errors`` in turn, then writes; the parts it was asked
+    for."""
+    calls, write = [], durable.write_part
+
+    def write_part(directory, part, boxes, objects):
+        calls.append(part)
+        if errors:
+            raise errors.pop(0)
+        write(directory, part, boxes, objects)
+
+    monkeypatch.setattr(durable, "write_part", write_part)
+    return calls
+
+
+def test_a_transient_storage_error_is_written_again_and_the_save_commits(
+        tmp_path, monkeypatch, capsys):
+    eio = OSError(errno.EIO, "Input/output error")
+    # torch's CheckpointException is a BaseException that holds each rank's error.
+    calls = failing_writes(monkeypatch, [eio, CheckpointException("write failed", {0: (eio, [])})])
+    store, checkpoints, requests = writers(tmp_path, (0,))
+    checkpoints[0].submit(requests[0])
+    assert checkpoints[0].wait(60)
+    assert calls == ["rank0"] * 3
+    assert outcome(store, requests[0]) == COMMITTED
+    assert latest_complete(str(tmp_path))[0] == ITERATION
+    assert checkpoints[0].failed is None and checkpoints[0].last_save_failure(ITERATION) is None
+    assert capsys.readouterr().out.count("trying again in") == 2
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   CheckpointException("write failed", {0: (OSError(
+                                       errno.EACCES, "Permission denied"), [])})],
+                         ids=["no-space", "checkpoint-exception"])
+def test_a_save_that_cannot_be_written_is_abandoned_and_says_why_on_every_rank(
+        tmp_path, monkeypatch, error):
+    calls = failing_writes(monkeypatch, [error])
+    store, checkpoints, requests = writers(tmp_path, (0, 1))
+    for rank in (1, 0):  # rank 1 writes first (it fails), the finaliser then gives up waiting
+        checkpoints[rank].submit(requests[rank])
+    started = time.monotonic()
+    for rank in (0, 1):
+        assert checkpoints[rank].wait(60)
+        checkpoints[rank].finish(60)
+    assert time.monotonic() - started < 10  # not the 30 s the finaliser would wait for parts
+    assert calls.count("rank1") == 1  # nothing worth trying again
+    assert outcome(store, requests[0]) == ABANDONED
+    assert latest_complete(str(tmp_path)) is None
+    for rank in (0, 1):
+        failure = checkpoints[rank].first_failure()
+        assert failure.iteration == ITERATION
+        assert re.match(r"rank 1: (OSError|PermissionError): \[Errno ", failure.reason)  # unwrapped
+        assert checkpoints[rank].last_save_failure(ITERATION) == failure
+        line = failure.line(str(tmp_path))
+        assert line.startswith(f"the checkpoint of iteration {ITERATION} could not be written ")
+        assert line.endswith(f"no complete checkpoint in {tmp_path} yet")
+    assert checkpoints[1].failed is not None  # the rank that failed knows at once
+
+
+def test_the_commit_of_a_finaliser_that_stops_is_completed_by_the_lowest_survivor(
+        tmp_path, monkeypatch, capsys):
+    """Rank 0 finalises the save of iteration 4 and stops for good once it is marked committing
+    (as a SIGKILL leaves it); rank 1 completes the commit when it learns of the failure, rank 2
+    only sees it resolved."""
+    stopped, release = threading.Event(), threading.Event()
+    commit = durable._commit
+
+    def stops_on_the_writer_thread(name):
+        if threading.current_thread().name == "elaswave-checkpoint-writer":
+            stopped.set()
+            release.wait()
+            raise SystemExit  # never returns into the save: the process is gone
+        return commit(name)
+
+    monkeypatch.setattr(durable, "_commit", stops_on_the_writer_thread)
+    store, checkpoints, requests = writers(tmp_path, (0, 1, 2))
+    for rank in (1, 2, 0):
+        checkpoints[rank].submit(requests[rank])
+    assert stopped.wait(60)
+    assert outcome(store, requests[0]) == "committing"
+    assert latest_complete(str(tmp_path)) is None
+    for rank in (2, 1):
+        checkpoints[rank].abandon_saves_of(frozenset({0}))
+    assert outcome(store, requests[0]) == COMMITTED
+    assert store.get(CHECKPOINT_LOCK_KEY).decode() == ""
+    saved, directory = latest_complete(str(tmp_path))
+    assert saved == ITERATION and is_complete(Path(directory))
+    assert "its commit completed for rank 0, which failed" in capsys.readouterr().out
+    for rank in (1, 2):
+        checkpoints[rank].finish(5)
+        assert checkpoints[rank].last_save_failure(ITERATION) is None
+    release.set()
+
+
+def test_the_end_of_the_job_does_not_wait_on_a_save_whose_writer_is_dead(tmp_path):
+    """Rank 1 dies before it writes its part, after the job's last recovery: rank 0 (the
+    finaliser) would wait 30 s for the part; it abandons the save as soon as its failure
+    monitor has the death, and says the final save was not written."""
+    dead: set[int] = set()
+    store, checkpoints, requests = writers(tmp_path, (0, 1), dead=lambda: dead)
+    checkpoints[0].submit(requests[0])
+    dead.add(1)
+    started = time.monotonic()
+    checkpoints[0].finish(60)
+    assert time.monotonic() - started < 10
+    assert outcome(store, requests[0]) == ABANDONED
+    failure = checkpoints[0].last_save_failure(ITERATION)
+    assert failure is not None and failure.reason == "a rank that wrote it failed"
+    assert checkpoints[0].last_save_failure(ITERATION - 1) is None  # not its last save
+    assert store.check([checkpoint_key(requests[0].save_id, "outcome")])
+
+
+# -- real jobs --------------------------------------------------------------------------------
+
+
+ERROR_LINE = re.compile(r"error: the checkpoint of iteration (\d+) could not be written \((.*)\); "
+                        r"(.*)")
+
+
+@pytest.fixture
+def small_file_system(tmp_path):
+    """A 64 MiB tmpfs, unmounted after the test; skipped where mounting is not allowed."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(mount: Path) -> None:
+    """Write to ``mount`` until it is full."""
+    with open(mount / "filler", "wb") as handle:
+        try:
+            while True:
+                handle.write(b"\0" * (1 << 20))
+                handle.flush()
+        except OSError as error:
+            assert error.errno == errno.ENOSPC
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_save_that_cannot_be_created_is_refused_before_training(text_data, tmp_path):  # noqa: F811
+    not_a_directory = tmp_path / "a-file"
+    not_a_directory.write_text("")
+    save = not_a_directory / "checkpoints"
+    with launch([PRETRAIN, *flags(text_data), "--save", str(save)], 4, master_port=free_port(),
+                log_path=tmp_path / "job.log") as job:
+        returncode, output = job.wait(90)
+    assert returncode == exit_status.BAD_INPUT, output[-3000:]
+    lines = [line for line in output.splitlines() if "error:" in line]
+    assert lines == [f"pretrain_gpt.py: error: --save {save} cannot be written: Not a directory "
+                     f"({save})"], output[-3000:]
+    assert "Traceback" not in output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("policy", ["stop", "warn"])
+def test_a_file_system_that_fills_up_under_the_job_is_said_in_one_line_with_a_nonzero_exit(
+        text_data, tmp_path, small_file_system, policy):  # noqa: F811
+    """Saves every 2 iterations on a 64 MiB tmpfs, filled from outside once the checkpoint of
+    iteration 2 is complete. ``stop``: the job stops at the next step boundary after the save of
+    iteration 4 fails, in one line naming the error and the checkpoint of iteration 2 (complete),
+    with exit status 4. ``warn``: it trains to the end, warning at each save, and exits 4
+    because its final save was not written."""
+    save = small_file_system / "checkpoints"
+    command = [PRETRAIN, *flags(text_data), "--save", str(save), "--save-interval", "2",
+               "--elastic-save-failures", policy]
+    with launch(command, 4, master_port=free_port(), log_path=tmp_path / "job.log") as job:
+        job.wait_for(lambda: (latest_complete(str(save)) or (0,))[0] >= 2, 180,
+                     "the checkpoint of iteration 2")
+        fill(small_file_system)
+        returncode, output = job.wait(180)
+    assert returncode == exit_status.SAVE_FAILED, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    errors = {match.groups() for match in map(ERROR_LINE.search, output.splitlines()) if match}
+    assert len(errors) == 1, output[-4000:]  # every rank says the same line
+    (iteration, reason, resume), = errors
+    assert "No space left on device" in reason
+    saved, directory = latest_complete(str(save))
+    assert is_complete(Path(directory))
+    assert resume == (f"the last complete checkpoint is iteration {saved} in {directory}: "
+                      f"resume with --load {save}")
+    iterations = [int(n) for n in re.findall(r"iteration\s+(\d+)/", output)]
+    if policy == "stop":
+        assert saved == 2 and int(iteration) == 4
+        assert max(iterations, default=0) <= 6, "the job trained on after the failed save"
+    else:
+        assert int(iteration) == TRAIN_ITERS
+        assert "training goes on (--elastic-save-failures warn)" in output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+@needs_megatron_lm
+def test_megatron_lms_loop_stops_in_one_line_when_its_file_system_fills_up(
+        tmp_path, small_file_system):
+    """Megatron-LM's loop under ``--elastic`` (TP1 x PP2 x DP2), saving every 2 iterations on a
+    tmpfs filled from outside once iteration 2 is saved: one line, exit status 4, the checkpoint
+    of iteration 2 named and complete."""
+    save = small_file_system / "checkpoints"
+    command = ["-m", "megatron_elaswave.run_megatron_lm", str(TRAINING_SCRIPT),
+               *megatron_lm_flags(1, 2, MEGATRON_LM_ITERS), "--untie-embeddings-and-output-weights",
+               "--elastic", "--save", str(save), "--save-interval", "2"]
+    with launch(command, 4, master_port=free_port(), log_path=tmp_path / "job.log") as job:
+        job.wait_for(lambda: (latest_complete(str(save)) or (0,))[0] >= 2, 240,
+                     "the checkpoint of iteration 2")
+        fill(small_file_system)
+        returncode, output = job.wait(240)
+    assert returncode == exit_status.SAVE_FAILED, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    errors = {match.groups() for match in map(ERROR_LINE.search, output.splitlines()) if match}
+    assert len(errors) == 1, output[-4000:]  # every rank says the same line, each on its own
+    (iteration, reason, resume), = errors
+    assert int(iteration) >= 4 and "No space left on device" in reason
+    saved, directory = latest_complete(str(save))
+    assert saved == 2 and is_complete(Path(directory))
+    assert resume.startswith(f"the last complete checkpoint is iteration 2 in {directory}")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_finaliser_killed_once_its_save_is_committing_has_its_commit_completed(
+        text_data, tmp_path):  # noqa: F811
+    """Rank 0, the finaliser, is SIGKILLed once the checkpoint of iteration 4 is indexed and
+    marked committing: rank 1 completes the commit, the job trains to the end and exits 0."""
+    save = tmp_path / "checkpoints"
+    command = [PRETRAIN, *flags(text_data), "--save", str(save), "--save-interval", "4",
+               "--elastic-inject-failure", "rank=0,iteration=4,phase=commit"]
+    with launch(command, 4, master_port=free_port(), log_path=tmp_path / "job.log") as job:
+        returncode, output = job.wait(240)
+    assert returncode == 0, output[-4000:]
+    assert re.search(r"saved checkpoint at iteration 4 to \S+ \(its commit completed for "
+                     r"rank 0, which failed\)", output), output[-4000:]
+    assert latest_complete(str(save))[0] == TRAIN_ITERS
+    assert not [entry for entry in os.listdir(save) if entry.startswith("iter_0000004.")]
