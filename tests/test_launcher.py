@@ -564,3 +564,20 @@ def _listens_on(pid: int, port: int) -> bool:
 def test_a_workers_title_names_its_rank_and_script(argv, title):
     assert worker_title({"RANK": "5", "WORLD_SIZE": "8"}, argv) == title
     assert worker_title({}, argv) is None  # not a launched worker: its title is left alone
+
+
+def test_sigterm_gives_workers_that_save_on_it_the_time_they_give_their_save():
+    """A preemption's SIGTERM to workers run with ``--exit-signal-handler`` waits as long as they
+    wait for their checkpoint (``--distributed-timeout-minutes``), not the 10 s of a plain
+    shutdown; an explicit ``--shutdown-grace`` is kept."""
+    saving = ("--exit-signal-handler", "--distributed-timeout-minutes=3")
+    assert LaunchConfig(script=__file__, script_args=saving).grace_after(signal.SIGTERM) == 180
+    assert LaunchConfig(script=__file__, script_args=saving[:1]).grace_after(signal.SIGTERM) == 600
+    assert LaunchConfig(script=__file__, script_args=saving).grace_after(signal.SIGINT) == 10
+    assert LaunchConfig(script=__file__, script_args=saving).grace_after(None) == 10
+    assert LaunchConfig(script=__file__).grace_after(signal.SIGTERM) == 10
+    explicit = LaunchConfig(script=__file__, script_args=saving, shutdown_grace_s=30)
+    assert explicit.grace_after(signal.SIGTERM) == 30
+    assert parse_config(["--shutdown-grace", "5", __file__, *saving]).grace_after(
+        signal.SIGTERM) == 5
+

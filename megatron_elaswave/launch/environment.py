@@ -139,7 +139,7 @@ class Placement:
     run_id: str
     role: str
     join_timeout_s: float
-    shutdown_grace_s: float
+    shutdown_grace_s: float | None
 
 
 # --- text formats ---------------------------------------------------------------------------

@@ -41,8 +41,10 @@ decide what to do. It guarantees:
   the etcd cluster lost its quorum) says so in one line, gives its workers ``--shutdown-grace``
   seconds to leave (they notice on their own), kills the rest and exits with 1.
 * **No orphans.** SIGINT, SIGTERM and SIGHUP are forwarded to the workers; those still running
-  ``--shutdown-grace`` seconds later, or at a second signal, are killed with SIGKILL. Whatever
-  goes wrong in the agent itself, it kills its workers before it exits.
+  ``--shutdown-grace`` seconds later (10 s; for SIGTERM to workers that save a checkpoint on it,
+  ``--exit-signal-handler``, their own bound on that save: ``--distributed-timeout-minutes``), or
+  at a second signal, are killed with SIGKILL. Whatever goes wrong in the agent itself, it kills
+  its workers before it exits.
 
 Exit status of an agent, judged on its own node's workers:
 
@@ -145,6 +147,19 @@ _JOIN_POLL_INTERVAL_S = 0.1
 _STORE_TIMEOUT = timedelta(seconds=30)
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
+DEFAULT_SHUTDOWN_GRACE_S = 10.0
+"""How long workers may take to exit after a forwarded signal, unless told (``--shutdown-grace``)."""
+
+
+def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
+    """The value of ``flag`` in a worker's ``args`` (``--flag V`` or ``--flag=V``), if given."""
+    for at, arg in enumerate(args):
+        if arg == flag and at + 1 < len(args):
+            return args[at + 1]
+        if arg.startswith(f"{flag}="):
+            return arg.split("=", 1)[1]
+    return None
+
 _T = TypeVar("_T")
 
 
@@ -196,8 +211,9 @@ class LaunchConfig:
     """Job id; agents with different ids refuse to form a job together."""
     log_dir: str | None = None
     """Directory for ``rank<r>.log`` (stdout and stderr of each worker); ``None`` to inherit."""
-    shutdown_grace_s: float = 10.0
-    """After a forwarded signal, how long workers may take to exit before SIGKILL."""
+    shutdown_grace_s: float | None = None
+    """After a forwarded signal, how long workers may take to exit before SIGKILL; ``None``: not
+    given (:meth:`grace_after`)."""
     join_timeout_s: float = 300.0
     """How long to wait for the store and for all node agents to join."""
     node_timeout_s: float = 10.0
@@ -218,6 +234,18 @@ class LaunchConfig:
     role: str = "default"
     """The workers' ``ROLE_NAME`` (torchrun's ``--role``)."""
 
+    def grace_after(self, signum: int | None) -> float:
+        """How long the workers may take to exit after ``signum`` is forwarded (``None``: after
+        the job store is lost): ``--shutdown-grace``; else, for SIGTERM to workers that save a
+        checkpoint on it (``--exit-signal-handler``), the bound they put on finishing that save
+        (their ``--distributed-timeout-minutes``, Megatron's default 10); else 10 s."""
+        if self.shutdown_grace_s is not None:
+            return self.shutdown_grace_s
+        if signum == signal.SIGTERM and "--exit-signal-handler" in self.script_args:
+            minutes = _flag_value(self.script_args, "--distributed-timeout-minutes")
+            return 60 * float(minutes if minutes is not None else 10)
+        return DEFAULT_SHUTDOWN_GRACE_S
+
     def __post_init__(self) -> None:
         if self.nproc_per_node < 1:
             raise UsageError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
@@ -229,7 +257,8 @@ class LaunchConfig:
             )
         if not 0 < self.master_port < 2**16:
             raise UsageError(f"--master-port must be in 1..65535, got {self.master_port}")
-        if self.shutdown_grace_s < 0 or self.join_timeout_s <= 0 or self.node_timeout_s <= 0:
+        if ((self.shutdown_grace_s or 0) < 0 or self.join_timeout_s <= 0
+                or self.node_timeout_s <= 0):
             raise UsageError("timeouts must be positive (and --shutdown-grace not negative)")
         if self.rejoin_delay_s < 0 or self.max_rejoins < 0 or self.exclusion_grace_s < 0:
             raise UsageError("--rejoin-delay, --max-rejoins and --exclusion-grace must not be "
@@ -723,10 +752,14 @@ class _NodeAgent:
 
     def _shut_down(self, signum: int) -> int:
         """Forward ``signum``, give the workers the grace period, then SIGKILL the rest."""
-        grace_s = self._config.shutdown_grace_s
+        grace_s = self._config.grace_after(signum)
+        saving = (self._config.shutdown_grace_s is None and signum == signal.SIGTERM
+                  and "--exit-signal-handler" in self._config.script_args)
         _log(
             f"received {_signal_name(signum)}; forwarding it to "
             f"{_plural(len(self._workers.running), 'worker')}, SIGKILL after {grace_s:g} s"
+            + (" (they save a checkpoint on it: --exit-signal-handler; the bound is their "
+               "--distributed-timeout-minutes)" if saving else "")
         )
         self._workers.signal(signum)
         self._workers.wait_then_kill(grace_s, self._signals)
@@ -741,7 +774,7 @@ class _NodeAgent:
                  else f"{config.etcd_address.describe()} ({self._store.lost})")
         _log(f"lost the job store at {where}: the job cannot go on; stopping this node's workers")
         self._workers.cancel_starts()
-        self._workers.wait_then_kill(config.shutdown_grace_s, self._signals)
+        self._workers.wait_then_kill(config.grace_after(None), self._signals)
         return LOST_STORE_EXIT_STATUS
 
     def _delete_the_job_if_over(self, store: Store) -> None:

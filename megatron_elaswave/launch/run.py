@@ -149,7 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(*_flag("shutdown-grace"), type=float, metavar="SECONDS",
                         help="after forwarding SIGINT/SIGTERM, how long to wait before SIGKILL; "
-                        "default 10")
+                        "default 10, and for SIGTERM to workers run with --exit-signal-handler "
+                        "(which save a checkpoint on it) their --distributed-timeout-minutes")
     parser.add_argument(*_flag("join-timeout"), type=float, metavar="SECONDS",
                         help="how long to wait for the job store and for all node launchers to "
                         "join; default 300")
