@@ -196,6 +196,40 @@ def test_the_end_of_the_job_does_not_wait_on_a_save_whose_writer_is_dead(tmp_pat
     assert store.check([checkpoint_key(requests[0].save_id, "outcome")])
 
 
+def test_a_save_that_comes_due_while_two_are_in_flight_waits_for_the_oldest(
+        tmp_path, monkeypatch):
+    """Storage slower than the save interval: the third save waits at the step boundary until
+    the first is written, so no more than two snapshot copies are pinned at once."""
+    release, writing = threading.Event(), []
+    write = durable.write_part
+
+    def slow_write(directory, part, boxes, objects):
+        writing.append(directory)
+        release.wait()
+        write(directory, part, boxes, objects)
+
+    monkeypatch.setattr(durable, "write_part", slow_write)
+    store = dist.HashStore()
+    checkpoints = DurableCheckpoints(DurableConfig(rank=0, timeout_s=30), store, lambda: store,
+                                     NoPins())
+
+    def request(iteration: int) -> SaveRequest:
+        return SaveRequest(root=str(tmp_path), iteration=iteration, generation=0, writers=(0,),
+                           snapshot=Taken(), pieces=[], objects={}, common={})
+
+    checkpoints.submit(request(2))
+    checkpoints.submit(request(4))
+    third = threading.Thread(target=checkpoints.submit, args=(request(6),))
+    third.start()
+    third.join(1.0)
+    assert third.is_alive()  # held at the step boundary
+    release.set()
+    third.join(30)
+    assert not third.is_alive()
+    assert checkpoints.wait(60)
+    assert latest_complete(str(tmp_path))[0] == 6
+
+
 # -- real jobs --------------------------------------------------------------------------------
 
 

@@ -95,6 +95,10 @@ TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EBUSY, errno.EINTR,
 """Storage errors that a write may not meet again (a network file system's hiccup): the write
 is retried. Anything else (no space, no permission, a path under a file) fails the save."""
 
+MAX_IN_FLIGHT = 2
+"""Saves one rank writes or holds queued at once (each pins a snapshot copy): one written, one
+waiting; a third waits at the step boundary."""
+
 _T = TypeVar("_T")
 
 
@@ -238,7 +242,21 @@ class DurableCheckpoints:
     # -- the training thread ------------------------------------------------------------------
 
     def submit(self, request: SaveRequest) -> None:
-        """Queue ``request``; its snapshot is pinned until it is done."""
+        """Queue ``request``; its snapshot is pinned until it is done. Waits first while
+        :data:`MAX_IN_FLIGHT` saves are written or queued here: each pins a snapshot copy in host
+        memory, which storage slower than the save interval would otherwise grow without bound
+        (a save whose writer is dead does not hold it up)."""
+        while True:
+            with self._lock:
+                in_flight = [request.name for request in self._pending.values()]
+            if len(in_flight) < MAX_IN_FLIGHT:
+                break
+            for name in in_flight:
+                failed = frozenset(self._dead()).intersection(name.writers)
+                if failed and not self._resolved(name.save_id, self.store):
+                    self._resolve_failed_writers(self.store, name, failed)
+            with self._idle:
+                self._idle.wait(_POLL_S)
         self._snapshots.pin(request.snapshot.snapshot)
         with self._lock:
             self._pending[request.save_id] = request
