@@ -59,7 +59,8 @@ State restore after a recovery or a layout change (:mod:`~megatron_elaswave.trai
 =============================================  ==========================================================
 ``rt/gen<g>/restore/held/<rank>``              the snapshots ``rank`` holds (JSON ``[[rank, iteration,
                                                version, owners]]``, ``SnapshotTag``)
-``rt/gen<g>/restore/state/tp<t>``              the small state (pickled) for ranks that held no stage
+``rt/gen<g>/restore/state/tp<t>``              the small state for ranks that held no stage (plain
+                                               data, :mod:`~megatron_elaswave.runtime.wire`)
 ``rt/gen<g>/restore/migrate/holds/<rank>``     the pieces ``rank`` can serve
 ``rt/gen<g>/restore/migrate/needs/<rank>``     the pieces ``rank`` needs
 ``rt/gen<g>/restore/restored/<rank>``          ``rank`` restored

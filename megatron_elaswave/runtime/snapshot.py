@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -58,6 +57,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_elaswave.patches.p2p_communication import wait as p2p_wait
+
+from . import wire
 
 
 class SnapshotCorrupted(RuntimeError):
@@ -277,7 +278,7 @@ class Snapshot:
 
     def header(self) -> bytes:
         """Everything but the payload: identity, layout, checksums and the small state."""
-        return pickle.dumps({
+        return wire.dumps({
             "rank": self.rank, "iteration": self.iteration, "layout": self.layout,
             "state": self.state, "checksums": self.checksums, "chunk_bytes": self.chunk_bytes,
             "version": self.version, "owners": self.owners,
@@ -285,7 +286,7 @@ class Snapshot:
 
     @classmethod
     def from_header(cls, header: bytes, payload: torch.Tensor) -> "Snapshot":
-        meta = pickle.loads(header)
+        meta = wire.loads(header)
         return cls(meta["rank"], meta["iteration"], meta["layout"], payload, meta["state"],
                    meta["checksums"], meta["chunk_bytes"], meta["version"], meta["owners"])
 
@@ -363,7 +364,7 @@ class SnapshotStore:
         from_device = any(tensor.is_cuda for tensor in tensors.values())
         payload = self._payload_buffer(self.rank, iteration, _payload_bytes(layout),
                                        pinned=from_device)
-        snapshot = Snapshot(self.rank, iteration, layout, payload, pickle.dumps(dict(state)),
+        snapshot = Snapshot(self.rank, iteration, layout, payload, wire.dumps(dict(state)),
                             chunk_bytes=self.config.chunk_bytes, version=version, owners=owners)
         if not from_device:
             chunk_bytes = self.config.chunk_bytes
@@ -410,7 +411,7 @@ class SnapshotStore:
             raise SnapshotMissing(f"no snapshot of rank {rank} at iteration {iteration} here "
                                   f"(held: {[tuple(tag[:3]) for tag in self.held()]})")
         snapshot.verify()
-        return snapshot.tensors, pickle.loads(snapshot.state)
+        return snapshot.tensors, wire.loads(snapshot.state)
 
     def own(self, iteration: int, version: int) -> Snapshot | None:
         """This rank's snapshot of ``iteration`` taken in layout ``version``, if held."""

@@ -11,7 +11,6 @@ reached.
 from __future__ import annotations
 
 import json
-import pickle
 import threading
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING
 from megatron_elaswave.launch.keys import restore_prefix
 from megatron_elaswave.launch.store import WaitInterrupted, key_poll_pauses, wait_for_keys
 from megatron_elaswave.layout import Layout
+from megatron_elaswave.runtime import wire
 from megatron_elaswave.runtime.snapshot import SnapshotTag, newest_whole_iteration
 
 from .recovery import CannotContinue
@@ -85,12 +85,12 @@ class RestoreRound:
         position = old.position(self.rank)
         if position is not None and self.rank == min(
                 r for r in holders if old.position(r)[2] == position[2]):
-            self.store.set(f"{self.prefix}/state/tp{position[2]}", pickle.dumps((state, records)))
+            self.store.set(f"{self.prefix}/state/tp{position[2]}", wire.dumps((state, records)))
         if self.rank not in newcomers:
             return state, records
         key = f"{self.prefix}/state/tp{new.position(self.rank)[2]}"
         wait_for_keys(self.store, [key], self.timeout, self.abort)
-        shared_state, shared_records = pickle.loads(self.store.get(key))
+        shared_state, shared_records = wire.loads(self.store.get(key))
         return (shared_state if state is None else state), shared_records
 
     def commit(self) -> None:
