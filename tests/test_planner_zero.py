@@ -20,6 +20,7 @@ from megatron_elaswave.planner.zero import (
     contiguous_migration,
     interleaved_migration,
     schedule_waves,
+    survival,
 )
 
 
@@ -200,3 +201,22 @@ def test_one_shift_gives_every_rank_one_copy_where_it_can():
     held = Counter(b for rank in layout.active_ranks() for b in buddy_ranks(layout, rank, 1))
     assert sorted(held) == sorted(layout.active_ranks()) and set(held.values()) == {1}
     assert all(len(set(buddy_ranks(layout, rank, 3))) == 3 for rank in layout.active_ranks())
+
+
+def test_survival_says_which_losses_the_snapshot_copies_survive():
+    """No copy: no rank's loss is survived (and the pairs are not listed: every pair with any
+    rank, a million at 1,024 ranks); one copy: every rank and its buddy are a fatal pair; two
+    copies: any two ranks may fail."""
+    large = Layout.megatron(tp=1, pp=4, dp=256, num_layers=8, num_microbatches=256)
+    alone = survival(large, 0)
+    assert not alone.any_rank and alone.fatal_pairs == ()
+    assert alone.describe() == "survives no loss of a rank that holds a stage"
+    layout = Layout.megatron(tp=1, pp=2, dp=4, num_layers=8, num_microbatches=8)
+    one = survival(layout, 1)
+    assert one.any_rank and len(one.fatal_pairs) >= len(layout.active_ranks()) // 2
+    assert all(buddy_ranks(layout, a, 1)[0] == b or buddy_ranks(layout, b, 1)[0] == a
+               for a, b in one.fatal_pairs)
+    two = survival(layout, 2)
+    assert two.any_rank and two.fatal_pairs == ()
+    assert "of any two ranks" in two.describe()
+

@@ -165,7 +165,8 @@ class Survival:
     """The loss of any one node's ranks; ``None`` when the job has one node."""
     fatal_pairs: tuple[tuple[int, int], ...]
     """The pairs of ranks whose loss together takes some rank's snapshot with every copy,
-    sorted; empty when any two ranks may fail."""
+    sorted; empty when any two ranks may fail, and when one rank's loss does already
+    (``any_rank`` false: every pair with that rank would be listed)."""
 
     def describe(self) -> str:
         """One line: what the placement survives and which pairs of ranks it does not."""
@@ -194,18 +195,12 @@ def survival(layout: Layout, copies: int, ranks_per_node: int | None = None) -> 
     holders = [frozenset({rank, *buddy_ranks(layout, rank, copies, ranks_per_node)})
                for rank in sorted(layout.active_ranks())]
     known = sorted(layout.known_ranks())
-    pairs: set[tuple[int, int]] = set()
-    for held in holders:
-        if len(held) == 1:  # the owner alone: any pair with it
-            (owner,) = held
-            pairs.update(tuple(sorted((owner, other))) for other in known if other != owner)
-        elif len(held) == 2:
-            pairs.add(tuple(sorted(held)))
+    any_rank = all(len(held) > 1 for held in holders)
+    pairs = {tuple(sorted(held)) for held in holders if len(held) == 2} if any_rank else set()
     any_node = None
     if ranks_per_node is not None and len({r // ranks_per_node for r in known}) > 1:
         any_node = all(len({r // ranks_per_node for r in held}) > 1 for held in holders)
-    return Survival(any_rank=all(len(held) > 1 for held in holders), any_node=any_node,
-                    fatal_pairs=tuple(sorted(pairs)))
+    return Survival(any_rank=any_rank, any_node=any_node, fatal_pairs=tuple(sorted(pairs)))
 
 
 _UNIFORM_OFFSETS_TRIED = 64
