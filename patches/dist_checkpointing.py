@@ -39,7 +39,7 @@ import json
 import math
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -251,6 +251,20 @@ def write_part(directory: str, part: str, boxes: Iterable[Box],
                  no_dist=True)
 
 
+EXPECTED_FILE = "expected.json"
+"""Beside a part (:func:`write_part`): every tensor its writer's stage puts in the checkpoint,
+whoever writes its elements, by key with its global shape (:func:`merge_parts` checks them)."""
+
+
+def write_expected(directory: str, part: str, expected: Mapping[str, Sequence[int]]) -> None:
+    """Write :data:`EXPECTED_FILE` of ``directory/part`` (synced)."""
+    path = os.path.join(directory, part, EXPECTED_FILE)
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump({key: list(shape) for key, shape in expected.items()}, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
 @dataclass
 class MergedIndex:
     """The index of every part of a checkpoint (:func:`merge_parts`)."""
@@ -258,19 +272,28 @@ class MergedIndex:
     metadata: Metadata
     results: list[WriteResult]
     gaps: list[str]
-    """Tensors whose chunks do not add up to their size: a part is missing, or two overlap."""
+    """What does not add up, one line per tensor: a tensor some part expects that no part wrote,
+    one written in another shape, one whose chunks leave a hole or overlap."""
 
 
 def merge_parts(directory: str, parts: Iterable[str]) -> MergedIndex:
     """One DCP index of the parts of ``directory`` (:func:`write_part`); where two parts wrote
-    the same object, the first one's is kept."""
+    the same object, the first one's is kept. Every tensor the parts expect
+    (:data:`EXPECTED_FILE`) and every tensor written must be covered by its chunks exactly once;
+    linear in the chunks (and their sorting)."""
     tensors: dict[str, TensorStorageMetadata] = {}
     objects: dict[str, BytesStorageMetadata] = {}
     storage: dict[MetadataIndex, Any] = {}
+    expected: dict[str, tuple[int, ...]] = {}
     for part in parts:
+        try:
+            with open(os.path.join(directory, part, EXPECTED_FILE), encoding="utf-8") as handle:
+                expected.update((key, tuple(shape)) for key, shape in json.load(handle).items())
+        except FileNotFoundError:
+            pass
         index = dcp.FileSystemReader(os.path.join(directory, part)).read_metadata()
+        located = {item_index.fqn: info for item_index, info in index.storage_data.items()}
         for name, entry in index.state_dict_metadata.items():
-            located = {item_index.fqn: info for item_index, info in index.storage_data.items()}
             info = dataclasses.replace(located[name],
                                        relative_path=f"{part}/{located[name].relative_path}")
             if name.startswith("object:"):
@@ -286,12 +309,41 @@ def merge_parts(directory: str, parts: Iterable[str]) -> MergedIndex:
             merged.chunks.append(ChunkStorageMetadata(offsets=torch.Size(offset),
                                                       sizes=entry.size))
             storage[MetadataIndex(key, torch.Size(offset))] = info
-    gaps = [key for key, entry in tensors.items()
-            if sum(math.prod(chunk.sizes) for chunk in entry.chunks) != math.prod(entry.size)]
+    gaps = [f"{key}: no part wrote it" for key in sorted(expected.keys() - tensors.keys())]
+    for key, entry in sorted(tensors.items()):
+        if key in expected and tuple(entry.size) != expected[key]:
+            gaps.append(f"{key}: written as {tuple(entry.size)}, expected {expected[key]}")
+        elif problem := _tiling_problem(tuple(entry.size), entry.chunks):
+            gaps.append(f"{key}: {problem}")
     metadata = Metadata(state_dict_metadata={**tensors, **objects}, planner_data=None)
     results = [WriteResult(index=item, size_in_bytes=info.length, storage_data=info)
                for item, info in storage.items()]
-    return MergedIndex(metadata, results, sorted(gaps))
+    return MergedIndex(metadata, results, gaps)
+
+
+def _tiling_problem(shape: tuple[int, ...], chunks: Sequence[ChunkStorageMetadata]) -> str | None:
+    """Why ``chunks`` do not cover a tensor of ``shape`` exactly once (a hole, an overlap, a
+    chunk outside it), or ``None``. Sweeps the chunks in order of their offset along the first
+    axis, comparing each with those whose rows it shares only: near-linear for the boxes of
+    flat ranges, which share rows with few others."""
+    volume = 0
+    active: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []
+    for chunk in sorted(chunks, key=lambda chunk: tuple(chunk.offsets)):
+        offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+        if len(offsets) != len(shape) or any(
+                o < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape)):
+            return f"a chunk at {offsets} of size {sizes} lies outside {shape}"
+        volume += math.prod(sizes)
+        start = offsets[0] if offsets else 0
+        active = [entry for entry in active if entry[0] > start]
+        for _, other_offsets, other_sizes in active:
+            if all(o < p + m and p < o + n for o, n, p, m in
+                   zip(offsets, sizes, other_offsets, other_sizes)):
+                return f"chunks at {other_offsets} and {offsets} overlap"
+        active.append(((start + sizes[0]) if offsets else 1, offsets, sizes))
+    if volume != math.prod(shape):
+        return f"its chunks hold {volume} of its {math.prod(shape)} elements"
+    return None
 
 
 def write_index(directory: str, merged: MergedIndex) -> None:

@@ -15,12 +15,14 @@ import torch.distributed as dist
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.patches import PatchRegistry, device_compat
 from megatron_elaswave.patches.dist_checkpointing import (
+    Box,
     Placement,
     Segment,
     flat_range_boxes,
     merge_parts,
     segment_boxes,
     write_common,
+    write_expected,
     write_index,
     write_part,
 )
@@ -85,7 +87,8 @@ def test_layers_written_as_flat_shards_load_in_other_pieces(one_rank, tmp_path):
     write_index(str(tmp_path), merged)
     write_common(str(tmp_path), {"iteration": 3})
     partial = merge_parts(str(tmp_path), parts[1:])  # a writer missing: the index says so
-    assert partial.gaps == ["decoder.layers.w", "optimizer.state.param.decoder.layers.w"]
+    assert [gap.split(":")[0] for gap in partial.gaps] == [
+        "decoder.layers.w", "optimizer.state.param.decoder.layers.w"]
 
     template = {}
     for key, dtype in (("decoder.layers.w", torch.bfloat16),
@@ -104,3 +107,34 @@ def test_layers_written_as_flat_shards_load_in_other_pieces(one_rank, tmp_path):
                                columns)
             assert torch.equal(loaded[f"decoder.layers.w/{layer}/{half}"],
                                columns.to(torch.bfloat16))
+
+
+def _parts(directory, chunks_by_part, expected=None):
+    """Write each part's boxes of one (4, 6) tensor ``w``: ``(row, rows)`` chunks of whole rows."""
+    for part, chunks in chunks_by_part.items():
+        boxes = [Box("w", (4, 6), (row, 0), torch.ones(rows, 6)) for row, rows in chunks]
+        write_part(str(directory), part, boxes, {})
+        write_expected(str(directory), part, expected or {"w": (4, 6)})
+    return merge_parts(str(directory), list(chunks_by_part))
+
+
+@pytest.mark.parametrize("chunks, problem", [
+    ({"rank0": [(0, 2)], "rank1": [(2, 2)]}, None),
+    ({"rank0": [(0, 2)], "rank1": [(3, 1)]}, "hold 18 of its 24 elements"),
+    # an overlap and a hole of the same size: the element count alone adds up
+    ({"rank0": [(0, 2)], "rank1": [(1, 2)]}, "overlap"),
+])
+def test_the_merge_finds_every_hole_and_overlap(tmp_path, chunks, problem):
+    gaps = _parts(tmp_path, chunks).gaps
+    if problem is None:
+        assert gaps == []
+    else:
+        assert len(gaps) == 1 and gaps[0].startswith("w: ") and problem in gaps[0], gaps
+
+
+def test_the_merge_finds_a_tensor_no_part_wrote(tmp_path):
+    """The second rank's stage holds ``b`` (its expected list says so), but no part wrote it."""
+    gaps = _parts(tmp_path, {"rank0": [(0, 2)], "rank1": [(2, 2)]},
+                  expected={"w": (4, 6), "b": (6,)}).gaps
+    assert gaps == ["b: no part wrote it"]
+

@@ -75,6 +75,7 @@ from megatron_elaswave.patches.dist_checkpointing import (
     optimizer_state_prefix,
     segment_boxes,
     write_common,
+    write_expected,
     write_index,
     write_part,
 )
@@ -148,6 +149,9 @@ class SaveRequest(SaveName):
     """``ShardedObject`` data this rank writes, by unique key."""
     common: dict | None = None
     """``common.pt``, on the finaliser (the lowest writer) only."""
+    expected: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """Every tensor this rank's stage puts in the checkpoint, whoever writes its elements, by
+    key with its global shape: the finaliser checks that the parts cover each exactly."""
     requested_at: float = field(default_factory=time.monotonic)
 
     @property
@@ -174,6 +178,22 @@ class SaveRequest(SaveName):
                     boxes += segment_boxes(segment, piece.start, values,
                                            dtype=segment.placement.dtype)
         return boxes
+
+
+def expected_tensors(segments: dict[int, tuple[Segment, ...]],
+                     pieces: list[tuple[str, tuple[Segment, ...]]]) -> dict[str, tuple[int, ...]]:
+    """What a rank's stage puts in the checkpoint (:attr:`SaveRequest.expected`): the weights of
+    every parameter and trained buffer it holds (``segments``), and the optimizer's tensors of
+    every parameter of which it owns a piece (``pieces``): a parameter's elements are each owned
+    by one rank of its data-parallel group, so their union names them all."""
+    expected = {segment.placement.key: segment.placement.global_shape
+                for held in segments.values() for segment in held}
+    for key, held in pieces:
+        kind = Piece.parse(key).kind
+        if kind != BUFFER:
+            expected.update((optimizer_state_prefix(kind) + segment.placement.key,
+                             segment.placement.global_shape) for segment in held)
+    return expected
 
 
 @dataclass(frozen=True)
@@ -465,6 +485,7 @@ class DurableCheckpoints:
         def write() -> None:
             shutil.rmtree(os.path.join(request.directory, part), ignore_errors=True)
             write_part(request.directory, part, request.boxes(), request.objects)
+            write_expected(request.directory, part, request.expected)
 
         self._retrying(write, f"writing the checkpoint of iteration {request.iteration}")
         self._inject("checkpoint", request.iteration)
@@ -491,7 +512,7 @@ class DurableCheckpoints:
             merged = merge_parts(request.directory,
                                  [f"rank{writer}" for writer in request.writers])
             if merged.gaps:
-                raise RuntimeError(f"the parts do not cover {merged.gaps[:3]}")
+                raise RuntimeError(f"the parts do not add up: {'; '.join(merged.gaps[:3])}")
             write_common(request.directory, request.common)
             write_index(request.directory, merged)
             _remove_other_parts(request)

@@ -56,7 +56,14 @@ from megatron_elaswave.runtime.world import release_retired
 
 from . import relayout
 from .checkpoint import TrainingProgress, checkpoint_common, checkpoint_dir
-from .durable import ABANDONED, COMMITTED, DurableCheckpoints, SaveFailed, SaveRequest
+from .durable import (
+    ABANDONED,
+    COMMITTED,
+    DurableCheckpoints,
+    SaveFailed,
+    SaveRequest,
+    expected_tensors,
+)
 from .layer_groups import ModelFactory, build_stage_objects
 from .loop import StepResult, Trainer, log
 from .migration import NamedShard, StateLost, adam_step, load_pieces, migrate, needed_pieces
@@ -431,10 +438,11 @@ class ElasticTrainer(Trainer):
             progress = TrainingProgress(self.iteration, self.consumed_samples,
                                         floating_point_operations)
             common = checkpoint_common(self.args, self.objects, progress, len(writers))
+        pieces = self._named_shard.pieces_of(segments)
         request = SaveRequest(root=root, iteration=self.iteration,
                               generation=self.snapshots.version, writers=writers, snapshot=own,
-                              pieces=self._named_shard.pieces_of(segments), objects=objects,
-                              common=common)
+                              pieces=pieces, objects=objects, common=common,
+                              expected=expected_tensors(segments, pieces))
         self.durable.submit(request)
         return request
 
