@@ -151,12 +151,12 @@ def test_the_commit_of_a_finaliser_that_stops_is_completed_by_the_lowest_survivo
     stopped, release = threading.Event(), threading.Event()
     commit = durable._commit
 
-    def stops_on_the_writer_thread(name):
+    def stops_on_the_writer_thread(name, **how):
         if threading.current_thread().name == "elaswave-checkpoint-writer":
             stopped.set()
             release.wait()
             raise SystemExit  # never returns into the save: the process is gone
-        return commit(name)
+        return commit(name, **how)
 
     monkeypatch.setattr(durable, "_commit", stops_on_the_writer_thread)
     store, checkpoints, requests = writers(tmp_path, (0, 1, 2))
@@ -228,6 +228,25 @@ def test_a_save_that_comes_due_while_two_are_in_flight_waits_for_the_oldest(
     assert not third.is_alive()
     assert checkpoints.wait(60)
     assert latest_complete(str(tmp_path))[0] == 6
+
+
+def test_a_reused_save_directory_is_overwritten_as_megatron_does(tmp_path):
+    """A run before this one saved up to iteration 8 under the same ``--save``; this job, started
+    afresh, saves iteration 4: its checkpoint replaces the old one of that iteration and the
+    tracker names it, though the old run got further."""
+    from megatron_elaswave.training.checkpoint import checkpoint_dir, write_tracker
+
+    for iteration in (4, 8):
+        old = Path(checkpoint_dir(str(tmp_path), iteration))
+        old.mkdir(parents=True)
+        (old / "from-the-old-run").write_text("")
+    write_tracker(str(tmp_path), 8)
+    store, checkpoints, requests = writers(tmp_path, (0,))
+    checkpoints[0].submit(requests[0])
+    assert checkpoints[0].wait(60)
+    saved, directory = latest_complete(str(tmp_path))
+    assert saved == ITERATION and is_complete(Path(directory))
+    assert not (Path(directory) / "from-the-old-run").exists()
 
 
 # -- real jobs --------------------------------------------------------------------------------

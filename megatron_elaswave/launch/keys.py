@@ -84,6 +84,8 @@ Durable checkpoints (:mod:`~megatron_elaswave.training.durable`):
 ``rt/ckpt/<iteration>-g<g>/error``             why the save could not be written (the first
                                                writer or finaliser that failed says)
 ``rt/ckpt/failed``                             the first save of the job that could not be written
+``rt/ckpt/latest``                             the latest iteration whose save this job committed
+``rt/ckpt/iter/<iteration>``                   set once this job committed the save of ``iteration``
 ``rt/ckpt/lock``                               the save that commits now (empty when none)
 =============================================  ==========================================================
 
@@ -227,6 +229,14 @@ CHECKPOINT_LOCK_KEY = "rt/ckpt/lock"
 
 CHECKPOINT_FAILED_KEY = "rt/ckpt/failed"
 """The first durable checkpoint of the job that could not be written (its save id)."""
+
+CHECKPOINT_LATEST_KEY = "rt/ckpt/latest"
+"""The latest iteration whose durable checkpoint this job committed."""
+
+
+def committed_iteration_key(iteration: int) -> str:
+    """Set once this job committed a durable checkpoint of ``iteration``."""
+    return f"rt/ckpt/iter/{iteration}"
 
 FINISHED_KEY = "rt/finished"
 """Set when the job ends: empty when every member finished, else why the survivors stopped."""

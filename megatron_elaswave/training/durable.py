@@ -41,7 +41,8 @@ Every save resolves, whatever process dies when:
 
 An abandoned save leaves a ``.partial`` directory, which the next committed save removes; the
 tracker still names the last complete checkpoint. Commits of different saves are serialised by a
-lock in the store, and the tracker only moves forward.
+lock in the store, and the tracker only moves forward over the checkpoints of this job (a run
+before it that used the same ``--save`` is overwritten, as Megatron does).
 
 Store keys (:mod:`megatron_elaswave.launch.keys`): ``rt/ckpt/<iteration>-g<generation>/part/<rank>`` (a
 writer's part is on storage), ``rt/ckpt/<iteration>-g<generation>/outcome`` (``committing``,
@@ -65,8 +66,10 @@ from typing import Any, TypeVar
 
 from megatron_elaswave.launch.keys import (
     CHECKPOINT_FAILED_KEY,
+    CHECKPOINT_LATEST_KEY,
     CHECKPOINT_LOCK_KEY,
     checkpoint_key,
+    committed_iteration_key,
 )
 from megatron_elaswave.patches.dist_checkpointing import (
     Box,
@@ -81,7 +84,7 @@ from megatron_elaswave.patches.dist_checkpointing import (
 )
 from megatron_elaswave.runtime.snapshot import PendingSnapshot, SnapshotStore
 
-from .checkpoint import checkpoint_dir, latest_complete, resume_hint, write_tracker
+from .checkpoint import checkpoint_dir, resume_hint, write_tracker
 from .loop import log
 from .migration import BUFFER, Piece
 
@@ -538,12 +541,20 @@ class DurableCheckpoints:
         """Move the checkpoint of ``name`` (indexed, ``committing``, its lock held) into place,
         for its finaliser (which asked for it at ``requested_at``) or for ``failed_finaliser``;
         the save is committed, or failed."""
+        # What this job committed before, as opposed to a run that used the same --save.
+        ours = store.check([committed_iteration_key(name.iteration)])
+        latest = (int(store.get(CHECKPOINT_LATEST_KEY).decode())
+                  if store.check([CHECKPOINT_LATEST_KEY]) else None)
         try:
-            directory = self._retrying(lambda: _commit(name),
-                                       f"committing the checkpoint of iteration {name.iteration}")
+            directory = self._retrying(
+                lambda: _commit(name, keep_existing=ours,
+                                move_tracker=latest is None or name.iteration >= latest),
+                f"committing the checkpoint of iteration {name.iteration}")
         except BaseException as error:
             self._fail(store, name, error)
             return
+        store.set(committed_iteration_key(name.iteration), "")
+        store.set(CHECKPOINT_LATEST_KEY, str(max(name.iteration, latest or 0)))
         store.set(name.key("outcome"), COMMITTED)
         store.compare_set(CHECKPOINT_LOCK_KEY, name.save_id, "")
         _remove_abandoned_partials(name)
@@ -596,15 +607,17 @@ def _remove_other_parts(request: SaveName) -> None:
             shutil.rmtree(os.path.join(request.directory, entry), ignore_errors=True)
 
 
-def _commit(request: SaveName) -> str:
-    """Rename the complete directory into place and move the tracker to it (never backwards).
-    A checkpoint of the same iteration that the tracker names already is kept. Done again after
-    any step of it, it completes it (a finaliser that died in the middle)."""
+def _commit(request: SaveName, *, keep_existing: bool, move_tracker: bool) -> str:
+    """Rename the complete directory into place and, if ``move_tracker``, name it in the
+    tracker. A checkpoint of the same iteration already in place is kept if ``keep_existing``
+    (this job committed it: a save of an iteration run again after a rollback holds the same
+    state), else replaced (a run before this one used the same ``--save``: as Megatron, the new
+    run's checkpoint and tracker win). Done again after any step of it, it completes it (a
+    finaliser that died in the middle)."""
     final = checkpoint_dir(request.root, request.iteration)
-    latest = latest_complete(request.root)
     if os.path.exists(request.directory):  # not renamed into place yet
         if os.path.exists(final):
-            if latest is not None and latest[0] == request.iteration:
+            if keep_existing:
                 shutil.rmtree(request.directory, ignore_errors=True)
                 return final
             trash = f"{final}.replaced-g{request.generation}"
@@ -614,7 +627,7 @@ def _commit(request: SaveName) -> str:
         else:
             os.rename(request.directory, final)
         _sync_directory(request.root)
-    if latest is None or request.iteration >= latest[0]:
+    if move_tracker:
         write_tracker(request.root, request.iteration)
     return final
 
