@@ -58,6 +58,30 @@ def test_the_etcd_store_answers_as_the_tcpstore_does(etcd_cluster, store):
     assert exercise(store_on(etcd_cluster, "semantics")) == exercise(store)
 
 
+@pytest.mark.timeout(120)
+def test_an_add_whose_answer_is_lost_counts_once_though_another_add_came_between(etcd_cluster):
+    """The transaction of an ``add`` commits and its answer is lost; before it is sent again,
+    another launcher adds to the same counter. The resent transaction finds the counter moved,
+    and the retry finds its own total: three adds of one count three, each returns its own."""
+    mine, other = store_on(etcd_cluster, "lost-answer"), store_on(etcd_cluster, "lost-answer")
+    assert mine.add("deaths", 1) == 1
+    call, lost = mine._call, []
+
+    def answer_lost_once(path, payload):
+        answer = call(path, payload)
+        if path == "kv/txn" and payload.get("compare") and not lost:
+            lost.append(answer)
+            assert other.add("deaths", 1) == 3  # between the commit and the resend
+            answer = call(path, payload)  # what the resend answers: the compare fails
+        return answer
+
+    mine._call = answer_lost_once
+    assert mine.add("deaths", 1) == 2
+    assert lost and lost[0]["succeeded"]
+    assert other.get("deaths") == b"3"
+    assert mine.delete_key("deaths") and other.add("deaths", 0) == 0
+
+
 GLOO_WORKER = """
 import sys, torch, torch.distributed as dist
 from datetime import timedelta

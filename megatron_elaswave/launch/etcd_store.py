@@ -14,8 +14,10 @@ Guarantees, the ``TCPStore``'s semantics kept:
 * ``add`` and ``compare_set`` are atomic (etcd transactions on the key's revision); ``add``
   creates a missing key from 0 and keeps the value in decimal, as ``TCPStore`` does, so a
   counter reads the same through ``get``. A request whose answer was lost (a member died or
-  lost the leader after it committed) is sent again, so each ``add`` writes a token of its own
-  beside the counter (outside the job's namespace, deleted with the key) and counts once.
+  lost the leader after it committed) is sent again, so each ``add`` writes, in the same
+  transaction, a key of its own holding the total it made (outside the job's namespace, on a
+  lease that etcd expires once no retry can need it): a retry that finds it returns that total,
+  whatever other adds came in between, and the ``add`` counts exactly once.
 * ``get``, ``wait`` and ``multi_get`` wait for missing keys up to the store's timeout, then raise
   ``torch.distributed.DistStoreError``.
 * **A member lost is not noticed.** A request that a member does not answer (refused, reset, no
@@ -95,6 +97,8 @@ _REQUEST_TIMEOUT_S = 2.0
 _MAX_TXN_OPS = 128
 """etcd's default ``--max-txn-ops``: longer batches are split."""
 _FIRST_POLL_S = 0.001
+_TOKEN_LEASE_MIN_S = 60
+"""The shortest life of an ``add``'s token key (etcd's leases count in seconds)."""
 _MAX_POLL_S = 0.02
 
 
@@ -163,11 +167,11 @@ class EtcdStore(dist.Store):
             self._call("kv/txn", {"success": chunk})
 
     def add(self, key: str, amount: int) -> int:
-        token = uuid.uuid4().hex.encode()
+        token = uuid.uuid4().hex
         while True:
-            kv, applied = self._read_counter(key)
-            if applied == token:  # an attempt whose answer was lost committed
-                return int(_decode(kv["value"]))
+            kv, applied = self._read_counter(key, token)
+            if applied is not None:  # an attempt whose answer was lost committed
+                return int(applied)
             if kv is None:
                 condition = {"target": "CREATE", "create_revision": "0"}
                 total = amount
@@ -214,8 +218,10 @@ class EtcdStore(dist.Store):
             pause = min(2 * pause, _MAX_POLL_S)
 
     def delete_key(self, key: str) -> bool:
+        tokens = self._token_key(key, "").encode()
         deletes = [{"request_delete_range": {"key": self._key(key)}},
-                   {"request_delete_range": {"key": self._token_key(key)}}]
+                   {"request_delete_range": {"key": _encode(tokens),
+                                             "range_end": _encode(_prefix_end(tokens))}}]
         response = self._call("kv/txn", {"success": deletes})
         first = response.get("responses", [{}])[0].get("response_delete_range", {})
         return int(first.get("deleted", 0)) > 0
@@ -237,23 +243,34 @@ class EtcdStore(dist.Store):
     def _key(self, key: str) -> str:
         return _encode(self._key_bytes(key))
 
-    def _token_key(self, key: str) -> str:
-        """Where the token of the last ``add`` to ``key`` is kept: beside the namespace (not in
-        it, so that listing and counting the job's keys do not see it)."""
-        return _encode(f"{self.address.namespace.rstrip('/')}.adds/{key}".encode())
+    def _token_key(self, key: str, token: str) -> str:
+        """Where the ``add`` of ``token`` to ``key`` keeps the total it made: beside the namespace
+        (not in it, so that listing and counting the job's keys do not see it)."""
+        return f"{self.address.namespace.rstrip('/')}.adds/{key}/{token}"
 
-    def _read_counter(self, key: str) -> tuple[dict[str, Any] | None, bytes | None]:
-        """The counter at ``key`` and the token of the ``add`` that wrote it last."""
+    def _read_counter(self, key: str, token: str) -> tuple[dict[str, Any] | None, str | None]:
+        """The counter at ``key``, and the total the ``add`` of ``token`` made if it committed."""
         ranges = [{"request_range": {"key": self._key(key)}},
-                  {"request_range": {"key": self._token_key(key)}}]
-        counter, token = (response.get("response_range", {}).get("kvs")
-                          for response in self._call("kv/txn", {"success": ranges})["responses"])
+                  {"request_range": {"key": _encode(self._token_key(key, token).encode())}}]
+        counter, applied = (response.get("response_range", {}).get("kvs")
+                            for response in self._call("kv/txn", {"success": ranges})["responses"])
         return (counter[0] if counter else None,
-                _decode(token[0].get("value", "")) if token else None)
+                _decode(applied[0].get("value", "")).decode() if applied else None)
+
+    def _token_lease(self) -> str:
+        """A lease for the keys of ``add`` tokens, renewed by a new one as it ages: a token is
+        read only by the retries of its own ``add``, within ``unavailable_s``."""
+        lease = getattr(self._local, "token_lease", None)
+        now = time.monotonic()
+        if lease is None or now > lease[1]:
+            ttl = max(_TOKEN_LEASE_MIN_S, int(4 * self._unavailable_s))
+            granted = self._call("lease/grant", {"TTL": ttl, "ID": 0})
+            lease = self._local.token_lease = (granted["ID"], now + ttl / 2)
+        return lease[0]
 
     def _namespace_range(self) -> dict[str, str]:
         prefix = self.address.namespace.encode()
-        return {"key": _encode(prefix), "range_end": _encode(prefix[:-1] + bytes([prefix[-1] + 1]))}
+        return {"key": _encode(prefix), "range_end": _encode(_prefix_end(prefix))}
 
     def _read(self, key: str) -> dict[str, Any] | None:
         kvs = self._call("kv/range", {"key": self._key(key)}).get("kvs")
@@ -269,13 +286,14 @@ class EtcdStore(dist.Store):
                 yield response.get("response_range", {})
 
     def _commit_if(self, key: str, condition: dict[str, str], value: str | bytes,
-                   token: bytes | None = None) -> bool:
-        """Put ``value`` at ``key`` (and ``token`` beside it) if ``condition`` (an etcd
+                   token: str | None = None) -> bool:
+        """Put ``value`` at ``key`` (and at the key of ``token``) if ``condition`` (an etcd
         compare, without its key) holds."""
         compare = {**condition, "key": self._key(key), "result": "EQUAL"}
         puts = [{"request_put": {"key": self._key(key), "value": _encode(value)}}]
         if token is not None:
-            puts.append({"request_put": {"key": self._token_key(key), "value": _encode(token)}})
+            puts.append({"request_put": {"key": _encode(self._token_key(key, token).encode()),
+                                         "value": _encode(value), "lease": self._token_lease()}})
         return bool(self._call("kv/txn", {"compare": [compare], "success": puts})
                     .get("succeeded", False))
 
@@ -325,6 +343,11 @@ class EtcdStore(dist.Store):
 
 def _bytes(value: str | bytes) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The end of etcd's range of the keys that start with ``prefix`` (its last byte below 0xff)."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
 
 
 def _encode(value: str | bytes) -> str:
