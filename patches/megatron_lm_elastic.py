@@ -246,13 +246,11 @@ _UNSUPPORTED = (
 
 _UNSUPPORTED_CHECKPOINTING = (
     ("no_save_optim", "--no-save-optim (a checkpoint of an elastic run holds the optimizer)"),
-    ("no_load_optim", "--no-load-optim (it loads the whole checkpoint)"),
-    ("finetune", "--finetune (it loads the whole checkpoint)"),
     ("non_persistent_save_interval", "--non-persistent-save-interval"),
 )
 """Megatron-LM's checkpoint flags an elastic run does not support (``--save``, ``--load``,
-``--save-interval``, ``--async-save``, ``--exit-signal-handler`` and
-``--exit-duration-in-mins`` it does)."""
+``--save-interval``, ``--async-save``, ``--exit-signal-handler``, ``--exit-duration-in-mins``,
+``--finetune``, ``--no-load-optim``, ``--no-load-rng`` and ``--no-save-rng`` it does)."""
 
 
 class StepResult(Protocol):
@@ -637,9 +635,11 @@ class _ElasticLoop:
             if over_pg_collection:
                 bound.arguments["pg_collection"] = None  # parallel_state's: the current groups
             if bound.arguments.get("is_first_iteration"):
-                # core_v0.19 logs (with timer barriers) after train()'s first iteration: the
-                # job's first, not a replacement's first after it joined.
-                bound.arguments["is_first_iteration"] = bound.arguments["iteration"] == 1
+                # core_v0.19 logs (with timer barriers, and without resetting its sums) after
+                # train()'s first iteration: the job's first after its start or --load, not a
+                # replacement's first after it joined.
+                bound.arguments["is_first_iteration"] = (
+                    bound.arguments["iteration"] == self.runtime.resumed_at()[0] + 1)
             return training_log(*bound.args, **bound.kwargs)
 
         return elastic_training_log

@@ -232,6 +232,28 @@ def test_sigterm_with_exit_signal_handler_saves_exits_0_and_resumes_on_the_traje
     assert_on_trajectory(reference, before + resumed)
 
 
+@pytest.mark.timeout(400)
+def test_finetuning_from_a_checkpoint_of_the_plain_path_logs_what_the_plain_path_logs(
+        text_data, tmp_path):  # noqa: F811
+    """The plain path (no ``--elastic``) saves iteration 4; ``--load`` it with ``--finetune``
+    (the weights only, from iteration 0) and with ``--no-load-optim`` (the weights and the
+    iteration), with and without ``--elastic``: the same losses, iteration by iteration."""
+    save = tmp_path / "pretrained"
+    base = flags(text_data, elastic=False)
+    at = base.index("--train-iters")
+    _, _, output = train(tmp_path, "pretraining",
+                         base[:at + 1] + ["4"] + base[at + 2:] + ["--save", str(save)])
+    assert latest_complete(str(save))[0] == 4, output[-3000:]
+    for flag, first in (("--finetune", 1), ("--no-load-optim", 5)):
+        losses = {}
+        for arm, command in (("plain", base), ("elastic", flags(text_data))):
+            _, _, output = train(tmp_path, f"{arm}{flag}",
+                                 [*command, "--load", str(save), flag, "--no-load-rng"])
+            losses[arm] = [(int(i), float(loss)) for i, _, loss in LOG_LINE.findall(output)]
+        assert [i for i, _ in losses["plain"]] == list(range(first, TRAIN_ITERS + 1)), flag
+        assert_same_log_losses(losses["plain"], losses["elastic"])
+
+
 @pytest.mark.timeout(300)
 def test_cannot_continue_names_the_last_complete_checkpoint_and_how_to_resume_it(
         text_data, tmp_path):  # noqa: F811
@@ -341,3 +363,27 @@ def test_elastic_resumes_either_checkpoint_on_the_uninterrupted_trajectory(megat
                                resumed["elastic", saver])
         assert_on_trajectory(reference, read_metrics(
             str(tmp_path / f"elastic-loads-{saver}.jsonl"), "iteration"))
+
+
+@pytest.mark.timeout(1800)
+@needs_megatron_lm
+@pytest.mark.parametrize("flag", ["--finetune", "--no-load-optim"])
+def test_a_checkpoint_of_megatron_lms_own_loop_starts_a_run_as_in_megatron_lm(
+        megatron_lm_resumes, flag):
+    """Megatron-LM's checkpoint (its own loop, without ``--elastic``) with ``--finetune`` (the
+    weights only, from iteration 0) or ``--no-load-optim`` (the weights and the iteration, a new
+    optimizer and schedule), and ``--no-load-rng``: under ``--elastic`` the first iterations
+    log the losses Megatron-LM's loop logs given the same flags."""
+    _, _, tmp_path = megatron_lm_resumes
+    saved = str(tmp_path / "saved-by-plain")
+    name = flag.strip("-")
+    runs = {}
+    for arm, extra in (("plain", []), ("elastic", ["--elastic"])):
+        returncode, output, losses = megatron_lm(
+            tmp_path, f"{arm}-{name}", ["--load", saved, flag, "--no-load-rng", *extra])
+        assert returncode == 0 and "Traceback" not in output, output[-4000:]
+        runs[arm] = losses
+    first = 1 if flag == "--finetune" else latest_complete(saved)[0] + 1
+    assert [i for i, _ in runs["plain"]] == list(range(first, MEGATRON_LM_ITERS + 1))
+    assert_same_log_losses(runs["plain"], runs["elastic"])
+

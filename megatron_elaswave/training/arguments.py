@@ -175,6 +175,17 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--eval-iters", type=int, default=100)
     group.add_argument("--save", default=None)
     group.add_argument("--load", default=None)
+    group.add_argument("--finetune", action="store_true",
+                       help="load the model weights of --load only, and start from iteration 0 "
+                            "with a new optimizer and schedule (Megatron's --finetune)")
+    group.add_argument("--no-load-optim", action="store_true",
+                       help="do not load the optimizer state and schedule of --load (the "
+                            "iteration is)")
+    group.add_argument("--no-load-rng", action="store_true",
+                       help="accepted: the RNG states are never loaded (nor saved: dropout is "
+                            "seeded by sample and layer under --elastic)")
+    group.add_argument("--no-save-rng", action="store_true",
+                       help="accepted: the RNG states are never saved")
     group.add_argument("--save-interval", type=int, default=None)
     group.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist",
                        help="Megatron's torch_dist format (the only one)")

@@ -202,16 +202,31 @@ def latest_iteration(root: str) -> int:
 
 
 def load_checkpoint(root: str, objects: TrainingObjects,
-                    megatron_layout: MegatronLayout | None = None) -> TrainingProgress:
+                    megatron_layout: MegatronLayout | None = None, *, load_optimizer: bool = True,
+                    finetune: bool = False) -> TrainingProgress:
     """Load the latest checkpoint under ``root`` into ``objects`` (collective), whatever layout
     saved it: this project's jobs, with or without ``--elastic``, or Megatron-LM's loop with its
     distributed optimizer's state in a fully reshardable form. Megatron-LM's default form
     (``dp_reshardable``) loads where ``megatron_layout`` says the objects are laid out as
     Megatron-LM's of the same sizes; otherwise, and where the buckets differ, it raises
-    :class:`CheckpointError`."""
+    :class:`CheckpointError`.
+
+    As Megatron-LM's ``load_checkpoint``: without ``load_optimizer`` (``--no-load-optim``) or
+    with ``finetune`` (``--finetune``) only the model weights are loaded (any form, into any
+    layout), the optimizer's main parameters taken from them and its state and the schedule
+    left new; ``finetune`` starts from iteration 0 and sample 0."""
     iteration = latest_iteration(root)
     directory = checkpoint_dir(root, iteration)
     metadata = dist_checkpointing.load_content_metadata(directory) or _LEGACY_METADATA
+    if finetune or not load_optimizer:
+        loaded = dist_checkpointing.load(_model_state(objects, metadata), directory)
+        for key, ddp in zip(_model_keys(objects), objects.model):
+            ddp.module.load_state_dict(loaded[key])
+        objects.optimizer.reload_model_params()
+        if finetune:
+            return TrainingProgress(0, 0)
+        return TrainingProgress(int(loaded["iteration"]), _consumed_samples(loaded),
+                                float(loaded.get("num_floating_point_operations_so_far", 0)))
     allocate_optimizer_state(objects.optimizer.chained_optimizers)
     if is_fully_reshardable(metadata):
         metadata = {**metadata, "chained_optim_avoid_prefix": True}
@@ -223,11 +238,15 @@ def load_checkpoint(root: str, objects: TrainingObjects,
     with torch.no_grad():
         load_chained_optimizer(objects.optimizer, loaded["optimizer"])
     objects.scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    return TrainingProgress(int(loaded["iteration"]), _consumed_samples(loaded),
+                            float(loaded.get("num_floating_point_operations_so_far", 0)))
+
+
+def _consumed_samples(loaded: dict) -> int:
     consumed = loaded.get("consumed_samples")
     if consumed is None:  # saved by Megatron-LM's loop
         consumed = getattr(loaded.get("args"), "consumed_train_samples", 0)
-    return TrainingProgress(int(loaded["iteration"]), int(consumed),
-                            float(loaded.get("num_floating_point_operations_so_far", 0)))
+    return int(consumed)
 
 
 def _load(directory: str, objects: TrainingObjects, metadata: dict) -> dict:

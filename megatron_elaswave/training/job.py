@@ -119,7 +119,10 @@ def megatron_layout_of(trainer: Trainer) -> MegatronLayout | None:
 
 def resume(trainer: Trainer, root: str) -> TrainingProgress:
     """Load the latest checkpoint under ``root`` into the trainer (collective)."""
-    progress = load_checkpoint(root, trainer.objects, megatron_layout_of(trainer))
+    args = trainer.args
+    progress = load_checkpoint(root, trainer.objects, megatron_layout_of(trainer),
+                               load_optimizer=not getattr(args, "no_load_optim", False),
+                               finetune=getattr(args, "finetune", False))
     trainer.iteration, trainer.consumed_samples = progress.iteration, progress.consumed_samples
     if trainer.rank == 0:
         log(f" loaded checkpoint from {root} at iteration {progress.iteration}")
