@@ -46,6 +46,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "quick: a multi-process test of the fast tier (scripts/test.sh --quick)"
     )
+    config.addinivalue_line(
+        "markers", "sweep: repeats another test's check at more ranks, layouts or moments "
+        "(scripts/test.sh --all); the seeded soak draws such places at random"
+    )
     if not config.pluginmanager.hasplugin("timeout"):
         config.addinivalue_line("markers", "timeout(seconds): time limit of the test")
 

@@ -104,7 +104,8 @@ def reference(text_data, tmp_path_factory):  # noqa: F811
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("victims, overlap", [
-    ([(7, 4)], "on"), ([(0, 3)], "off"), ([(5, 3), (2, 8)], "on"), ([(1, 3), (5, 3)], "on")],
+    pytest.param([(7, 4)], "on", marks=pytest.mark.sweep), ([(0, 3)], "off"),
+    ([(5, 3), (2, 8)], "on"), ([(1, 3), (5, 3)], "on")],
     ids=["last-stage-rank-7", "rank-0-snapshots-settled-in-their-step", "two-failures",
          "a-whole-replica"])
 def test_sigkilled_workers_leave_the_trajectory_unchanged(text_data, reference, tmp_path,  # noqa: F811
@@ -172,7 +173,7 @@ def run_with_faults(tmp_path: Path, name: str, flags: list[str], inject, nproc: 
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("when", ["death-recorded+0.15s", "restore-started",
-                                  "restore-committed"])
+                                  pytest.param("restore-committed", marks=pytest.mark.sweep)])
 def test_a_rank_killed_during_the_recovery_of_another(text_data, reference, tmp_path, when):  # noqa: F811
     """Rank 5 is SIGKILLed after iteration 5; rank 2 is SIGKILLed in the middle of the
     survivors' recovery, chosen from what the job reports: 0.15 s after the launcher recorded

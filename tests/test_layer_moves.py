@@ -61,7 +61,9 @@ def moves(tmp_path: Path, name: str) -> list[dict]:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("victim", [3, pytest.param(5, marks=pytest.mark.quick), 6])
+@pytest.mark.parametrize("victim", [pytest.param(3, marks=pytest.mark.sweep),
+                                    pytest.param(5, marks=pytest.mark.quick),
+                                    pytest.param(6, marks=pytest.mark.sweep)])
 def test_a_rank_killed_as_layers_move_in_both_replicas_loses_no_state(
         text_data, reference, tmp_path, victim):  # noqa: F811
     """TP1 x PP4 x DP2, tied embeddings: layers move in both replicas after iteration 5, and the
@@ -79,7 +81,7 @@ def test_a_rank_killed_as_layers_move_in_both_replicas_loses_no_state(
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("victim", [1, 2])
+@pytest.mark.parametrize("victim", [1, pytest.param(2, marks=pytest.mark.sweep)])
 def test_a_rank_killed_while_the_layout_changes_is_recovered_at_once(
         text_data, reference, tmp_path, victim):  # noqa: F811
     """TP1 x PP2 x DP2: the members pause for 2 s once the layer move is committed to the store;
@@ -103,6 +105,7 @@ def test_a_rank_killed_while_the_layout_changes_is_recovered_at_once(
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.sweep
 def test_each_rank_in_turn_killed_as_soon_as_a_layer_move_is_reported(
         text_data, reference, tmp_path):  # noqa: F811
     """TP1 x PP2 x DP2: for each rank in turn, a new run is SIGKILLed from outside as soon as

@@ -362,11 +362,12 @@ def test_a_checkpoint_saved_after_a_failure_loads_in_megatron_lms_own_loop(tmp_p
     """The DeepSeek-V3-style job saves iteration 4 after rank 4 failed in iteration 3: its two
     lockstep sets then run one and two stages. Megatron-LM's loop without ``--elastic`` resumes
     that checkpoint (the experts by global index, the expert optimizer's state, the routers'
-    expert biases) as it resumes one it saved itself, and ``--elastic`` resumes it on the run
-    that saved it."""
+    expert biases) as it resumes one it saved itself. (``--elastic`` resumes such a checkpoint
+    on the run that saved it: ``test_pretrain_gpt_resumes_an_moe_checkpoint_in_another_expert_layout``,
+    through the same loader.)"""
     flags = deepseek_v3_style()
     saved = {"elastic": tmp_path / "saved-by-elastic", "megatron-lm": tmp_path / "saved-by-megatron-lm"}
-    saving = run(tmp_path, "saving-elastic", flags + [
+    run(tmp_path, "saving-elastic", flags + [
         "--save", str(saved["elastic"]), "--save-interval", "4",
         "--elastic-inject-failure", "rank=4,iteration=3"])
     run(tmp_path, "saving-megatron-lm", flags + ["--save", str(saved["megatron-lm"]),
@@ -380,9 +381,6 @@ def test_a_checkpoint_saved_after_a_failure_loads_in_megatron_lms_own_loop(tmp_p
         for name in ("lm loss", "seq_load_balancing_loss", "grad norm"):
             assert resumed["elastic"][iteration][name] == pytest.approx(
                 fields[name], rel=PARITY_TOLERANCE, abs=1e-6), (iteration, name)
-    elastic = run(tmp_path, "elastic-loads-elastic", flags + ["--load", str(saved["elastic"])])
-    assert_on_trajectory(elastic, {"iterations": [r for r in saving["iterations"]
-                                                  if r["iteration"] > 4]})
 
 
 @pytest.mark.timeout(900)

@@ -285,9 +285,9 @@ def assert_matches_plain(plain: list[dict], elastic: list[dict], tolerance: floa
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("tp, pp, nproc, dropout, zero", [
-    (2, 1, 2, 0.0, "contiguous"),
-    (1, 2, 2, 0.0, "contiguous"),
-    (2, 2, 4, 0.0, "contiguous"),
+    pytest.param(2, 1, 2, 0.0, "contiguous", marks=pytest.mark.sweep),
+    pytest.param(1, 2, 2, 0.0, "contiguous", marks=pytest.mark.sweep),
+    pytest.param(2, 2, 4, 0.0, "contiguous", marks=pytest.mark.sweep),
     (2, 2, 8, 0.0, "contiguous"),
     (2, 2, 4, 0.1, "contiguous"),
     (2, 2, 8, 0.0, "interleaved"),
@@ -319,7 +319,9 @@ def test_elastic_with_a_failure_stays_on_the_plain_megatron_core_path(text_data,
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("tp, pp, nproc", [(2, 1, 2), (1, 2, 2), (2, 2, 8)],
+@pytest.mark.parametrize("tp, pp, nproc", [pytest.param(2, 1, 2, marks=pytest.mark.sweep),
+                                           pytest.param(1, 2, 2, marks=pytest.mark.sweep),
+                                           (2, 2, 8)],
                          ids=["tp2", "pp2", "tp2-pp2-dp2"])
 def test_tied_embeddings_under_elastic_are_the_plain_megatron_core_path(text_data, tmp_path,  # noqa: F811
                                                                         tp, pp, nproc):
@@ -401,8 +403,9 @@ def virtual_stages(layout: list[dict]) -> list[int]:
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("tp, pp, nproc, num_layers", [(1, 2, 4, 4), (2, 2, 8, 4), (1, 4, 4, 8)],
-                         ids=["pp2-dp2", "tp2-pp2-dp2", "pp4"])
+@pytest.mark.parametrize("tp, pp, nproc, num_layers", [
+    pytest.param(1, 2, 4, 4, marks=pytest.mark.sweep), (2, 2, 8, 4),
+    pytest.param(1, 4, 4, 8, marks=pytest.mark.sweep)], ids=["pp2-dp2", "tp2-pp2-dp2", "pp4"])
 def test_interleaved_schedule_under_elastic_is_the_plain_megatron_core_path(text_data,  # noqa: F811
                                                                             tmp_path, tp, pp,
                                                                             nproc, num_layers):
