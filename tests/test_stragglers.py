@@ -274,3 +274,9 @@ def test_a_stage_that_measured_nothing_moves_no_layers():
     detector.reset(planned=layout)
     observe_compute(detector, layout, {0: (0.0, 0.0), 1: (4.0, 0.0)}, iterations=2)
     assert detector.layer_proposal(layout) is None
+
+
+def test_a_minimum_gain_of_one_is_refused():
+    """A change that gains nothing would be made back and forth."""
+    with pytest.raises(ValueError, match="min_gain must be > 1"):
+        RebalanceConfig(window=3, min_gain=1.0)

@@ -70,8 +70,8 @@ class RebalanceConfig:
     def __post_init__(self) -> None:
         if self.window < 1:
             raise ValueError(f"window must be >= 1, got {self.window}")
-        if self.min_gain < 1:
-            raise ValueError(f"min_gain must be >= 1, got {self.min_gain}")
+        if self.min_gain <= 1:  # a gain of 1 would change the deal for nothing, back and forth
+            raise ValueError(f"min_gain must be > 1, got {self.min_gain}")
         if self.slow_stage_factor <= 1:
             raise ValueError(f"slow_stage_factor must be > 1, got {self.slow_stage_factor}")
 
