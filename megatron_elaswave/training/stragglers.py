@@ -278,6 +278,10 @@ class StragglerDetector:
         needed = self.config.min_gain ** (2 if counts == self._left else 1)
         if gain < needed:
             return None
+        # Like a layer move, it must pay for itself within the window: by what the last layout
+        # change took here (a re-deal moves no state; none measured yet, it costs nothing).
+        if self.config.window * (step_s(now) - step_s(counts)) <= self._change_s:
+            return None
         self._left = now
         ids = assign_microbatch_ids(counts, {r.index: r.microbatch_ids for r in layout.replicas},
                                     layout.global_num_microbatches)
