@@ -24,6 +24,7 @@ from test_elastic import TRAIN_ITERS, assert_on_trajectory, small_flags, small_r
 from test_pretrain_gpt import PRETRAIN, text_data  # noqa: F401  (fixture)
 from torch.distributed import DistStoreError
 
+from etcd_cluster import EtcdCluster, etcd_missing, make_tls_files
 from megatron_elaswave.launch.etcd_store import EtcdAddress
 from megatron_elaswave.metrics import read_metrics
 
@@ -80,6 +81,39 @@ def test_an_add_whose_answer_is_lost_counts_once_though_another_add_came_between
     assert lost and lost[0]["succeeded"]
     assert other.get("deaths") == b"3"
     assert mine.delete_key("deaths") and other.add("deaths", 0) == 0
+
+
+@pytest.mark.timeout(180)
+def test_the_store_answers_alike_on_a_cluster_with_tls_client_certificates_and_users(
+        tmp_path, store):
+    """Three members serving TLS that ask for a client certificate, with authentication on
+    (the certificates made here): the store answers as the ``TCPStore`` does, with etcdctl's
+    variables; a wrong password, and a client without a certificate, are refused in one line."""
+    from dataclasses import replace
+
+    from megatron_elaswave.launch.etcd_store import EtcdSecurity, EtcdStore
+
+    missing = etcd_missing()
+    if missing:
+        pytest.skip(missing)
+    files = make_tls_files(tmp_path / "tls")
+    with EtcdCluster(3, tls=files) as cluster:
+        cluster.enable_auth("root", "a secret")
+        security = EtcdSecurity.from_environment({
+            "ETCDCTL_CACERT": str(files.ca), "ETCDCTL_CERT": str(files.client_cert),
+            "ETCDCTL_KEY": str(files.client_key), "ETCDCTL_USER": "root",
+            "ETCDCTL_PASSWORD": "a secret"})
+
+        def on_cluster(security: EtcdSecurity) -> EtcdStore:
+            return EtcdStore(EtcdAddress.parse(cluster.url, "secured"), timedelta(seconds=2),
+                             unavailable_s=3, security=security)
+
+        assert exercise(on_cluster(security)) == exercise(store)
+        with pytest.raises(DistStoreError, match="refused a request: .*authentication failed"):
+            on_cluster(replace(security, password="wrong")).set("a", "1")
+        with pytest.raises(DistStoreError) as refused:
+            on_cluster(replace(security, cert=None, key=None)).set("a", "1")
+        assert "\n" not in str(refused.value)
 
 
 GLOO_WORKER = """

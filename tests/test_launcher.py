@@ -581,3 +581,23 @@ def test_sigterm_gives_workers_that_save_on_it_the_time_they_give_their_save():
     assert parse_config(["--shutdown-grace", "5", __file__, *saving]).grace_after(
         signal.SIGTERM) == 5
 
+
+
+def test_the_store_tls_flags_are_handed_on_as_etcdctls_variables(tmp_path):
+    """``--store-cacert/--store-cert/--store-key`` set etcdctl's variables, which the job store's
+    clients read, in the launcher and (inherited) its workers; a missing file is one line."""
+    from megatron_elaswave.launch.launcher import UsageError
+    from megatron_elaswave.launch.run import build_parser, export_store_security
+
+    ca = tmp_path / "ca.pem"
+    ca.write_text("")
+    environ: dict[str, str] = {}
+    args = build_parser().parse_args(["--store", "etcd://127.0.0.1:2379", "--store-cacert",
+                                      str(ca), __file__])
+    export_store_security(args, environ)
+    assert environ == {"ETCDCTL_CACERT": str(ca)}
+    with pytest.raises(UsageError, match="--store-cert /nowhere.pem: no such file"):
+        export_store_security(build_parser().parse_args(
+            ["--store", "etcd://127.0.0.1:2379", "--store-cert", "/nowhere.pem", __file__]), {})
+    with pytest.raises(UsageError, match="go with --store"):
+        export_store_security(build_parser().parse_args(["--store-key", str(ca), __file__]), {})

@@ -23,6 +23,14 @@ Guarantees, the ``TCPStore``'s semantics kept:
 * **A member lost is not noticed.** A request that a member does not answer (refused, reset, no
   leader during an election) goes to the next endpoint, round after round, for up to
   ``unavailable_s`` (default 10 s).
+* **Transient refusals are retried.** An answer of too many requests (etcd's 429), of an
+  unavailable member or a timed-out request is retried like a member that does not answer; an
+  expired authentication token is renewed once.
+* **A secured cluster.** TLS with the cluster's CA and a client certificate, and a user and
+  password, as etcdctl takes them from its environment (:class:`EtcdSecurity`:
+  ``ETCDCTL_CACERT``, ``ETCDCTL_CERT``, ``ETCDCTL_KEY``, ``ETCDCTL_USER``, ``ETCDCTL_PASSWORD``;
+  ``elaswave-run --store-cacert/--store-cert/--store-key`` set the first three for itself and its
+  workers). The password never appears on a command line.
 * **A quorum lost is one error.** When no member serves a request for ``unavailable_s``, the call
   raises :class:`StoreLost` (a ``DistStoreError``, what a lost ``TCPStore`` raises), so the
   runtime stops the job as it does when node 0's store is gone, from whichever thread meets it
@@ -32,10 +40,12 @@ Guarantees, the ``TCPStore``'s semantics kept:
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -102,6 +112,41 @@ _TOKEN_LEASE_MIN_S = 60
 _MAX_POLL_S = 0.02
 
 
+@dataclass(frozen=True)
+class EtcdSecurity:
+    """How the job reaches a secured etcd cluster: TLS files and a user, from etcdctl's
+    environment variables."""
+
+    cacert: str | None = None
+    """The CA certificate that signed the members' (``ETCDCTL_CACERT``): requests go over TLS."""
+    cert: str | None = None
+    """This client's certificate (``ETCDCTL_CERT``), with :attr:`key`."""
+    key: str | None = None
+    """Its private key (``ETCDCTL_KEY``)."""
+    user: str | None = None
+    """The etcd user (``ETCDCTL_USER``, ``NAME`` or ``NAME:PASSWORD``)."""
+    password: str | None = None
+    """Its password (``ETCDCTL_PASSWORD``, or after the colon of ``ETCDCTL_USER``)."""
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str] = os.environ) -> EtcdSecurity:
+        user, _, password = (env.get("ETCDCTL_USER") or "").partition(":")
+        return cls(env.get("ETCDCTL_CACERT") or None, env.get("ETCDCTL_CERT") or None,
+                   env.get("ETCDCTL_KEY") or None, user or None,
+                   env.get("ETCDCTL_PASSWORD") or password or None)
+
+    @property
+    def tls(self) -> bool:
+        return self.cacert is not None or self.cert is not None
+
+
+_RETRIED_GRPC_CODES = frozenset({4, 8, 14})
+"""gRPC codes of etcd's answers that a later request may not meet: deadline exceeded, resource
+exhausted (HTTP 429, "too many requests") and unavailable."""
+
+_UNAUTHENTICATED = 16
+
+
 class StoreLost(dist.DistStoreError):
     """No member of the cluster served a request for ``unavailable_s``: the quorum is lost (or
     the network to it). The message says why, without the cluster's address."""
@@ -118,11 +163,14 @@ class EtcdStore(dist.Store):
     """
 
     def __init__(self, address: EtcdAddress, timeout: timedelta = timedelta(seconds=300),
-                 unavailable_s: float = DEFAULT_UNAVAILABLE_S) -> None:
+                 unavailable_s: float = DEFAULT_UNAVAILABLE_S,
+                 security: EtcdSecurity | None = None) -> None:
         """``timeout`` bounds the waits for missing keys; ``unavailable_s`` how long a request
-        is retried on the members before the cluster counts as lost."""
+        is retried on the members before the cluster counts as lost; ``security`` defaults to
+        etcdctl's environment (:class:`EtcdSecurity`)."""
         super().__init__()
         self.address = address
+        self.security = security or EtcdSecurity.from_environment()
         self._timeout = timeout
         self._unavailable_s = unavailable_s
         self._local = threading.local()
@@ -132,7 +180,7 @@ class EtcdStore(dist.Store):
     # -- the Store interface ---------------------------------------------------------------------
 
     def clone(self) -> EtcdStore:
-        return EtcdStore(self.address, self._timeout, self._unavailable_s)
+        return EtcdStore(self.address, self._timeout, self._unavailable_s, self.security)
 
     @property
     def timeout(self) -> timedelta:
@@ -302,10 +350,30 @@ class EtcdStore(dist.Store):
         if clients is None:
             from etcd3gw.client import Etcd3Client
 
+            security = self.security
             clients = self._local.clients = [
-                Etcd3Client(host=host, port=port, timeout=_REQUEST_TIMEOUT_S, api_path="/v3/")
+                Etcd3Client(host=host, port=port, timeout=_REQUEST_TIMEOUT_S, api_path="/v3/",
+                            protocol="https" if security.tls else "http",
+                            ca_cert=security.cacert, cert_cert=security.cert,
+                            cert_key=security.key)
                 for host, port in self.address.endpoints]
         return clients
+
+    @property
+    def _request_options(self) -> dict[str, Any]:
+        """The CA to verify the members with, given with each request: ``requests`` lets
+        ``$REQUESTS_CA_BUNDLE`` override a session's own."""
+        return {} if self.security.cacert is None else {"verify": self.security.cacert}
+
+    def _authenticate(self, client) -> None:
+        """Take a token for :attr:`EtcdSecurity.user` on ``client`` (its later requests carry
+        it)."""
+        client.session.headers.pop("Authorization", None)
+        answer = client.post(client.get_url("auth/authenticate"),
+                             json={"name": self.security.user,
+                                   "password": self.security.password or ""},
+                             **self._request_options)
+        client.session.headers["Authorization"] = answer["token"]
 
     def _call(self, path: str, payload: dict) -> dict:
         """POST ``payload`` to ``/v3/<path>`` on the first member that answers, going round the
@@ -317,20 +385,33 @@ class EtcdStore(dist.Store):
         clients = self._clients()
         deadline = time.monotonic() + self._unavailable_s
         pause = _FIRST_POLL_S
+        renewed = False
         while True:
             for offset in range(len(clients)):
                 index = (self._preferred + offset) % len(clients)
                 client = clients[index]
                 try:
-                    response = client.post(client.get_url(path), json=payload)
+                    if self.security.user and "Authorization" not in client.session.headers:
+                        self._authenticate(client)
+                    response = client.post(client.get_url(path), json=payload,
+                                           **self._request_options)
                 except (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
                         exceptions.InternalServerError) as error:
                     last_error = _first_line(error)
                     continue
                 except exceptions.Etcd3Exception as error:
+                    code, message = _grpc_error(error)
+                    if code in _RETRIED_GRPC_CODES:
+                        last_error = message
+                        continue
+                    if code == _UNAUTHENTICATED and self.security.user and not renewed:
+                        renewed = True  # an expired token: once more with a new one
+                        client.session.headers.pop("Authorization", None)
+                        last_error = message
+                        continue
                     raise dist.DistStoreError(
                         f"the job store at {self.address.describe()} refused a request: "
-                        f"{_first_line(error)}") from None
+                        f"{message}") from None
                 self._preferred = index
                 return response
             if time.monotonic() >= deadline:
@@ -365,6 +446,18 @@ def _decode(value: str) -> bytes:
 def _chunks(operations: list) -> Iterator[list]:
     for start in range(0, len(operations), _MAX_TXN_OPS):
         yield operations[start:start + _MAX_TXN_OPS]
+
+
+def _grpc_error(error: BaseException) -> tuple[int | None, str]:
+    """The gRPC code and message of an answer etcd's gateway refused (``None`` when its body
+    says none)."""
+    try:
+        body = json.loads(getattr(error, "detail_text", None) or "{}")
+    except ValueError:
+        body = {}
+    code = body.get("code") if isinstance(body, dict) else None
+    message = body.get("message") or body.get("error") if isinstance(body, dict) else None
+    return (code if isinstance(code, int) else None), (message or _first_line(error))
 
 
 def _first_line(error: BaseException) -> str:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import asdict
 
 from megatron_elaswave.launch.environment import (
@@ -143,6 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="keep the job store on this etcd cluster instead of in node rank 0's launcher, so "
         "that any node, node 0 included, can be lost",
     )
+    for name, variable, what in (("cacert", "ETCDCTL_CACERT", "the CA certificate of the etcd "
+                                  "cluster's members (TLS)"),
+                                 ("cert", "ETCDCTL_CERT", "this client's TLS certificate"),
+                                 ("key", "ETCDCTL_KEY", "its private key")):
+        parser.add_argument(f"--store-{name}", metavar="FILE",
+                            help=f"with --store: {what}; default ${variable}, as etcdctl (the "
+                            "user and password come from $ETCDCTL_USER and $ETCDCTL_PASSWORD "
+                            "only)")
     parser.add_argument(*_flag("run-id"), help="job id, the same on every node; default 'none'")
     parser.add_argument(
         *_flag("log-dir"), default=None, help="write each worker's output to DIR/rank<r>.log"
@@ -264,10 +272,27 @@ def parse_config(argv: Sequence[str] | None = None,
     return config_from_args(args, os.environ if environ is None else environ)
 
 
+def export_store_security(args: argparse.Namespace, environ: MutableMapping[str, str]) -> None:
+    """``--store-cacert/--store-cert/--store-key`` as etcdctl's variables in ``environ``, which
+    the job store's clients read (this launcher's and, inherited, its workers'). Raises
+    :class:`UsageError` for a file that is not there, or a flag without ``--store``."""
+    given = {variable: path for variable, path in (("ETCDCTL_CACERT", args.store_cacert),
+                                                   ("ETCDCTL_CERT", args.store_cert),
+                                                   ("ETCDCTL_KEY", args.store_key)) if path}
+    if given and not args.store:
+        raise UsageError("--store-cacert, --store-cert and --store-key go with --store etcd://...")
+    for variable, path in given.items():
+        if not os.path.isfile(path):
+            flag = "--store-" + variable.removeprefix("ETCDCTL_").lower()
+            raise UsageError(f"{flag} {path}: no such file")
+        environ[variable] = os.path.abspath(path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``elaswave-run``; returns the exit status."""
     try:
         args = build_parser().parse_args(argv)
+        export_store_security(args, os.environ)
         config = config_from_args(args, os.environ)
         for notice in ignored_flag_notices(args):
             print(f"[{PROG}] {notice}", file=sys.stderr, flush=True)
