@@ -29,7 +29,7 @@ import pytest
 
 from harness import free_port, launch
 from megatron_elaswave.metrics import read_metrics
-from test_megatron_adaptor import TRAINING_SCRIPT
+from test_megatron_adaptor import LOG_LINE, TRAINING_SCRIPT
 
 pytestmark = [
     pytest.mark.multiprocess,
@@ -221,8 +221,9 @@ def test_gpt3_recipe_ramps_its_batch_and_survives_a_kill_during_evaluation(tmp_p
 @pytest.mark.timeout(600)
 def test_llama3_recipe_survives_a_sigkilled_logging_rank(tmp_path, blend):
     """The last rank, which writes TensorBoard and W&B, is SIGKILLed from outside after
-    iteration 3; the run ends on the failure-free trajectory and the new last rank writes both
-    from then on: TensorBoard in the same directory, W&B resuming the same run."""
+    iteration 3; the run ends on the failure-free trajectory and the new last rank writes
+    Megatron-LM's log line (every iteration's once), TensorBoard (in the same directory) and
+    W&B (resuming the same run) from then on."""
     def flags(name):
         return llama3_recipe(blend, tmp_path / f"tb-{name}", tmp_path / "cache") + [
             "--wandb-project", "recipes", "--wandb-exp-name", name,
@@ -234,6 +235,9 @@ def test_llama3_recipe_survives_a_sigkilled_logging_rank(tmp_path, blend):
     [recovery] = killed["recoveries"]
     assert recovery["failed_ranks"] == [3]
     assert "throughput per GPU (TFLOP/s/GPU)" in killed["output"]  # --log-throughput
+    # Megatron-LM's own line of every iteration, once, the new logging rank's after the kill.
+    logged = [int(iteration) for iteration, _, _ in LOG_LINE.findall(killed["output"])]
+    assert logged == list(range(1, 9)), logged
     losses = scalars(tmp_path / "tb-killed", "lm loss")
     assert sorted(losses) == list(range(1, 9))
     learning_rates = scalars(tmp_path / "tb-killed", "learning-rate")
