@@ -630,16 +630,46 @@ needs Megatron-LM's training package: the 0.19 line's environment) and by a GPU 
 ``scripts/gpu_check.sh``."""
 
 
-def read_report(output: Path) -> tuple[dict[str, list[str]], dict, str]:
-    """The report in ``output``: its sections by experiment, its figures, and its line that says
-    how and when it was written."""
-    text = re.split("|".join(f"\n{re.escape(heading)}\n" for heading in KEPT_SECTIONS),
-                    (output / "results.md").read_text())[0]
+PROVENANCE = "## How this report was written"
+"""The report's last section: which run wrote each experiment's section, when, in how long."""
+
+Provenance = dict[str, tuple[str, str, str]]
+"""Experiment -> (the command that last wrote its section, its date, its seconds)."""
+
+
+def read_provenance(text: str) -> Provenance:
+    """The :data:`PROVENANCE` table of a report (or the sentences earlier reports opened with)."""
+    runs: Provenance = {}
+    sentences = re.findall(r"(?:Written by|Sections ((?:\([a-z]\)(?:, )?)+) written again by) "
+                           r"`([^`]+)` on (\S+) in (\d+) s\.", text)
+    rows = re.findall(r"(?m)^\| ((?:\([a-z]\)(?:, )?)+) \| `([^`]+)` \| (\S+) \| (\d+) s \|$", text)
+    for letters, command, date, seconds in sentences + rows:
+        for key in re.findall(r"\(([a-z])\)", letters) if letters else EXPERIMENTS:
+            runs[key] = (command, date, seconds)
+    return runs
+
+
+def provenance_section(runs: Provenance) -> list[str]:
+    """:data:`PROVENANCE`: a row per run that wrote sections still in the report."""
+    grouped: dict[tuple[str, str, str], list[str]] = {}
+    for key in EXPERIMENTS:
+        if key in runs:
+            grouped.setdefault(runs[key], []).append(key)
+    rows = [[", ".join(f"({key})" for key in keys), f"`{command}`", date, f"{seconds} s"]
+            for (command, date, seconds), keys in grouped.items()]
+    return [PROVENANCE, "", *table(["sections", "written by", "on", "in"], rows), ""]
+
+
+def read_report(output: Path) -> tuple[dict[str, list[str]], dict, Provenance]:
+    """The report in ``output``: its sections by experiment, its figures, and which run wrote
+    each section."""
+    whole = (output / "results.md").read_text()
+    text = re.split("|".join(f"\n{re.escape(heading)}\n" for heading in
+                             [*KEPT_SECTIONS, PROVENANCE]), whole)[0]
     figures = json.loads((output / "results" / "results.json").read_text())
     sections = {block[4]: block.rstrip("\n").split("\n") + [""]
                 for block in re.split(r"(?m)^(?=## \([a-z]\))", text)[1:]}
-    written = re.search(r"(?m)^Written by .*$", text)
-    return sections, figures, written.group(0) if written else "Written earlier."
+    return sections, figures, read_provenance(whole)
 
 
 def main() -> int:
@@ -659,11 +689,11 @@ def main() -> int:
     sizes = SMOKE if args.smoke else FULL
     output = Path(args.output or ("runs/reproduce-smoke" if args.smoke else "docs"))
     plots = output / "results"
-    kept_sections, figures, earlier = {}, {}, ""
+    kept_sections, figures, provenance = {}, {}, {}
     if args.keep_others:
         if not (output / "results.md").exists() or not (plots / "results.json").exists():
             parser.error(f"--keep-others: no report in {output} to keep sections from")
-        kept_sections, kept_figures, earlier = read_report(output)
+        kept_sections, kept_figures, provenance = read_report(output)
         figures = {key: value for key, value in kept_figures.items() if key not in args.only}
     plots.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -688,12 +718,10 @@ def main() -> int:
     command = ("python scripts/reproduce.py" + (" --smoke" if args.smoke else "")
                + (f" --only {args.only}" if args.only != "".join(EXPERIMENTS) else "")
                + (" --keep-others" if args.keep_others else ""))
-    written = (f"`{command}` on {datetime.date.today().isoformat()} in "
-               f"{time.monotonic() - started:.0f} s")
+    provenance.update({key: (command, datetime.date.today().isoformat(),
+                             f"{time.monotonic() - started:.0f}") for key in args.only})
     header = [
         "# Results: the paper's evaluation, reproduced", "",
-        (f"{earlier} Sections {', '.join(f'({key})' for key in args.only)} written again by "
-         f"{written}." if args.keep_others else f"Written by {written}."), "",
         f"Machine: {machine()}.", "",
         "Measured figures come from real CPU processes (gloo) on that machine, which is shared "
         "and noisy: medians and ratios of interleaved runs. Simulated figures come from the "
@@ -708,6 +736,7 @@ def main() -> int:
     for heading, name in KEPT_SECTIONS.items():
         if (plots / name).exists():
             sections += [heading, "", (plots / name).read_text().rstrip("\n"), ""]
+    sections += provenance_section(provenance)
     (output / "results.md").write_text("\n".join(header + headline + sections))
     print(f"reproduce: report written to {output / 'results.md'}"
           + (f"; experiments that failed: {', '.join(failed)}" if failed else ""))
