@@ -25,12 +25,15 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from harness import free_port, launch
-from megatron_elaswave.launch.keys import CHECKPOINT_LOCK_KEY, checkpoint_key
+from megatron_elaswave.launch.keys import (
+    ABANDONED,
+    CHECKPOINT_LOCK_KEY,
+    COMMITTED,
+    checkpoint_key,
+)
 from megatron_elaswave.training import durable, exit_status
 from megatron_elaswave.training.checkpoint import latest_complete
 from megatron_elaswave.training.durable import (
-    ABANDONED,
-    COMMITTED,
     DurableCheckpoints,
     DurableConfig,
     SaveRequest,

@@ -52,6 +52,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from megatron_elaswave.errors import first_line
+
 ETCD_URL_SCHEME = "etcd://"
 DEFAULT_ETCD_NAMESPACE = "elaswave"
 """The key prefix of a job's store when its ``etcd://`` URL names none."""
@@ -397,7 +399,7 @@ class EtcdStore(dist.Store):
                                            **self._request_options)
                 except (exceptions.ConnectionFailedError, exceptions.ConnectionTimeoutError,
                         exceptions.InternalServerError) as error:
-                    last_error = _first_line(error)
+                    last_error = first_line(error)
                     continue
                 except exceptions.Etcd3Exception as error:
                     code, message = _grpc_error(error)
@@ -457,9 +459,5 @@ def _grpc_error(error: BaseException) -> tuple[int | None, str]:
         body = {}
     code = body.get("code") if isinstance(body, dict) else None
     message = body.get("message") or body.get("error") if isinstance(body, dict) else None
-    return (code if isinstance(code, int) else None), (message or _first_line(error))
+    return (code if isinstance(code, int) else None), (message or first_line(error))
 
-
-def _first_line(error: BaseException) -> str:
-    text = " ".join(str(part) for part in getattr(error, "args", ()) if part) or str(error)
-    return text.strip().splitlines()[0] if text.strip() else type(error).__name__

@@ -227,6 +227,12 @@ def checkpoint_key(save: str, what: str) -> str:
 CHECKPOINT_LOCK_KEY = "rt/ckpt/lock"
 """The durable checkpoint that commits now; empty when none does."""
 
+COMMITTING = "committing"
+COMMITTED = "committed"
+ABANDONED = "abandoned"
+"""The values of an outcome key (a durable checkpoint's, a restore's), each first written with
+``compare_set``: a change every rank sees resolved alike."""
+
 CHECKPOINT_FAILED_KEY = "rt/ckpt/failed"
 """The first durable checkpoint of the job that could not be written (its save id)."""
 

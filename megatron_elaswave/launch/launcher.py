@@ -75,6 +75,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, TypeVar
 
+from megatron_elaswave.errors import first_line
 from megatron_elaswave.launch.alerts import NODE_ALERTS_ENV, write_relayed_count
 from megatron_elaswave.launch.decisions import Decision
 from megatron_elaswave.launch.etcd_store import EtcdAddress, StoreURLError
@@ -495,7 +496,7 @@ def _host_store(config: LaunchConfig, listener: socket.socket | None = None) -> 
             master_listen_fd=None if listener is None else listener.detach(),
         )
     except RuntimeError as error:
-        raise LaunchError(f"cannot host the job store: {_first_line(error)}") from None
+        raise LaunchError(f"cannot host the job store: {first_line(error)}") from None
 
 
 def _take_node_rank(config: LaunchConfig, signals: _SignalLatch) -> tuple[LaunchConfig, Store]:
@@ -598,10 +599,6 @@ def accepts_connections(address: tuple[str, int]) -> bool:
     except OSError:
         return False
     return True
-
-
-def _first_line(error: BaseException) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def _join(store: Store, config: LaunchConfig, signals: _SignalLatch) -> bool:
@@ -1260,5 +1257,5 @@ class _GuardedStore:
         try:
             return call(self._store)
         except RuntimeError as error:  # torch.distributed.DistError
-            self.lost = _first_line(error)
+            self.lost = first_line(error)
             return None

@@ -64,10 +64,14 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from megatron_elaswave.errors import first_line
 from megatron_elaswave.launch.keys import (
+    ABANDONED,
     CHECKPOINT_FAILED_KEY,
     CHECKPOINT_LATEST_KEY,
     CHECKPOINT_LOCK_KEY,
+    COMMITTED,
+    COMMITTING,
     checkpoint_key,
     committed_iteration_key,
 )
@@ -88,9 +92,6 @@ from .checkpoint import checkpoint_dir, resume_hint, write_tracker
 from .loop import log
 from .migration import BUFFER, Piece
 
-ABANDONED = "abandoned"
-COMMITTING = "committing"
-COMMITTED = "committed"
 
 _POLL_S = 0.05
 
@@ -442,7 +443,7 @@ class DurableCheckpoints:
         """Abandon ``name`` for ``error`` and say why in the store: the job stops (or warns) on
         it at its next step boundary."""
         error = _unwrapped(error)
-        what = f"{type(error).__name__}: {_first_line(error)}"
+        what = f"{type(error).__name__}: {first_line(error)}"
         reason = f"rank {self.config.rank}: {what}"
         with self._lock:
             self._failures.setdefault(name.save_id, SaveFailure(name.iteration, reason))
@@ -469,7 +470,7 @@ class DurableCheckpoints:
                 if attempt >= self.config.retries or not _transient(error):
                     raise
                 log(f" rank {self.config.rank}: {what} failed ({type(error).__name__}: "
-                    f"{_first_line(error)}); trying again in {wait:g} s")
+                    f"{first_line(error)}); trying again in {wait:g} s")
                 time.sleep(wait)
                 wait *= 2
         raise AssertionError("unreachable")
@@ -592,11 +593,6 @@ def _transient(error: BaseException) -> bool:
                      for failure in failures.values()]
         todo += [current.__cause__, current.__context__]
     return False
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _remove_other_parts(request: SaveName) -> None:

@@ -39,7 +39,14 @@ from datetime import timedelta
 import torch
 
 from megatron_elaswave.launch.decisions import Decision
-from megatron_elaswave.launch.keys import FINISHED_KEY, RECORDS_WRITTEN_KEY, checkpoint_key, done_key
+from megatron_elaswave.launch.keys import (
+    ABANDONED,
+    COMMITTED,
+    FINISHED_KEY,
+    RECORDS_WRITTEN_KEY,
+    checkpoint_key,
+    done_key,
+)
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter
 from megatron_elaswave.patches.dist_checkpointing import chunk_placements
@@ -57,8 +64,6 @@ from megatron_elaswave.runtime.world import release_retired
 from . import relayout
 from .checkpoint import TrainingProgress, checkpoint_common, checkpoint_dir
 from .durable import (
-    ABANDONED,
-    COMMITTED,
     DurableCheckpoints,
     SaveFailed,
     SaveRequest,

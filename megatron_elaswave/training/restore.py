@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
-from megatron_elaswave.launch.keys import restore_prefix
+from megatron_elaswave.launch.keys import ABANDONED, COMMITTED, restore_prefix
 from megatron_elaswave.launch.store import WaitInterrupted, key_poll_pauses, wait_for_keys
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.runtime import wire
@@ -27,10 +27,6 @@ from .recovery import CannotContinue
 
 if TYPE_CHECKING:
     from torch.distributed import Store
-
-COMMITTED = "committed"
-ABANDONED = "abandoned"
-"""The outcomes of a restore (``rt/gen<g>/restore/outcome``)."""
 
 
 @dataclass(frozen=True)
