@@ -283,6 +283,23 @@ def fill(mount: Path) -> None:
             assert error.errno == errno.ENOSPC
 
 
+def run_until_the_disk_fills(command: list[str], save: Path, mount: Path, log: Path,
+                             timeout_s: float) -> tuple[str, tuple[str, str, str]]:
+    """Launch ``command`` on four ranks, fill ``mount`` once the checkpoint of iteration 2 is
+    complete under ``save``, and wait for it to end with exit status 4: its output, and the one
+    error line every rank printed (its iteration, reason and what to resume from)."""
+    with launch(command, 4, master_port=free_port(), log_path=log) as job:
+        job.wait_for(lambda: (latest_complete(str(save)) or (0,))[0] >= 2, timeout_s,
+                     "the checkpoint of iteration 2")
+        fill(mount)
+        returncode, output = job.wait(timeout_s)
+    assert returncode == exit_status.SAVE_FAILED, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    errors = {match.groups() for match in map(ERROR_LINE.search, output.splitlines()) if match}
+    assert len(errors) == 1, output[-4000:]  # every rank says the same line, each on its own
+    return output, errors.pop()
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_save_that_cannot_be_created_is_refused_before_training(text_data, tmp_path):  # noqa: F811
@@ -312,16 +329,8 @@ def test_a_file_system_that_fills_up_under_the_job_is_said_in_one_line_with_a_no
     save = small_file_system / "checkpoints"
     command = [PRETRAIN, *flags(text_data), "--save", str(save), "--save-interval", "2",
                "--elastic-save-failures", policy]
-    with launch(command, 4, master_port=free_port(), log_path=tmp_path / "job.log") as job:
-        job.wait_for(lambda: (latest_complete(str(save)) or (0,))[0] >= 2, 180,
-                     "the checkpoint of iteration 2")
-        fill(small_file_system)
-        returncode, output = job.wait(180)
-    assert returncode == exit_status.SAVE_FAILED, output[-4000:]
-    assert "Traceback" not in output, output[-4000:]
-    errors = {match.groups() for match in map(ERROR_LINE.search, output.splitlines()) if match}
-    assert len(errors) == 1, output[-4000:]  # every rank says the same line
-    (iteration, reason, resume), = errors
+    output, (iteration, reason, resume) = run_until_the_disk_fills(
+        command, save, small_file_system, tmp_path / "job.log", 180)
     assert "No space left on device" in reason
     saved, directory = latest_complete(str(save))
     assert is_complete(Path(directory))
@@ -348,16 +357,8 @@ def test_megatron_lms_loop_stops_in_one_line_when_its_file_system_fills_up(
     command = ["-m", "megatron_elaswave.run_megatron_lm", str(TRAINING_SCRIPT),
                *megatron_lm_flags(1, 2, MEGATRON_LM_ITERS), "--untie-embeddings-and-output-weights",
                "--elastic", "--save", str(save), "--save-interval", "2"]
-    with launch(command, 4, master_port=free_port(), log_path=tmp_path / "job.log") as job:
-        job.wait_for(lambda: (latest_complete(str(save)) or (0,))[0] >= 2, 240,
-                     "the checkpoint of iteration 2")
-        fill(small_file_system)
-        returncode, output = job.wait(240)
-    assert returncode == exit_status.SAVE_FAILED, output[-4000:]
-    assert "Traceback" not in output, output[-4000:]
-    errors = {match.groups() for match in map(ERROR_LINE.search, output.splitlines()) if match}
-    assert len(errors) == 1, output[-4000:]  # every rank says the same line, each on its own
-    (iteration, reason, resume), = errors
+    _, (iteration, reason, resume) = run_until_the_disk_fills(
+        command, save, small_file_system, tmp_path / "job.log", 240)
     assert int(iteration) >= 4 and "No space left on device" in reason
     saved, directory = latest_complete(str(save))
     assert saved == 2 and is_complete(Path(directory))
