@@ -245,12 +245,12 @@ _UNSUPPORTED = (
 """Megatron-LM flags an elastic run does not support: (attribute, what to tell the user)."""
 
 _UNSUPPORTED_CHECKPOINTING = (
-    ("no_save_optim", "--no-save-optim (a checkpoint of an elastic run holds the optimizer)"),
     ("non_persistent_save_interval", "--non-persistent-save-interval"),
 )
 """Megatron-LM's checkpoint flags an elastic run does not support (``--save``, ``--load``,
 ``--save-interval``, ``--async-save``, ``--exit-signal-handler``, ``--exit-duration-in-mins``,
-``--finetune``, ``--no-load-optim``, ``--no-load-rng`` and ``--no-save-rng`` it does)."""
+``--finetune``, ``--no-load-optim``, ``--no-load-rng``, ``--no-save-optim`` and
+``--no-save-rng`` it does)."""
 
 
 class StepResult(Protocol):

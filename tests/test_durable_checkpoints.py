@@ -237,7 +237,9 @@ def test_finetuning_from_a_checkpoint_of_the_plain_path_logs_what_the_plain_path
         text_data, tmp_path):  # noqa: F811
     """The plain path (no ``--elastic``) saves iteration 4; ``--load`` it with ``--finetune``
     (the weights only, from iteration 0) and with ``--no-load-optim`` (the weights and the
-    iteration), with and without ``--elastic``: the same losses, iteration by iteration."""
+    iteration), with and without ``--elastic``: the same losses, iteration by iteration. A
+    checkpoint saved under ``--elastic`` with ``--no-save-optim`` holds no optimizer state and
+    loads as with ``--no-load-optim``, as Megatron-LM loads one."""
     save = tmp_path / "pretrained"
     base = flags(text_data, elastic=False)
     at = base.index("--train-iters")
@@ -252,6 +254,15 @@ def test_finetuning_from_a_checkpoint_of_the_plain_path_logs_what_the_plain_path
             losses[arm] = [(int(i), float(loss)) for i, _, loss in LOG_LINE.findall(output)]
         assert [i for i, _ in losses["plain"]] == list(range(first, TRAIN_ITERS + 1)), flag
         assert_same_log_losses(losses["plain"], losses["elastic"])
+    without_optimizer = tmp_path / "without-optimizer"
+    elastic = flags(text_data)
+    train(tmp_path, "saving-no-optim", elastic[:at + 1] + ["4"] + elastic[at + 2:] + [
+        "--save", str(without_optimizer), "--no-save-optim"])
+    index = (Path(latest_complete(str(without_optimizer))[1]) / ".metadata").read_bytes()
+    assert b"decoder" in index and b"optimizer.state" not in index
+    _, _, output = train(tmp_path, "loading-no-optim", [*elastic, "--load", str(without_optimizer)])
+    assert_same_log_losses(losses["plain"],  # the last flag's: --no-load-optim
+                           [(int(i), float(loss)) for i, _, loss in LOG_LINE.findall(output)])
 
 
 @pytest.mark.timeout(300)

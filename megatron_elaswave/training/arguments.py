@@ -184,6 +184,9 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-load-rng", action="store_true",
                        help="accepted: the RNG states are never loaded (nor saved: dropout is "
                             "seeded by sample and layer under --elastic)")
+    group.add_argument("--no-save-optim", action="store_true",
+                       help="save checkpoints without the optimizer state and schedule (loaded "
+                            "then as with --no-load-optim)")
     group.add_argument("--no-save-rng", action="store_true",
                        help="accepted: the RNG states are never saved")
     group.add_argument("--save-interval", type=int, default=None)

@@ -123,7 +123,7 @@ def checkpoint_args(args: argparse.Namespace, *, world_size: int,
     saved.world_size = world_size
     saved.async_save = False  # a loader would read it with the async strategy it names
     saved.no_save_rng = True
-    saved.no_save_optim = False
+    saved.no_save_optim = bool(getattr(args, "no_save_optim", False))
     saved.use_distributed_optimizer = True
     saved.ckpt_format = "torch_dist"
     saved.add_position_embedding = getattr(
@@ -134,17 +134,20 @@ def checkpoint_args(args: argparse.Namespace, *, world_size: int,
 
 def checkpoint_common(args: argparse.Namespace, objects: TrainingObjects,
                       progress: TrainingProgress, world_size: int) -> dict:
-    """What a checkpoint holds besides the sharded tensors (``common.pt``)."""
-    return {
+    """What a checkpoint holds besides the sharded tensors (``common.pt``): with
+    ``--no-save-optim``, as in Megatron-LM, neither the optimizer nor the LR schedule."""
+    common = {
         "args": checkpoint_args(args, world_size=world_size,
                                 consumed_samples=progress.consumed_samples),
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": progress.iteration,
         "consumed_samples": progress.consumed_samples,
         "num_floating_point_operations_so_far": progress.floating_point_operations,
-        "optimizer": optimizer_common_state(objects.optimizer),
-        "opt_param_scheduler": objects.scheduler.state_dict(),
     }
+    if not getattr(args, "no_save_optim", False):
+        common["optimizer"] = optimizer_common_state(objects.optimizer)
+        common["opt_param_scheduler"] = objects.scheduler.state_dict()
+    return common
 
 
 def _model_keys(objects: TrainingObjects) -> list[str]:
@@ -171,8 +174,9 @@ def save_checkpoint(root: str, objects: TrainingObjects, progress: TrainingProgr
         os.makedirs(directory, exist_ok=True)
     dist.barrier()
     state = _model_state(objects, SHARDED_METADATA)
-    state["optimizer"] = objects.optimizer.sharded_state_dict(
-        state, is_loading=False, metadata=SHARDED_METADATA)
+    if not getattr(args, "no_save_optim", False):
+        state["optimizer"] = objects.optimizer.sharded_state_dict(
+            state, is_loading=False, metadata=SHARDED_METADATA)
     common = checkpoint_common(args, objects, progress, dist.get_world_size())
     state.update({key: value for key, value in common.items() if key != "optimizer"})
 
@@ -214,10 +218,14 @@ def load_checkpoint(root: str, objects: TrainingObjects,
     As Megatron-LM's ``load_checkpoint``: without ``load_optimizer`` (``--no-load-optim``) or
     with ``finetune`` (``--finetune``) only the model weights are loaded (any form, into any
     layout), the optimizer's main parameters taken from them and its state and the schedule
-    left new; ``finetune`` starts from iteration 0 and sample 0."""
+    left new; ``finetune`` starts from iteration 0 and sample 0. So is a checkpoint saved with
+    ``--no-save-optim`` loaded."""
     iteration = latest_iteration(root)
     directory = checkpoint_dir(root, iteration)
     metadata = dist_checkpointing.load_content_metadata(directory) or _LEGACY_METADATA
+    saved_args = dist_checkpointing.load_common_state_dict(directory).get("args")
+    if getattr(saved_args, "no_save_optim", False):
+        load_optimizer = False
     if finetune or not load_optimizer:
         loaded = dist_checkpointing.load(_model_state(objects, metadata), directory)
         for key, ddp in zip(_model_keys(objects), objects.model):

@@ -153,6 +153,8 @@ class SaveRequest(SaveName):
     """``ShardedObject`` data this rank writes, by unique key."""
     common: dict | None = None
     """``common.pt``, on the finaliser (the lowest writer) only."""
+    with_optimizer: bool = True
+    """Whether the optimizer's state is written (not with ``--no-save-optim``)."""
     expected: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """Every tensor this rank's stage puts in the checkpoint, whoever writes its elements, by
     key with its global shape: the finaliser checks that the parts cover each exactly."""
@@ -164,8 +166,9 @@ class SaveRequest(SaveName):
 
     def boxes(self) -> list[Box]:
         """What this rank writes, from its snapshot: the model weights (the main parameters
-        cast to the model's dtype) and the three optimizer tensors of every piece, and the
-        trained buffers it writes (the routers' expert biases)."""
+        cast to the model's dtype) and the three optimizer tensors of every piece (without
+        :attr:`with_optimizer`, none), and the trained buffers it writes (the routers' expert
+        biases)."""
         tensors = self.snapshot.snapshot.tensors
         boxes = []
         for key, segments in self.pieces:
@@ -176,8 +179,9 @@ class SaveRequest(SaveName):
                     boxes += segment_boxes(segment, piece.start, values,
                                            dtype=segment.placement.dtype)
                     continue
-                boxes += segment_boxes(segment, piece.start, values,
-                                       key_prefix=optimizer_state_prefix(piece.kind))
+                if self.with_optimizer:
+                    boxes += segment_boxes(segment, piece.start, values,
+                                           key_prefix=optimizer_state_prefix(piece.kind))
                 if piece.kind == "param":
                     boxes += segment_boxes(segment, piece.start, values,
                                            dtype=segment.placement.dtype)
@@ -185,16 +189,18 @@ class SaveRequest(SaveName):
 
 
 def expected_tensors(segments: dict[int, tuple[Segment, ...]],
-                     pieces: list[tuple[str, tuple[Segment, ...]]]) -> dict[str, tuple[int, ...]]:
+                     pieces: list[tuple[str, tuple[Segment, ...]]],
+                     with_optimizer: bool = True) -> dict[str, tuple[int, ...]]:
     """What a rank's stage puts in the checkpoint (:attr:`SaveRequest.expected`): the weights of
-    every parameter and trained buffer it holds (``segments``), and the optimizer's tensors of
-    every parameter of which it owns a piece (``pieces``): a parameter's elements are each owned
-    by one rank of its data-parallel group, so their union names them all."""
+    every parameter and trained buffer it holds (``segments``), and (``with_optimizer``) the
+    optimizer's tensors of every parameter of which it owns a piece (``pieces``): a parameter's
+    elements are each owned by one rank of its data-parallel group, so their union names them
+    all."""
     expected = {segment.placement.key: segment.placement.global_shape
                 for held in segments.values() for segment in held}
     for key, held in pieces:
         kind = Piece.parse(key).kind
-        if kind != BUFFER:
+        if kind != BUFFER and with_optimizer:
             expected.update((optimizer_state_prefix(kind) + segment.placement.key,
                              segment.placement.global_shape) for segment in held)
     return expected

@@ -444,10 +444,12 @@ class ElasticTrainer(Trainer):
                                         floating_point_operations)
             common = checkpoint_common(self.args, self.objects, progress, len(writers))
         pieces = self._named_shard.pieces_of(segments)
+        with_optimizer = not getattr(self.args, "no_save_optim", False)
         request = SaveRequest(root=root, iteration=self.iteration,
                               generation=self.snapshots.version, writers=writers, snapshot=own,
                               pieces=pieces, objects=objects, common=common,
-                              expected=expected_tensors(segments, pieces))
+                              with_optimizer=with_optimizer,
+                              expected=expected_tensors(segments, pieces, with_optimizer))
         self.durable.submit(request)
         return request
 
