@@ -308,7 +308,8 @@ def small_reference(text_data, tmp_path_factory):  # noqa: F811
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("phase, rolled_back_to", [
-    ("forward", (3, 4)), ("backward", (3, 4)), ("allreduce", (3, 4)),
+    ("forward", (3, 4)), pytest.param("backward", (3, 4), marks=pytest.mark.sweep),
+    pytest.param("allreduce", (3, 4), marks=pytest.mark.sweep),
     pytest.param("optimizer", (4,), marks=pytest.mark.quick), ("snapshot", (4, 5))])
 def test_an_injected_kill_in_any_phase_is_survived(text_data, small_reference, tmp_path,  # noqa: F811
                                                    phase, rolled_back_to):

@@ -328,7 +328,8 @@ def test_a_send_freed_before_it_is_waited_for_arrives_intact_once_patched(tmp_pa
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("operation", ["all_reduce", "coalesced", "recv"])
-@pytest.mark.parametrize("patched", [True, False], ids=["patched", "unpatched"])
+@pytest.mark.parametrize("patched", [True, pytest.param(False, marks=pytest.mark.sweep)],
+                         ids=["patched", "unpatched"])
 def test_a_collective_that_nothing_ends_is_abandoned_once_a_failure_is_detected(tmp_path,
                                                                                  patched,
                                                                                  operation):
