@@ -356,8 +356,8 @@ def megatron_lm_resumes(tmp_path_factory):
 def test_megatron_lm_loads_a_checkpoint_saved_under_elastic_as_its_own(megatron_lm_resumes):
     """Megatron-LM's loop without ``--elastic`` (its ``load_checkpoint``) resumes the checkpoint
     saved under ``--elastic`` as it resumes its own: the same log losses. (Its resumed runs are
-    compared with each other: on this job they report iteration 6's loss 1.7e-4 off its
-    uninterrupted run, the iterations after it agree within 1e-6.)"""
+    compared with each other: the second line after a resume averages its first two iterations,
+    as Megatron-LM 0.19 resets its sums only after the first.)"""
     _, resumed, _ = megatron_lm_resumes
     assert_same_log_losses(resumed["plain", "plain"], resumed["plain", "elastic"])
 
@@ -366,12 +366,11 @@ def test_megatron_lm_loads_a_checkpoint_saved_under_elastic_as_its_own(megatron_
 @needs_megatron_lm
 def test_elastic_resumes_either_checkpoint_on_the_uninterrupted_trajectory(megatron_lm_resumes):
     """Under ``--elastic``, the checkpoint saved under ``--elastic`` and Megatron-LM's own both
-    resume on the uninterrupted run: the same samples and losses."""
+    resume on the uninterrupted run (the same samples and losses, iteration by iteration), and
+    its log lines are those of Megatron-LM's loop resuming the same checkpoint."""
     reference, resumed, tmp_path = megatron_lm_resumes
-    after_load = [(r["iteration"], r["lm_loss"]) for r in reference if r["iteration"] > 4]
     for saver in ("elastic", "plain"):
-        assert_same_log_losses([(i, round(loss, 6)) for i, loss in after_load],
-                               resumed["elastic", saver])
+        assert_same_log_losses(resumed["plain", saver], resumed["elastic", saver])
         assert_on_trajectory(reference, read_metrics(
             str(tmp_path / f"elastic-loads-{saver}.jsonl"), "iteration"))
 
