@@ -416,9 +416,6 @@ class ElasticTrainer(Trainer):
         if self.args.save and (
                 (interval and self.iteration % interval == 0)
                 or self.iteration >= self.args.train_iters or self.stopping is not None):
-            if self.is_logger and (failure := self.durable.failing) is not None:
-                log(f" warning: {failure.line(self.args.save)}; training goes on "
-                    f"(--elastic-save-failures warn)")
             self.save_durably(self.args.save)
 
     def save_durably(self, root: str, floating_point_operations: float = 0.0) -> SaveRequest | None:
@@ -428,6 +425,9 @@ class ElasticTrainer(Trainer):
         (:mod:`.durable`). A spare writes nothing (``None``)."""
         if not self.is_active:
             return None
+        warn = self.args.elastic_save_failures == "warn"
+        if warn and self.is_logger and (failure := self.durable.failing) is not None:
+            log(f" warning: {failure.line(root)}; training goes on (--elastic-save-failures warn)")
         own = self.snapshots.own_snapshot(self.iteration)
         if own is None:
             raise RuntimeError(f"rank {self.rank} holds no snapshot of iteration "
