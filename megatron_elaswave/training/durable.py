@@ -35,7 +35,7 @@ Every save resolves, whatever process dies when:
   after a transient storage error (``EIO``, ``EAGAIN``, ``ESTALE``...; :attr:`DurableConfig.retries`
   times), else the save is abandoned and its error recorded in the store. The job then stops in
   one line naming the error and the last complete checkpoint
-  (:attr:`DurableCheckpoints.failed`, :meth:`~DurableCheckpoints.failure_line`), or trains on
+  (:attr:`DurableCheckpoints.failed`, :meth:`~DurableCheckpoints.first_failure`), or trains on
   with a warning under ``--elastic-save-failures warn``; either way a final or preemption save
   that was not written ends the job with a non-zero status.
 
@@ -281,10 +281,7 @@ class DurableCheckpoints:
                 in_flight = [request.name for request in self._pending.values()]
             if len(in_flight) < MAX_IN_FLIGHT:
                 break
-            for name in in_flight:
-                failed = frozenset(self._dead()).intersection(name.writers)
-                if failed and not self._resolved(name.save_id, self.store):
-                    self._resolve_failed_writers(self.store, name, failed)
+            self._resolve_saves_of_the_dead(in_flight)
             with self._idle:
                 self._idle.wait(_POLL_S)
         self._snapshots.pin(request.snapshot.snapshot)
@@ -317,15 +314,21 @@ class DurableCheckpoints:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                unresolved = dict(self._unresolved)
-            for save_id, name in unresolved.items():
-                failed = frozenset(self._dead()).intersection(name.writers)
-                if not self._resolved(save_id, self.store) and failed:
-                    self._resolve_failed_writers(self.store, name, failed)
+                unresolved = list(self._unresolved.values())
+            self._resolve_saves_of_the_dead(unresolved)
             with self._lock:
                 if not self._pending and not self._unresolved:
                     return
             time.sleep(_POLL_S)
+
+    def _resolve_saves_of_the_dead(self, names: list[SaveName]) -> None:
+        """Note each of ``names`` the job has resolved, and resolve each that a writer known
+        dead (``dead()``) holds up."""
+        dead = frozenset(self._dead())
+        for name in names:
+            failed = dead.intersection(name.writers)
+            if not self._resolved(name.save_id, self.store) and failed:
+                self._resolve_failed_writers(self.store, name, failed)
 
     @property
     def failed(self) -> SaveFailure | None:
@@ -341,7 +344,7 @@ class DurableCheckpoints:
             if not self._failures:
                 return None
             failure = max(self._failures.values(), key=lambda failure: failure.iteration)
-            committed = [int(save_id.split("-g")[0])
+            committed = [_iteration_of(save_id)
                          for save_id, outcome in self._outcomes.items() if outcome == COMMITTED]
         return None if committed and max(committed) > failure.iteration else failure
 
@@ -352,7 +355,7 @@ class DurableCheckpoints:
             return self.failed
         save_id = self.store.get(CHECKPOINT_FAILED_KEY).decode()
         reason = self.store.get(checkpoint_key(save_id, "error")).decode()
-        return SaveFailure(int(save_id.split("-g")[0]), reason)
+        return SaveFailure(_iteration_of(save_id), reason)
 
     def last_save_failure(self, iteration: int) -> SaveFailure | None:
         """After :meth:`finish`: why this rank's save of ``iteration`` (the final or preemption
@@ -360,7 +363,7 @@ class DurableCheckpoints:
         is of another iteration (a rank left without a stage writes none)."""
         with self._lock:
             save_id = self._last
-        if save_id is None or int(save_id.split("-g")[0]) != iteration:
+        if save_id is None or _iteration_of(save_id) != iteration:
             return None
         self._resolved(save_id, self.store)
         with self._lock:
@@ -569,6 +572,11 @@ class DurableCheckpoints:
                if failed_finaliser is not None else
                f"written in the background in {time.monotonic() - requested_at:.2f} s")
         log(f" saved checkpoint at iteration {name.iteration} to {directory} ({how})")
+
+
+def _iteration_of(save_id: str) -> int:
+    """The iteration of a save id (:attr:`SaveName.save_id`)."""
+    return int(save_id.split("-g")[0])
 
 
 def _unwrapped(error: BaseException) -> BaseException:

@@ -250,8 +250,7 @@ class ElasticTrainer(Trainer):
         rank that asked says), or ``None``. Raises :class:`~.durable.SaveFailed` where a rank's
         checkpoint could not be written (``--elastic-save-failures stop``)."""
         codes = [int(code) for code in report.view(-1, self.monitor.job_size)[2].tolist() if code]
-        if SAVE_FAILED in codes:
-            self.durable.finish(self.durable.config.timeout_s)  # the saves still in flight
+        if SAVE_FAILED in codes:  # whoever catches it finishes the saves still in flight
             raise SaveFailed(self.durable.first_failure().line(self.args.save))
         return describe(codes[0], self.args.exit_duration_in_mins) if codes else None
 
