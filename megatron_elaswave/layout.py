@@ -41,8 +41,59 @@ def even_layer_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
         raise ValueError(
             f"{num_layers} layers cannot be split evenly over {num_stages} pipeline stages"
         )
-    per_stage = num_layers // num_stages
-    return [(s * per_stage, (s + 1) * per_stage - 1) for s in range(num_stages)]
+    return layer_ranges((num_layers // num_stages,) * num_stages)
+
+
+def layer_ranges(stage_layers: tuple[int, ...] | list[int]) -> list[tuple[int, int]]:
+    """The inclusive layer range of each stage that holds ``stage_layers[s]`` layers, in order."""
+    ranges, first = [], 0
+    for count in stage_layers:
+        ranges.append((first, first + count - 1))
+        first += count
+    return ranges
+
+
+def megatron_stage_layers(num_layers: int, num_stages: int, *, first: int | None = None,
+                          last: int | None = None, embedding_counts: bool = False,
+                          loss_counts: bool = False) -> tuple[int, ...]:
+    """Transformer layers per pipeline stage as Megatron splits them: ``first`` and ``last`` on
+    the first and last stage where given (``--decoder-first/last-pipeline-num-layers``) and the
+    rest evenly over the stages between; or, where the embedding or the loss counts as a layer
+    (``--account-for-embedding/loss-in-pipeline-split``), an even split of the layers and those
+    that takes them from the first or last stage; an even split otherwise.
+
+    Raises ``ValueError`` where the layers do not split so, or a stage would hold none."""
+    if num_stages < 1:
+        raise ValueError("the pipeline needs at least one stage")
+    if first is not None or last is not None:
+        if embedding_counts or loss_counts:
+            raise ValueError("give the first and last stage's layers or count the embedding "
+                             "and loss as layers, not both")
+        if num_stages < (first is not None) + (last is not None):
+            raise ValueError(f"{num_stages} pipeline stages have no room for a first and a "
+                             f"last stage of their own")
+        middle_stages = num_stages - (first is not None) - (last is not None)
+        middle_layers = num_layers - (first or 0) - (last or 0)
+        if middle_stages == 0 and middle_layers != 0 or middle_stages and (
+                middle_layers < 0 or middle_layers % middle_stages):
+            raise ValueError(f"the {middle_layers} layers left between the first and last "
+                             f"pipeline stages cannot be split evenly over {middle_stages} stages")
+        counts = [middle_layers // middle_stages if middle_stages else 0] * num_stages
+        if first is not None:
+            counts[0] = first
+        if last is not None:
+            counts[-1] = last
+    else:
+        counted = num_layers + embedding_counts + loss_counts
+        if counted % num_stages:
+            raise ValueError(f"{counted} layers (the embedding and loss counted as layers where "
+                             f"asked) cannot be split evenly over {num_stages} pipeline stages")
+        counts = [counted // num_stages] * num_stages
+        counts[0] -= embedding_counts
+        counts[-1] -= loss_counts
+    if min(counts) < 1:
+        raise ValueError(f"the pipeline split {counts} leaves a stage without a transformer layer")
+    return tuple(counts)
 
 
 @dataclass(frozen=True)
@@ -191,16 +242,26 @@ class Layout:
     def megatron(
         cls, *, tp: int, pp: int, dp: int, num_layers: int, num_microbatches: int,
         virtual_stages: int = 1, experts: ExpertParallelism | None = None,
+        stage_layers: tuple[int, ...] | None = None,
     ) -> "Layout":
-        """The failure-free layout Megatron builds: even layer split (into ``virtual_stages``
-        chunks per stage), and the micro-batches dealt round-robin over replicas as
-        Megatron-LM's pretraining sampler does (micro-batch ``j`` of the global batch goes to
-        replica ``j % dp``)."""
+        """The failure-free layout Megatron builds: the layers split as ``stage_layers`` says
+        (:func:`megatron_stage_layers`; evenly by default, into ``virtual_stages`` chunks per
+        stage), and the micro-batches dealt round-robin over replicas as Megatron-LM's
+        pretraining sampler does (micro-batch ``j`` of the global batch goes to replica
+        ``j % dp``). Raises ``ValueError`` for an uneven split with virtual stages."""
         if experts is not None:
             experts.check(tp, dp)
         if num_microbatches % dp:
             raise ValueError(f"{num_microbatches} micro-batches cannot be dealt evenly to {dp} replicas")
-        splits = even_layer_split(num_layers, pp)
+        if stage_layers is None:
+            splits = even_layer_split(num_layers, pp)
+        elif len(stage_layers) != pp or sum(stage_layers) != num_layers:
+            raise ValueError(f"the pipeline split {list(stage_layers)} does not hold "
+                             f"{num_layers} layers in {pp} stages")
+        elif virtual_stages > 1 and len(set(stage_layers)) > 1:
+            raise ValueError("an uneven pipeline split runs without virtual pipeline stages")
+        else:
+            splits = layer_ranges(stage_layers)
         replicas = []
         for d in range(dp):
             stages = tuple(

@@ -225,12 +225,6 @@ def logs_over_pg_collection(training_log: Callable) -> bool:
 
 
 _UNSUPPORTED = (
-    ("decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers (the elastic "
-     "layout splits the layers evenly over the stages; drop it)"),
-    ("decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers (the elastic layout "
-     "splits the layers evenly over the stages; drop it)"),
-    ("pipeline_model_parallel_layout", "--pipeline-model-parallel-layout (the elastic layout "
-     "splits the layers evenly over the stages; drop it)"),
     ("use_legacy_models", "--use-legacy-models (it trains megatron-core's GPTModel: drop it)"),
     ("sft", "--sft (it trains GPT pretraining data)"),
     ("fim_data", "--fim-data (it trains GPT pretraining data)"),

@@ -50,6 +50,11 @@ def relative(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+def stage_layers(layout: list[dict]) -> list[list[list[int]]]:
+    """The layer range of each stage of each replica of a layout record."""
+    return [[stage["layers"] for stage in replica["stages"]] for replica in layout]
+
+
 # -- against Megatron-LM's own loop -------------------------------------------------------------
 
 def megatron_lm_oracle_flags(tp: int, pp: int, *extra: str) -> list[str]:
@@ -211,6 +216,28 @@ def test_a_replacement_that_rejoins_stays_on_megatron_lms_own_loop(megatron_lm_r
 
 @pytest.mark.timeout(600)
 @needs_megatron_lm
+def test_an_uneven_pipeline_layout_stays_on_megatron_lms_own_loop_through_a_failure_and_back(
+        megatron_lm_reference, tmp_path):
+    """TP1 x PP2 x DP2 with ``--pipeline-model-parallel-layout 'Ettt|tL'``: three layers on the
+    first stage, one on the last, as Megatron-LM builds them without ``--elastic``. Rank 3 (the
+    last stage of replica 1) is SIGKILLed after iteration 3 and started again; the job goes on
+    without it and ends on the user's layout. Within 1e-5 of Megatron-LM's own loop before the
+    kill, 1e-4 after."""
+    flags = megatron_lm_oracle_flags(1, 2, "--pipeline-model-parallel-layout", "Ettt|tL")
+    reference = megatron_lm_reference(4, flags)
+    elastic = train_elastic_in_megatron_lm(tmp_path, 4, flags + HELD, kill=(3, 3), rejoin=True)
+    [recovery], [grow] = elastic["recovery"], elastic["grow"]
+    users_layout = [[[0, 2], [3, 3]]] * 2
+    assert stage_layers(elastic["iteration"][0]["layout"]) == users_layout
+    assert stage_ranks(recovery["layout"]) == [[[0], [2]], [[1]]], recovery["layout"]
+    assert stage_layers(grow["layout"]) == users_layout, grow["layout"]
+    assert elastic["iteration"][-1]["world_size"] == 4
+    assert_follows_megatron_lm(reference[:3], elastic["iteration"][:3], EXACT)
+    assert_follows_megatron_lm(reference, elastic["iteration"], AFTER_FAILURE)
+
+
+@pytest.mark.timeout(600)
+@needs_megatron_lm
 def test_elastic_on_a_llama3_recipe_follows_megatron_lms_own_loop(megatron_lm_reference,
                                                                  tmp_path, text_data):  # noqa: F811
     """Megatron-LM's Llama 3 recipe scaled down (``test_megatron_lm_recipes.llama3_recipe``,
@@ -364,6 +391,31 @@ def test_tied_embeddings_through_a_one_stage_replica_and_back_stay_on_the_plain_
     assert stage_ranks(grow["layout"]) == [[[0], [2]], [[1], [3]]], grow["layout"]
     elastic = [r for r in records if r["event"] == "iteration"]
     assert any(r["world_size"] == 3 for r in elastic) and elastic[-1]["world_size"] == 4
+    assert_matches_plain(plain, elastic, AFTER_FAILURE)
+
+
+@pytest.mark.timeout(400)
+def test_an_uneven_pipeline_stays_on_the_plain_path_through_a_failure_and_back(text_data,  # noqa: F811
+                                                                               tmp_path):
+    """TP1 x PP2 x DP2 with ``--decoder-first-pipeline-num-layers 1``: the first stage holds
+    the embedding and layer 0, the last layers 1 to 3, as megatron-core splits it on the plain
+    path. Rank 3 (the last stage of replica 1) is SIGKILLed after iteration 3 and started again:
+    rank 1 carries its replica's four layers, then the replacement rejoins and the job is back on
+    the user's split. Every iteration stays on the plain path's, within 1e-5 before the kill."""
+    flags = oracle_flags(text_data, pipeline_model_parallel_size=2,
+                         decoder_first_pipeline_num_layers=1)
+    plain = train(tmp_path, "plain", 4, flags)
+    records = train(tmp_path, "elastic", 4, flags + ELASTIC + HELD, kill=(3, 3), rejoin=True)
+    elastic = [r for r in records if r["event"] == "iteration"]
+    [recovery] = [r for r in records if r["event"] == "recovery"]
+    [grow] = [r for r in records if r["event"] == "grow"]
+    users_split = [[[0, 0], [1, 3]]] * 2
+    assert stage_layers(elastic[0]["layout"]) == users_split, elastic[0]["layout"]
+    assert stage_ranks(recovery["layout"]) == [[[0], [2]], [[1]]], recovery["layout"]
+    assert stage_layers(grow["layout"]) == users_split, grow["layout"]
+    assert stage_ranks(grow["layout"]) == [[[0], [2]], [[1], [3]]], grow["layout"]
+    assert elastic[-1]["world_size"] == 4 and elastic[-1]["layout"] == grow["layout"]
+    assert_matches_plain(plain[:3], elastic[:3], EXACT)
     assert_matches_plain(plain, elastic, AFTER_FAILURE)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_elaswave.layout import ExpertParallelism, Layout
+from megatron_elaswave.layout import ExpertParallelism, Layout, layer_ranges
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,10 @@ class JobSpec:
     experts: ExpertParallelism | None = None
     """How an MoE model's experts are sharded over each stage's ranks; ``None`` for a dense
     model. Checked against the grid (:meth:`ExpertParallelism.check`)."""
+    stage_layers: tuple[int, ...] | None = None
+    """Transformer layers of each pipeline stage in the failure-free layout, as Megatron's
+    uneven split gives them (:func:`~megatron_elaswave.layout.megatron_stage_layers`); ``None``:
+    an even split."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -48,7 +52,13 @@ class JobSpec:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.ranks_per_node is not None and self.ranks_per_node < 1:
             raise ValueError(f"ranks_per_node must be positive, got {self.ranks_per_node!r}")
-        if self.num_layers % self.pipeline_parallel_size:
+        if self.stage_layers is not None:
+            if (len(self.stage_layers) != self.pipeline_parallel_size
+                    or sum(self.stage_layers) != self.num_layers or min(self.stage_layers) < 1):
+                raise ValueError(f"stage_layers {list(self.stage_layers)} must give each of the "
+                                 f"{self.pipeline_parallel_size} stages at least one of the "
+                                 f"{self.num_layers} layers")
+        elif self.num_layers % self.pipeline_parallel_size:
             raise ValueError(
                 f"num_layers ({self.num_layers}) must be divisible by pipeline_parallel_size "
                 f"({self.pipeline_parallel_size})"
@@ -88,4 +98,10 @@ class JobSpec:
             num_layers=self.num_layers,
             num_microbatches=self.num_microbatches,
             experts=self.experts,
+            stage_layers=self.stage_layers,
         )
+
+    def initial_ranges(self) -> list[tuple[int, int]]:
+        """The layer range of each stage of a failure-free replica."""
+        return layer_ranges(self.stage_layers or (self.num_layers // self.pipeline_parallel_size,)
+                            * self.pipeline_parallel_size)

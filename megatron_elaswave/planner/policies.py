@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from megatron_elaswave.layout import Layout, even_layer_split
+from megatron_elaswave.layout import Layout
 from megatron_elaswave.planner.cost import CostModel
 from megatron_elaswave.planner.frequency import PowerModel
 from megatron_elaswave.planner.predict import layout_prediction, predict, stage_sync_s, stage_work
@@ -97,7 +97,7 @@ def _uniform(
     ``stage_load_factor[s]`` multiplies stage ``s``'s work (re-routed micro-batches);
     ``devices[r][s]`` overrides the devices computing stage ``s`` of replica ``r``."""
     job = cost.job
-    ranges = even_layer_split(job.num_layers, job.pipeline_parallel_size)
+    ranges = job.initial_ranges()
     ones = (1.0,) * len(ranges)
     forward, backward, all_to_all = stage_work(cost, ranges, ones, stage_load_factor)
     sync = stage_sync_s(cost, ranges, len(counts))

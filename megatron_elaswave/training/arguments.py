@@ -12,6 +12,7 @@ import importlib.util
 import os
 from typing import Sequence
 
+from megatron_elaswave.layout import megatron_stage_layers
 from megatron_elaswave.runtime.dvfs import BACKENDS
 from megatron_elaswave.runtime.faults import FailureSpecError, InjectedFailure, InjectedSlowdown
 
@@ -108,6 +109,19 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
                        help="enables the interleaved 1F1B schedule")
     group.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
                        help="model chunks per pipeline rank (interleaved 1F1B schedule)")
+    group.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
+                       help="transformer layers of the first pipeline stage (the rest split "
+                            "evenly over the others)")
+    group.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                       help="transformer layers of the last pipeline stage")
+    group.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                       help="count the embedding as a layer of the first stage in the split")
+    group.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                       help="count the output layer and loss as a layer of the last stage")
+    group.add_argument("--pipeline-model-parallel-layout", default=None,
+                       help="Megatron's layout string, one '|'-separated stage per pipeline "
+                            "stage: E the embedding, t a transformer layer, L the loss; "
+                            "e.g. 'Et|ttt|tt|ttL'")
     group.add_argument("--use-distributed-optimizer", action="store_true")
     group.add_argument("--distributed-backend", choices=("nccl", "gloo", "hccl"), default=None,
                        help="default: the device's own (gloo on CPU, nccl on CUDA, hccl on NPU)")
@@ -414,6 +428,9 @@ def validate_elastic(args: argparse.Namespace, world_size: int, *,
                  "--elastic reshards the distributed optimizer's state: add --use-distributed-optimizer")
     _fail_unless(not args.fp16, "--elastic does not support --fp16 (loss scaling); use --bf16")
     _validate_experts(args)
+    _fail_unless(_uneven_stage_layers(args) is None
+                 or (args.virtual_pipeline_model_parallel_size or 1) == 1,
+                 "--elastic runs an uneven pipeline split without virtual pipeline stages")
     if getattr(args, "save", None):
         _check_writable(args.save)
     for slowdown in args.elastic_inject_slowdown:
@@ -509,10 +526,14 @@ def _validate_writers(args: argparse.Namespace) -> None:
 
 def _validate_pipeline(args: argparse.Namespace) -> None:
     pp = args.pipeline_model_parallel_size
+    vpp = args.virtual_pipeline_model_parallel_size
+    if _uneven_stage_layers(args) is not None:
+        _fail_unless(vpp is None and args.num_layers_per_virtual_pipeline_stage is None,
+                     "an uneven pipeline split runs without virtual pipeline stages")
+        return
     _fail_unless(args.num_layers % pp == 0,
                  f"--num-layers {args.num_layers} is not divisible by "
                  f"--pipeline-model-parallel-size {pp}")
-    vpp = args.virtual_pipeline_model_parallel_size
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_chunk = args.num_layers_per_virtual_pipeline_stage
         _fail_unless(vpp is None, "use --num-layers-per-virtual-pipeline-stage or "
@@ -528,6 +549,68 @@ def _validate_pipeline(args: argparse.Namespace) -> None:
                      f"{vpp} virtual stages")
         vpp = vpp if vpp > 1 else None
     args.virtual_pipeline_model_parallel_size = vpp
+
+
+def pipeline_stage_layers(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """Transformer layers per pipeline stage where the flags split the pipeline unevenly
+    (``--pipeline-model-parallel-layout``, ``--decoder-first/last-pipeline-num-layers``,
+    ``--account-for-embedding/loss-in-pipeline-split``); ``None`` for Megatron's even split.
+
+    Raises ``ValueError`` for a split the elastic layout cannot start from: one Megatron
+    refuses, a stage without a transformer layer, virtual pipeline stages in a layout string or
+    multi-token prediction layers in it."""
+    pp = args.pipeline_model_parallel_size
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    if layout is not None:
+        return _layout_string_stage_layers(str(layout), pp, args.num_layers)
+    first = getattr(args, "decoder_first_pipeline_num_layers", None)
+    last = getattr(args, "decoder_last_pipeline_num_layers", None)
+    embedding = bool(getattr(args, "account_for_embedding_in_pipeline_split", False))
+    loss = bool(getattr(args, "account_for_loss_in_pipeline_split", False))
+    if first is None and last is None and not embedding and not loss:
+        return None
+    return megatron_stage_layers(args.num_layers, pp, first=first, last=last,
+                                 embedding_counts=embedding, loss_counts=loss)
+
+
+def _layout_string_stage_layers(layout: str, pp: int, num_layers: int) -> tuple[int, ...]:
+    from megatron.core.transformer.enums import LayerType
+    from megatron.core.transformer.pipeline_parallel_layer_layout import (
+        PipelineParallelLayerLayout,
+    )
+
+    try:
+        stages = PipelineParallelLayerLayout.parse_str_to_list(layout)
+    except (AssertionError, ValueError) as error:
+        raise ValueError(f"--pipeline-model-parallel-layout {layout}: {error}") from None
+    if len(stages) != pp:
+        raise ValueError(f"--pipeline-model-parallel-layout {layout} has {len(stages)} stages: "
+                         f"the elastic layout starts from one per pipeline stage ({pp}), "
+                         "without virtual pipeline stages")
+    flat = [kind for stage in stages for kind in stage]
+    if LayerType.mtp in flat:
+        raise ValueError(f"--pipeline-model-parallel-layout {layout} places multi-token "
+                         "prediction layers, which --elastic does not run")
+    if (flat.count(LayerType.embedding) != 1 or LayerType.embedding not in stages[0]
+            or flat.count(LayerType.loss) != 1 or LayerType.loss not in stages[-1]):
+        raise ValueError(f"--pipeline-model-parallel-layout {layout} must place the embedding "
+                         "(E) once on the first stage and the loss (L) once on the last")
+    counts = tuple(stage.count(LayerType.decoder) for stage in stages)
+    if sum(counts) != num_layers:
+        raise ValueError(f"--pipeline-model-parallel-layout {layout} places {sum(counts)} "
+                         f"transformer layers, the model has --num-layers {num_layers}")
+    if min(counts) < 1:
+        raise ValueError(f"--pipeline-model-parallel-layout {layout} leaves a stage without a "
+                         "transformer layer, which the elastic layout does not hold")
+    return counts
+
+
+def _uneven_stage_layers(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """:func:`pipeline_stage_layers`, its refusal as an :class:`ArgumentError`."""
+    try:
+        return pipeline_stage_layers(args)
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
 
 
 def _validate_moe(args: argparse.Namespace) -> None:

@@ -245,6 +245,11 @@ def _chunk_config(factory: ModelFactory, ranges: list[ChunkRange]) -> Transforme
     config.batch_p2p_comm = True  # 1F1B sends one message per peer at a time
     config.pipeline_model_parallel_size = len(groups)
     config.virtual_pipeline_model_parallel_size = None
+    # The chunks' layout says where each layer is; the user's uneven split gave the first layout.
+    config.num_layers_in_first_pipeline_stage = None
+    config.num_layers_in_last_pipeline_stage = None
+    config.account_for_embedding_in_pipeline_split = False
+    config.account_for_loss_in_pipeline_split = False
     if len(groups) > 1:
         # Set after construction: the config checks a layout against the job's pipeline size.
         from megatron.core.transformer.pipeline_parallel_layer_layout import (

@@ -25,6 +25,7 @@ from megatron_elaswave.planner.replan import (
     plan_replica_drop,
 )
 
+from .arguments import pipeline_stage_layers
 from .snapshots import ranks_per_node
 
 CPU_DEVICE = SyntheticDevice(name="CPU core (gloo)", peak_tflops=0.02, model_flops_utilisation=0.5,
@@ -47,14 +48,16 @@ def expert_parallelism(args: argparse.Namespace) -> ExpertParallelism | None:
 
 def failure_free_layout(args: argparse.Namespace, global_batch_size: int | None = None) -> Layout:
     """The layout Megatron builds for the job's flags, dealing ``global_batch_size`` samples
-    (default ``--global-batch-size``; a ramp-up's first size)."""
+    (default ``--global-batch-size``; a ramp-up's first size), its pipeline split as the flags
+    give it (:func:`pipeline_stage_layers`)."""
     return Layout.megatron(tp=args.tensor_model_parallel_size,
                            pp=args.pipeline_model_parallel_size, dp=args.data_parallel_size,
                            num_layers=args.num_layers,
                            num_microbatches=(global_batch_size or args.global_batch_size)
                            // args.micro_batch_size,
                            virtual_stages=args.virtual_pipeline_model_parallel_size or 1,
-                           experts=expert_parallelism(args))
+                           experts=expert_parallelism(args),
+                           stage_layers=pipeline_stage_layers(args))
 
 
 def cost_model(args: argparse.Namespace, vocab_size: int, backend: DeviceBackend) -> CostModel:
@@ -71,6 +74,7 @@ def cost_model(args: argparse.Namespace, vocab_size: int, backend: DeviceBackend
         micro_batch_size=args.micro_batch_size,
         ranks_per_node=ranks_per_node(),
         experts=experts,
+        stage_layers=pipeline_stage_layers(args),
     )
     if args.elastic_profile:
         profile = load_profile(args.elastic_profile)
