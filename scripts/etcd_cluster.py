@@ -93,9 +93,11 @@ class EtcdCluster:
     """``members`` etcd processes forming one cluster on 127.0.0.1 (serving TLS with ``tls``)."""
 
     def __init__(self, members: int = 3, data_dir: str | None = None,
-                 tls: TlsFiles | None = None) -> None:
+                 tls: TlsFiles | None = None, quota_bytes: int | None = None) -> None:
+        """``quota_bytes``: each member's ``--quota-backend-bytes`` (etcd's default: 2 GiB)."""
         self.size = members
         self.tls = tls
+        self.quota_bytes = quota_bytes
         self._auth_token: str | None = None
         self._own_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="elaswave-etcd-"))
@@ -125,7 +127,8 @@ class EtcdCluster:
                  "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                  "--initial-cluster", cluster, "--initial-cluster-token", token,
                  "--initial-cluster-state", "new", "--logger", "zap", "--log-level", "warn",
-                 *secured],
+                 *secured, *([] if self.quota_bytes is None
+                             else ["--quota-backend-bytes", str(self.quota_bytes)])],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             log.close()
         deadline = time.monotonic() + START_TIMEOUT_S

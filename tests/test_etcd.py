@@ -25,7 +25,8 @@ from test_pretrain_gpt import PRETRAIN, text_data  # noqa: F401  (fixture)
 from torch.distributed import DistStoreError
 
 from etcd_cluster import EtcdCluster, etcd_missing, make_tls_files
-from megatron_elaswave.launch.etcd_store import EtcdAddress
+from megatron_elaswave.launch.etcd_store import EtcdAddress, HistoryCompaction, StoreRefused
+from megatron_elaswave.launch.silence import Heartbeat
 from megatron_elaswave.metrics import read_metrics
 
 pytestmark = pytest.mark.multiprocess
@@ -81,6 +82,114 @@ def test_an_add_whose_answer_is_lost_counts_once_though_another_add_came_between
     assert lost and lost[0]["succeeded"]
     assert other.get("deaths") == b"3"
     assert mine.delete_key("deaths") and other.add("deaths", 0) == 0
+
+
+def cluster_revision_and_keys(cluster) -> tuple[int, int]:
+    """The cluster's revision and how many keys it holds, every namespace's, read beside the
+    store under test."""
+    answer = cluster.call("kv/range", {"key": "AA==", "range_end": "AA==", "count_only": True})
+    return int(answer["header"]["revision"]), int(answer.get("count", 0))
+
+
+@pytest.mark.timeout(120)
+def test_a_heartbeat_is_one_write_of_one_key_and_a_replacement_never_repeats_a_value(
+        etcd_cluster, store):
+    """A beat overwrites the member's key: one revision and no other key (an ``add`` reads
+    first and keeps a token key of its own). Its watchers read it as a counter, on either
+    store; the values move at every beat, a replacement's included."""
+    etcd = store_on(etcd_cluster, "beats")
+    for each in (etcd, store):
+        key = "rt/heartbeat/0"
+        member, values = Heartbeat(key), []
+        for _ in range(2):
+            before = cluster_revision_and_keys(etcd_cluster)
+            member.beat(each)
+            if each is etcd:
+                revision, keys = cluster_revision_and_keys(etcd_cluster)
+                assert (revision, keys) == (before[0] + 1, before[1] + (not values))
+            values.append(each.add(key, 0))
+        Heartbeat(key).beat(each)  # the member's replacement
+        values.append(each.add(key, 0))
+        assert values == sorted(set(values)), values
+
+
+@pytest.mark.timeout(120)
+def test_the_history_is_compacted_an_interval_behind(etcd_cluster):
+    """Ticked with a clock of its own, the compaction drops the history older than the
+    revision it read one interval before, and nothing newer: the values stay."""
+    store, said = store_on(etcd_cluster, "history"), []
+    compaction = HistoryCompaction(10.0, said.append)
+    for value in range(3):  # (a read at revision 0 would read the latest)
+        store.set("x", str(value))
+    compaction.tick(store, 0.0)
+    kept = cluster_revision_and_keys(etcd_cluster)[0]
+    for value in range(5):
+        store.set("x", str(value))
+    compaction.tick(store, 9.0)  # not an interval yet
+    assert at_revision(etcd_cluster, kept - 1) == "not compacted"
+    compaction.tick(store, 10.0)
+    assert at_revision(etcd_cluster, kept - 1) == "compacted"
+    assert at_revision(etcd_cluster, kept) == "not compacted"
+    assert store.get("x") == b"4" and said == []
+
+
+def at_revision(cluster, revision: int) -> str:
+    """Whether the cluster still holds its state at ``revision``."""
+    import urllib.error
+
+    try:
+        cluster.call("kv/range", {"key": "AA==", "range_end": "AA==", "count_only": True,
+                                  "revision": str(revision)})
+    except urllib.error.HTTPError as error:
+        assert b"required revision has been compacted" in error.read()
+        return "compacted"
+    return "not compacted"
+
+
+@pytest.mark.timeout(180)
+def test_a_cluster_out_of_space_is_one_line_that_says_so():
+    """A cluster whose history filled its quota refuses every write; the store gives up after
+    its bound with a line that names the cause and the way out."""
+    from megatron_elaswave.launch.etcd_store import EtcdStore, StoreLost
+
+    missing = etcd_missing()
+    if missing:
+        pytest.skip(missing)
+    with EtcdCluster(1, quota_bytes=2**19) as cluster:
+        store = EtcdStore(EtcdAddress.parse(cluster.url, "full"), timedelta(seconds=2),
+                          unavailable_s=1)
+        heartbeat = Heartbeat("rt/heartbeat/0")
+        with pytest.raises(StoreLost) as lost:
+            for _ in range(200_000):
+                heartbeat.beat(store)
+    message = str(lost.value)
+    assert "\n" not in message
+    assert message.startswith("the etcd cluster is out of space (etcdserver: mvcc: database "
+                              "space exceeded): compact and defragment it"), message
+
+
+def test_a_cluster_that_refuses_compaction_is_said_once_and_left_alone():
+    class Refusing:
+        revisions = iter(range(100, 200))
+        compactions = 0
+
+        def revision(self):
+            return next(self.revisions)
+
+        def compact(self, revision):
+            self.compactions += 1
+            raise StoreRefused("the job store at etcd://h:1 refused a request: permission "
+                               "denied", 7)
+
+    refusing, said = Refusing(), []
+    compaction = HistoryCompaction(1.0, said.append)
+    for now in range(6):
+        compaction.tick(refusing, float(now))
+    assert refusing.compactions == 1
+    [line] = said
+    assert "permission denied" in line and "--auto-compaction-retention" in line
+    with pytest.raises(ValueError, match="must be positive"):
+        HistoryCompaction(0, said.append)
 
 
 @pytest.mark.timeout(180)
@@ -161,9 +270,11 @@ def test_a_bad_store_url_is_one_line_and_status_2(url, fragment):
     assert fragment in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def run_two_nodes(tmp_path, text_data, cluster, name: str, inject, node_timeout_s: float = 2.0):  # noqa: F811
+def run_two_nodes(tmp_path, text_data, cluster, name: str, inject, node_timeout_s: float = 2.0,  # noqa: F811
+                  node_args: tuple[str, ...] = ()):
     """Train on two nodes of two workers with the store on ``cluster``; ``inject(nodes,
-    reached)`` sends faults. Returns the nodes' exit statuses and outputs and the metrics."""
+    reached)`` sends faults; ``node_args`` go to both launchers. Returns the nodes' exit
+    statuses and outputs and the metrics."""
     metrics = tmp_path / f"{name}.jsonl"
     flags = [PRETRAIN, *small_flags(text_data), "--elastic-metrics-file", str(metrics)]
 
@@ -173,7 +284,7 @@ def run_two_nodes(tmp_path, text_data, cluster, name: str, inject, node_timeout_
 
     with contextlib.ExitStack() as stack:
         nodes = launch_nodes(stack, flags, 2, master_port=free_port(), log_dir=tmp_path,
-                             node_args=[[f"--node-timeout={node_timeout_s:g}"]] * 2,
+                             node_args=[[f"--node-timeout={node_timeout_s:g}", *node_args]] * 2,
                              etcd=cluster.url)
         inject(nodes, reached)
         results = [node.wait(240) for node in nodes]
@@ -184,16 +295,20 @@ def run_two_nodes(tmp_path, text_data, cluster, name: str, inject, node_timeout_
 def test_node_0_lost_with_its_workers_is_recovered_from_on_etcd(text_data, small_reference,  # noqa: F811
                                                                  etcd_cluster, tmp_path):
     """Node 0's launcher, fork server and workers are SIGKILLed: on etcd the store lives on, node
-    1 declares node 0 lost and its workers go on without ranks 0 and 1, on the trajectory."""
-    killed = {}
+    1 declares node 0 lost and its workers go on without ranks 0 and 1, on the trajectory. Node
+    0's agent compacted the cluster's history (every second here); node 1's does from then on."""
+    killed, lost_at = {}, []
 
     def inject(nodes, reached):
         nodes[0].wait_for(lambda: reached(3), 120, "iteration 3")
         killed.update(nodes[0].worker_pids())
         os.killpg(nodes[0].pid, signal.SIGKILL)
+        lost_at.append(cluster_revision_and_keys(etcd_cluster)[0])
 
     [(_, _), (node1_code, node1_output)], metrics = run_two_nodes(
-        tmp_path, text_data, etcd_cluster, "node0", inject)
+        tmp_path, text_data, etcd_cluster, "node0", inject,
+        node_args=("--store-compaction-interval=1",))
+    assert at_revision(etcd_cluster, lost_at[0]) == "compacted"
     assert node1_code == 0, node1_output[-4000:]
     assert "node 0 lost: no heartbeat for" in node1_output
     assert all(is_gone(pid) for pid in killed.values())

@@ -518,6 +518,8 @@ def assert_one_line_error(result: subprocess.CompletedProcess, status: int, frag
         (["--no-such-flag", "SCRIPT"], "unrecognized arguments"),
         (["--rejoin-delay=-1", "SCRIPT"], "--rejoin-delay, --max-rejoins and --exclusion-grace must"),
         (["--exclusion-grace=-2", "SCRIPT"], "--exclusion-grace must not be negative"),
+        (["--store=etcd://127.0.0.1:2379", "--store-compaction-interval=-1", "SCRIPT"],
+         "--store-compaction-interval must not be negative"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(args, fragment):

@@ -31,6 +31,8 @@ Guarantees, the ``TCPStore``'s semantics kept:
   ``ETCDCTL_CACERT``, ``ETCDCTL_CERT``, ``ETCDCTL_KEY``, ``ETCDCTL_USER``, ``ETCDCTL_PASSWORD``;
   ``elaswave-run --store-cacert/--store-cert/--store-key`` set the first three for itself and its
   workers). The password never appears on a command line.
+* **The history stays bounded** where the job compacts it (:class:`HistoryCompaction`); a
+  cluster out of space anyway is lost with a message that says so.
 * **A quorum lost is one error.** When no member serves a request for ``unavailable_s``, the call
   raises :class:`StoreLost` (a ``DistStoreError``, what a lost ``TCPStore`` raises), so the
   runtime stops the job as it does when node 0's store is gone, from whichever thread meets it
@@ -45,7 +47,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -147,6 +149,20 @@ _RETRIED_GRPC_CODES = frozenset({4, 8, 14})
 exhausted (HTTP 429, "too many requests") and unavailable."""
 
 _UNAUTHENTICATED = 16
+_SPACE_EXCEEDED = "database space exceeded"
+"""What etcd answers every write with once its history fills its quota."""
+_OUT_OF_RANGE = 11
+"""etcd's answer to a compaction at a revision compacted already (or not yet reached)."""
+
+
+class StoreRefused(dist.DistStoreError):
+    """A member answered a request with a refusal that retrying does not change (a permission
+    denied, a revision compacted already): the store is not lost."""
+
+    def __init__(self, message: str, code: int | None) -> None:
+        super().__init__(message)
+        self.code = code
+        """The gRPC code of etcd's answer (``None`` when its body gave none)."""
 
 
 class StoreLost(dist.DistStoreError):
@@ -285,6 +301,29 @@ class EtcdStore(dist.Store):
         start = len(self.address.namespace)
         return [_decode(kv["key"])[start:].decode() for kv in response.get("kvs", ())]
 
+    # -- etcd's history ---------------------------------------------------------------------------
+
+    def revision(self) -> int:
+        """The cluster's revision now: how many writes it has applied."""
+        header = self._call("kv/range", {"key": self._key(""), "count_only": True})["header"]
+        return int(header["revision"])
+
+    def compact(self, revision: int) -> bool:
+        """Drop the cluster's history before ``revision``: every key keeps its value, and the
+        space its older values took is reused. etcd keeps every revision until compacted and
+        counts them against its quota, which stops every write once full ("no space").
+        Compaction is cluster-wide. Returns ``False`` where ``revision`` is compacted already
+        or not reached; raises :class:`StoreRefused` where the cluster refuses compaction
+        (a user without the permission)."""
+        try:
+            # Physical: returns once the member that serves it has dropped the history.
+            self._call("kv/compaction", {"revision": str(revision), "physical": True})
+        except StoreRefused as refused:
+            if refused.code == _OUT_OF_RANGE:
+                return False
+            raise
+        return True
+
     # -- etcd ------------------------------------------------------------------------------------
 
     def _key_bytes(self, key: str) -> bytes:
@@ -411,17 +450,56 @@ class EtcdStore(dist.Store):
                         client.session.headers.pop("Authorization", None)
                         last_error = message
                         continue
-                    raise dist.DistStoreError(
-                        f"the job store at {self.address.describe()} refused a request: "
-                        f"{message}") from None
+                    raise StoreRefused(f"the job store at {self.address.describe()} refused a "
+                                       f"request: {message}", code) from None
                 self._preferred = index
                 return response
             if time.monotonic() >= deadline:
-                _lost[self.address] = (f"no member of the etcd cluster answered for "
-                                       f"{self._unavailable_s:g} s: {last_error}")
+                _lost[self.address] = (
+                    f"the etcd cluster is out of space ({last_error}): compact and defragment "
+                    "it (etcdctl compact, defrag, alarm disarm) or raise its "
+                    "--quota-backend-bytes" if _SPACE_EXCEEDED in last_error else
+                    f"no member of the etcd cluster answered for {self._unavailable_s:g} s: "
+                    f"{last_error}")
                 raise StoreLost(_lost[self.address])
             time.sleep(pause)
             pause = min(2 * pause, 0.2)
+
+
+class HistoryCompaction:
+    """Keeps an etcd cluster's history of a job's writes bounded, whatever the job's length:
+    at each tick at least ``interval_s`` after the last, compacts the cluster to the revision
+    it read at that last tick, so that the history kept spans one to two intervals.
+
+    One agent of the job ticks it at a time (the lowest running node's); where the cluster
+    refuses compaction, it says so in one line through ``log`` and stops trying: the
+    cluster must then compact itself (etcd's ``--auto-compaction-retention``)."""
+
+    def __init__(self, interval_s: float, log: Callable[[str], None]) -> None:
+        """Raises ``ValueError`` unless ``interval_s`` is positive."""
+        if interval_s <= 0:
+            raise ValueError(f"the compaction interval must be positive, got {interval_s:g} s")
+        self.interval_s = interval_s
+        self._log = log
+        self._last: tuple[float, int] | None = None
+        """When the last tick was, and the revision it read."""
+        self._refused = False
+
+    def tick(self, store: EtcdStore, now: float) -> None:
+        """Compact ``store``'s cluster if an interval has passed since the last tick (a
+        monotonic ``now``)."""
+        if self._refused or (self._last is not None and now < self._last[0] + self.interval_s):
+            return
+        revision = store.revision()
+        if self._last is not None:
+            try:
+                store.compact(self._last[1])
+            except StoreRefused as refused:
+                self._refused = True
+                self._log(f"{refused}; the etcd cluster's history is not compacted by the job "
+                          "(give it --auto-compaction-retention, or this user the permission)")
+                return
+        self._last = (now, revision)
 
 
 def _bytes(value: str | bytes) -> bytes:

@@ -78,7 +78,7 @@ from typing import TYPE_CHECKING, TypeVar
 from megatron_elaswave.errors import first_line
 from megatron_elaswave.launch.alerts import NODE_ALERTS_ENV, write_relayed_count
 from megatron_elaswave.launch.decisions import Decision
-from megatron_elaswave.launch.etcd_store import EtcdAddress, StoreURLError
+from megatron_elaswave.launch.etcd_store import EtcdAddress, HistoryCompaction, StoreURLError
 from megatron_elaswave.launch.keys import (
     ALERT_COUNT_KEY,
     NODE_ARRIVALS_KEY,
@@ -90,7 +90,7 @@ from megatron_elaswave.launch.keys import (
     node_lost_key,
 )
 from megatron_elaswave.launch.proctitle import MEGATRON_LM_RUNNER
-from megatron_elaswave.launch.silence import HeartbeatSilence, ring_neighbours
+from megatron_elaswave.launch.silence import Heartbeat, HeartbeatSilence, ring_neighbours
 from megatron_elaswave.launch.spawn import (
     DEFAULT_PRELOAD,
     ForkedWorker,
@@ -208,6 +208,10 @@ class LaunchConfig:
     store: str | None = None
     """``etcd://HOST:PORT[,HOST:PORT...]``: keep the job store on that etcd cluster, under the
     namespace ``elaswave/<run id>/``; ``None``: node rank 0's agent hosts a ``TCPStore``."""
+    store_compaction_interval_s: float = 60.0
+    """With :attr:`store`: how often the lowest running node's agent compacts the etcd
+    cluster's history (:class:`~megatron_elaswave.launch.etcd_store.HistoryCompaction`); 0
+    leaves it to the cluster."""
     run_id: str = "none"
     """Job id; agents with different ids refuse to form a job together."""
     log_dir: str | None = None
@@ -261,6 +265,8 @@ class LaunchConfig:
         if ((self.shutdown_grace_s or 0) < 0 or self.join_timeout_s <= 0
                 or self.node_timeout_s <= 0):
             raise UsageError("timeouts must be positive (and --shutdown-grace not negative)")
+        if self.store_compaction_interval_s < 0:
+            raise UsageError("--store-compaction-interval must not be negative")
         if self.rejoin_delay_s < 0 or self.max_rejoins < 0 or self.exclusion_grace_s < 0:
             raise UsageError("--rejoin-delay, --max-rejoins and --exclusion-grace must not be "
                              "negative")
@@ -691,6 +697,9 @@ class _NodeAgent:
                                     self._alerts.path, rejoining=rejoining)
         self._fence = _ExclusionFence(config, self._store, self._workers)
         self._next_heartbeat = 0.0
+        self._compaction = (HistoryCompaction(config.store_compaction_interval_s, _log)
+                            if config.store is not None and config.store_compaction_interval_s
+                            else None)
 
     def run(self) -> int:
         try:
@@ -734,6 +743,7 @@ class _NodeAgent:
                          "workers")
                     return LOST_NODE_EXIT_STATUS
                 self._store.call(self._peers.watch)
+                self._store.call(self._compact_history)
                 self._fence.kill_excluded()
                 if self._store.lost is not None:
                     return self._stop_without_store()
@@ -746,6 +756,13 @@ class _NodeAgent:
             if self._store.lost is not None:
                 return self._stop_without_store()
         return job_exit_status(self._workers.returncodes)
+
+    def _compact_history(self, store: Store) -> None:
+        """On etcd, the lowest running node's agent keeps the cluster's history bounded; when
+        it is lost or done, the next one does."""
+        me = self._config.node_rank
+        if self._compaction is not None and me == min(self._peers.running_nodes | {me}):
+            self._compaction.tick(store, time.monotonic())
 
     def _shut_down(self, signum: int) -> int:
         """Forward ``signum``, give the workers the grace period, then SIGKILL the rest."""
@@ -1067,6 +1084,7 @@ class _PeerWatch:
     def __init__(self, config: LaunchConfig, store: _GuardedStore) -> None:
         self._config = config
         self._store = store
+        self._heartbeat = Heartbeat(node_heartbeat_key(config.node_rank))
         self.interval_s = min(1.0, config.node_timeout_s / 4)
         """How often the agent beats and reads the heartbeats of the nodes it watches."""
         self._peers = HeartbeatSilence((), interval_s=self.interval_s,
@@ -1084,12 +1102,11 @@ class _PeerWatch:
         return self._running_nodes
 
     def beat(self) -> None:
-        """Bump this node's heartbeat, which the agents of the nodes before it watch."""
-        key = node_heartbeat_key(self._config.node_rank)
-        self._store.call(lambda store: store.add(key, 1))
+        """Beat this node's heartbeat, which the agents of the nodes before it watch."""
+        self._store.call(self._heartbeat.beat)
 
     def heartbeat_finds_node_lost(self) -> int | None:
-        """Bump this node's heartbeat; return the node rank of the agent that declared this node
+        """Beat this node's heartbeat; return the node rank of the agent that declared this node
         lost, if one did."""
         self.beat()
         lost = node_lost_key(self._config.node_rank)

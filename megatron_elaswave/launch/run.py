@@ -151,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                             help=f"with --store: {what}; default ${variable}, as etcdctl (the "
                             "user and password come from $ETCDCTL_USER and $ETCDCTL_PASSWORD "
                             "only)")
+    _seconds(parser, "store-compaction-interval", "store_compaction_interval_s",
+             "with --store: how often the job compacts the etcd cluster's history (cluster-wide; "
+             "default 60, 0 for a cluster that compacts itself)")
     parser.add_argument(*_flag("run-id"), help="job id, the same on every node; default 'none'")
     parser.add_argument(
         *_flag("log-dir"), default=None, help="write each worker's output to DIR/rank<r>.log"
@@ -253,6 +256,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str], *,
         script_args=tuple(script_args),
         run_as_module=args.module,
         store=args.store,
+        store_compaction_interval_s=args.store_compaction_interval,
         log_dir=args.log_dir,
         node_timeout_s=args.node_timeout,
         rejoin=args.rejoin,

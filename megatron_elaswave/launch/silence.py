@@ -14,8 +14,29 @@ declaring them all failed at once. A peer that really fell silent is still decla
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+from torch.distributed import Store
+
+
+class Heartbeat:
+    """A member's heartbeat: a key that it alone writes, overwritten with a new value at each
+    beat, which its watchers compare with the value they read last (:class:`HeartbeatSilence`).
+
+    One write a beat: on etcd one revision, where an ``add`` would read, write and keep a token
+    key. Values count up from the wall clock in microseconds, so that a replacement of the
+    member never writes a value its predecessor left; they are decimal integers, as ``add``
+    reads them."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self._value = time.time_ns() // 1000
+
+    def beat(self, store: Store) -> None:
+        self._value += 1
+        store.set(self.key, str(self._value))
 
 
 @dataclass

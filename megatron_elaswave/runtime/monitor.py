@@ -72,7 +72,7 @@ from megatron_elaswave.launch.keys import (
     join_key,
     round_key,
 )
-from megatron_elaswave.launch.silence import HeartbeatSilence, ring_neighbours
+from megatron_elaswave.launch.silence import Heartbeat, HeartbeatSilence, ring_neighbours
 from megatron_elaswave.launch.store import (
     Silence,
     WorkerDeath,
@@ -243,6 +243,7 @@ class FailureMonitor:
         """Set from the first sign of a failure until :meth:`advance`."""
         # A connection of its own, so that a blocking store call elsewhere never delays detection.
         self._store = store.clone()
+        self._heartbeat = Heartbeat(heartbeat_key(rank))
         self._on_failure = on_failure
         self._on_excluded = on_excluded or leave_job
         self._committed: tuple[int, Decision, float] | None = None
@@ -454,7 +455,7 @@ class FailureMonitor:
         self._trigger(STORE_ERROR, str(error), announce=False)
 
     def _beat(self) -> None:
-        self._store.add(heartbeat_key(self.rank), 1)
+        self._heartbeat.beat(self._store)
 
     def _fresh_beats(self) -> HeartbeatSilence:
         """The heartbeat silence of this rank's neighbours, from now on."""

@@ -133,7 +133,7 @@ def per_rank_period(design: str, ranks: int) -> tuple[float, float]:
     if design == "old":
         # heartbeat add, multi_get of every peer, death count, announcement, decision
         return 5, 4 + (ranks - 1)
-    # heartbeat add, multi_get of two neighbours; one beat in BACKSTOP_BEATS: the death and
+    # heartbeat set, multi_get of two neighbours; one beat in BACKSTOP_BEATS: the death and
     # silence counts, the announcement, the decision
     return 2 + 4 / BACKSTOP_BEATS, 1 + NEIGHBOURS + 4 / BACKSTOP_BEATS
 
@@ -206,10 +206,11 @@ def _time_rank_periods(design: str, ranks: int, samples: int, clients: int,
         server.add(key, 0)
 
     def play(store, rank: int) -> None:
-        store.add(keys[rank], 1)
         if design == "old":
+            store.add(keys[rank], 1)
             store.multi_get(keys[:rank] + keys[rank + 1:])
         else:
+            store.set(keys[rank], "2")
             store.multi_get([keys[(rank + 1) % ranks], keys[(rank + 2) % ranks]])
             if rank % RANKS_PER_NODE == 0:  # the node's launcher relays the alert count
                 for _ in range(int(INTERVAL_S / RELAY_S)):
