@@ -230,8 +230,10 @@ def launch(
     log_path: str | os.PathLike | None = None,
     etcd: str | None = None,
     run_id: str = "none",
+    cwd: str | os.PathLike | None = None,
 ) -> LaunchedJob:
-    """Start ``python -m megatron_elaswave.launch.run ... *args`` in a session of its own.
+    """Start ``python -m megatron_elaswave.launch.run ... *args`` in a session of its own, in
+    the directory ``cwd`` (default: this one).
 
     ``args`` is the script and its arguments; ``launcher_args`` are extra launcher flags;
     ``etcd`` (a ``--store`` URL) keeps the job store on that cluster, under ``run_id``.
@@ -267,6 +269,7 @@ def launch(
             stderr=subprocess.STDOUT,
             env=full_env,
             start_new_session=True,
+            cwd=cwd,
         )
     return LaunchedJob(
         process,
@@ -288,16 +291,18 @@ def launch_nodes(
     log_dir: str | os.PathLike,
     node_args: Sequence[Sequence[str]] = ((), ()),
     etcd: str | None = None,
+    node_dirs: Sequence[str | os.PathLike] | None = None,
 ) -> list[LaunchedJob]:
     """Start one launcher per node of a job on this machine, ``len(node_args)`` of them, node
-    ``n`` with the extra launcher flags ``node_args[n]`` and its output in
-    ``log_dir/node<n>.log``. Each is entered on ``stack``, so it is closed with it. ``etcd``
-    keeps the job store on that cluster (under a run id of the job's own)."""
+    ``n`` with the extra launcher flags ``node_args[n]``, in the directory ``node_dirs[n]``
+    (default: this one) and its output in ``log_dir/node<n>.log``. Each is entered on
+    ``stack``, so it is closed with it. ``etcd`` keeps the job store on that cluster (under a
+    run id of the job's own)."""
     run_id = f"test-{uuid.uuid4().hex[:12]}" if etcd else "none"
     return [
         stack.enter_context(launch(args, nproc_per_node, nnodes=len(node_args), node_rank=node,
                                    master_port=master_port, launcher_args=extra,
                                    log_path=Path(log_dir) / f"node{node}.log", etcd=etcd,
-                                   run_id=run_id))
+                                   run_id=run_id, cwd=node_dirs[node] if node_dirs else None))
         for node, extra in enumerate(node_args)
     ]

@@ -12,6 +12,7 @@ a survivor completes.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -24,7 +25,7 @@ import pytest
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from harness import free_port, launch
+from harness import free_port, launch, launch_nodes
 from megatron_elaswave.launch.keys import (
     ABANDONED,
     CHECKPOINT_LOCK_KEY,
@@ -314,6 +315,39 @@ def test_a_save_that_cannot_be_created_is_refused_before_training(text_data, tmp
     assert lines == [f"pretrain_gpt.py: error: --save {save} cannot be written: Not a directory "
                      f"({save})"], output[-3000:]
     assert "Traceback" not in output
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_a_save_directory_the_nodes_do_not_share_is_refused_before_training(text_data,  # noqa: F811
+                                                                           tmp_path):
+    """Two nodes whose launchers run in different directories, ``--save checkpoints`` relative:
+    each node would write its parts into a directory of its own, as with a node-local disk, and
+    no checkpoint would ever be whole. Refused in one line before the first iteration, status 2
+    on both nodes. The same nodes with a directory they share save a whole checkpoint."""
+
+    def two_nodes(save: str, *extra: str) -> list[tuple[int, str]]:
+        with contextlib.ExitStack() as stack:
+            nodes = launch_nodes(stack, [PRETRAIN, *flags(text_data), "--save", save, *extra], 2,
+                                 master_port=free_port(), log_dir=tmp_path, node_dirs=dirs)
+            return [node.wait(150) for node in nodes]
+
+    dirs = [tmp_path / "node0", tmp_path / "node1"]
+    for directory in dirs:
+        directory.mkdir()
+    shared = tmp_path / "shared"
+    assert [code for code, _ in two_nodes(str(shared), "--train-iters", "2")] == [0, 0]
+    assert is_complete(shared / "iter_0000002")
+    results = two_nodes("checkpoints")
+    output = "\n".join(output for _, output in results)
+    assert [code for code, _ in results] == [exit_status.BAD_INPUT] * 2, output[-4000:]
+    lines = [line for line in output.splitlines() if "error:" in line]
+    assert lines == ["pretrain_gpt.py: error: --save checkpoints is not shared between the "
+                     "nodes: node 1 does not see what node 0 wrote there; every node writes its "
+                     "part of each checkpoint: give --save a path on a file system all nodes "
+                     "share"], output[-4000:]
+    assert "Traceback" not in output and "iteration" not in output
+    assert all(not list((directory / "checkpoints").iterdir()) for directory in dirs)
 
 
 @pytest.mark.multiprocess

@@ -39,7 +39,8 @@ _LEGACY_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 class CheckpointError(RuntimeError):
-    """A ``--load`` directory that holds no usable checkpoint."""
+    """A ``--load`` directory that holds no usable checkpoint, or a ``--save`` directory the job
+    cannot save in."""
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
+import torch.distributed as dist
+
 from megatron_elaswave.errors import first_line
 from megatron_elaswave.launch.keys import (
     ABANDONED,
@@ -88,7 +91,7 @@ from megatron_elaswave.patches.dist_checkpointing import (
 )
 from megatron_elaswave.runtime.snapshot import PendingSnapshot, SnapshotStore
 
-from .checkpoint import checkpoint_dir, resume_hint, write_tracker
+from .checkpoint import CheckpointError, checkpoint_dir, resume_hint, write_tracker
 from .loop import log
 from .migration import BUFFER, Piece
 
@@ -572,6 +575,38 @@ class DurableCheckpoints:
                if failed_finaliser is not None else
                f"written in the background in {time.monotonic() - requested_at:.2f} s")
         log(f" saved checkpoint at iteration {name.iteration} to {directory} ({how})")
+
+
+def check_save_directory_is_shared(save: str, group, *, rank: int, node: int, nodes: int,
+                                   first_on_node: bool) -> None:
+    """Raise :class:`~.checkpoint.CheckpointError` on every rank unless each node sees what the
+    next one writes under ``save``: every node writes its ranks' parts of a durable checkpoint
+    there, and one rank merges them, so a directory local to each node (or a relative path
+    from different working directories) would leave every checkpoint incomplete. Collective over
+    ``group`` (every rank of the job); the first rank of each node writes and reads one file."""
+    if nodes <= 1:
+        return
+    token = torch.randint(1, 2**62, (1,)) if rank == 0 else torch.zeros(1, dtype=torch.int64)
+    dist.all_reduce(token, group=group)
+
+    def probe(of_node: int) -> str:
+        return os.path.join(save, f".elaswave-node{of_node}-{int(token)}")
+
+    if first_on_node:
+        with open(probe(node), "w", encoding="utf-8"):
+            pass
+    dist.barrier(group=group)
+    blind = first_on_node and not os.path.exists(probe((node + 1) % nodes))
+    reader = torch.tensor([node + 1 if blind else 0])
+    dist.all_reduce(reader, op=dist.ReduceOp.MAX, group=group)
+    if first_on_node:
+        os.remove(probe(node))
+    if int(reader):
+        blind_node = int(reader) - 1
+        raise CheckpointError(
+            f"--save {save} is not shared between the nodes: node {blind_node} does not see "
+            f"what node {(blind_node + 1) % nodes} wrote there; every node writes its part of "
+            "each checkpoint: give --save a path on a file system all nodes share")
 
 
 def _iteration_of(save_id: str) -> int:

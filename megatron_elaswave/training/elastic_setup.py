@@ -4,6 +4,7 @@ replacement that joins a running one."""
 from __future__ import annotations
 
 import argparse
+import os
 from datetime import timedelta
 
 import psutil
@@ -25,7 +26,7 @@ from megatron_elaswave.runtime.monitor import FailureMonitor, MonitorConfig
 
 from . import relayout
 from .data import MicrobatchSource
-from .durable import DurableCheckpoints, DurableConfig
+from .durable import DurableCheckpoints, DurableConfig, check_save_directory_is_shared
 from .elastic import ElasticTrainer
 from .layer_groups import ModelFactory, build_stage_objects
 from .loop import log
@@ -58,6 +59,8 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
     objects = build_stage_objects(args, layout, registry, model_factory, backend.device())
     monitor = FailureMonitor(store, rank, Decision.initial(world_size), config, job_size=world_size)
     _abandon_waits_on_failure(monitor)
+    if args.save:
+        _check_save_is_shared(args.save, registry.host_group(Role.WORLD), rank, world_size)
     copies = _agree_on_copies(args, objects, layout.position(rank)[2],
                               registry.host_group(Role.WORLD))
     if rank == 0:
@@ -88,6 +91,17 @@ def _agree_on_copies(args: argparse.Namespace, objects, tp_rank: int, group) -> 
     dist.all_reduce(needs, op=dist.ReduceOp.MAX, group=group)
     largest_shard, least_memory = int(needs[0]), int(-needs[1])
     return affordable_copies(largest_shard, least_memory * on_node, on_node)
+
+
+def _check_save_is_shared(save: str, group, rank: int, world_size: int) -> None:
+    """:func:`~.durable.check_save_directory_is_shared` over the nodes the launcher (or
+    torchrun) placed the ranks on; skipped where the environment names no nodes."""
+    on_node, node = ranks_per_node(), os.environ.get("GROUP_RANK")
+    if on_node is None or node is None:
+        return
+    check_save_directory_is_shared(save, group, rank=rank, node=int(node),
+                                   nodes=world_size // on_node,
+                                   first_on_node=os.environ.get("LOCAL_RANK") == "0")
 
 
 def _abandon_waits_on_failure(monitor: FailureMonitor) -> None:

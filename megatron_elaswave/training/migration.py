@@ -221,7 +221,7 @@ def _publish_and_collect(store, prefix: str, rank: int, members: Sequence[int], 
     store.set(f"{prefix}/{what}/{rank}", json.dumps(value))
     keys = [f"{prefix}/{what}/{member}" for member in members]
     wait_for_keys(store, keys, timeout, failure)
-    return {member: json.loads(store.get(key)) for member, key in zip(members, keys)}
+    return {member: json.loads(raw) for member, raw in zip(members, store.multi_get(keys))}
 
 
 def migrate(held: Mapping[str, torch.Tensor], needs: Sequence[Piece], *, rank: int,
