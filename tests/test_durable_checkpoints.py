@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -202,29 +203,43 @@ def test_a_worker_killed_while_a_checkpoint_is_written_never_leaves_the_tracker_
     assert_on_trajectory(reference, read_metrics(str(metrics), "iteration"))
 
 
+SLOW_SAVE_S = 15
+"""How long rank 1 takes to write its part of iteration 3's checkpoint in the preemption test:
+longer than the 10 s a launcher gives its workers after a plain SIGTERM."""
+
+
 @pytest.mark.timeout(400)
-def test_sigterm_with_exit_signal_handler_saves_exits_0_and_resumes_on_the_trajectory(
+def test_sigterm_to_the_launcher_waits_for_a_slow_save_and_resumes_on_the_trajectory(
         text_data, reference, tmp_path):  # noqa: F811
-    """Every worker gets SIGTERM once iteration 3 is recorded (as a scheduler preempting the
-    job sends it): the job saves the iteration after which it stops, every worker exits with
-    0, and a new job on TP1 x PP1 x DP4 resumes from that checkpoint on the trajectory."""
+    """The launcher gets SIGTERM once iteration 3 is recorded (as a scheduler preempting the
+    job sends it), while rank 1 is still writing its part of iteration 3's checkpoint, which
+    takes it 15 s (slow storage). It forwards the signal; the job saves the iteration after
+    which it stops, every worker waits for both saves and exits with 0, and the launcher, which
+    gives workers run with ``--exit-signal-handler`` their own bound on the save, kills none.
+    A new job on TP1 x PP1 x DP4 resumes from the last checkpoint on the trajectory."""
     save = tmp_path / "checkpoints"
     metrics = tmp_path / "preempted.jsonl"
-    command = [PRETRAIN, *flags(text_data), "--save", str(save), "--exit-signal-handler",
-               "--elastic-metrics-file", str(metrics)]
+    command = [PRETRAIN, *flags(text_data), "--save", str(save), "--save-interval", "3",
+               "--exit-signal-handler", "--elastic-metrics-file", str(metrics),
+               "--elastic-inject-failure",
+               f"rank=1,iteration=3,phase=checkpoint,kind=delay,seconds={SLOW_SAVE_S}"]
     with TrackerWatch(save) as watch, launch(command, 4, master_port=free_port(),
                                              log_path=tmp_path / "preempted.log") as job:
         job.wait_for(lambda: reached(metrics, 3), 120, "iteration 3")
-        for pid in job.worker_pids().values():
-            os.kill(pid, signal.SIGTERM)
+        sent = time.monotonic()
+        job.send_signal(signal.SIGTERM)
         returncode, output = job.wait(120)
-    assert returncode == 0, output[-4000:]
+        took = time.monotonic() - sent
+    assert returncode == 128 + signal.SIGTERM, output[-4000:]
+    assert "4 of 4 workers finished, 0 failed" in output, output[-4000:]
+    assert "killing the workers still running" not in output
+    assert 10 < took < SLOW_SAVE_S + 60, took
     stopped = re.search(r"stopping after iteration (\d+): received SIGTERM "
                         r"\(--exit-signal-handler\)", output)
     assert stopped, output[-4000:]
     stopped_at = int(stopped.group(1))
-    assert 3 <= stopped_at < TRAIN_ITERS
-    assert watch.named == [stopped_at] and not watch.incomplete
+    assert 3 < stopped_at < TRAIN_ITERS
+    assert watch.named == [3, stopped_at] and not watch.incomplete, watch.named
     before = read_metrics(str(metrics), "iteration")
     assert [r["iteration"] for r in before] == list(range(1, stopped_at + 1))
     resumed, _, _ = train(tmp_path, "resumed", [*flags(text_data, pp=1), "--load", str(save)])

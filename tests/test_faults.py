@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from megatron_elaswave.runtime.faults import FailureSpecError, FaultInjector, InjectedError, InjectedFailure
@@ -13,6 +15,23 @@ def test_specs_parse_every_kind_and_refuse_unknown_ones():
     assert InjectedFailure.parse("rank=0,iteration=1").kind == "kill"
     with pytest.raises(FailureSpecError, match="kind must be one of kill, hang, raise, poison, nan"):
         InjectedFailure.parse("rank=0,iteration=1,kind=explode")
+    assert InjectedFailure.parse("rank=1,iteration=3,phase=checkpoint,kind=delay,seconds=2.5") \
+        == InjectedFailure(1, 3, "checkpoint", "delay", seconds=2.5)
+    for spec in ("rank=1,iteration=3,kind=delay", "rank=1,iteration=3,seconds=1",
+                 "rank=1,iteration=3,kind=delay,seconds=-1"):
+        with pytest.raises(FailureSpecError, match="kind=delay takes seconds=S"):
+            InjectedFailure.parse(spec)
+
+
+def test_a_delay_sleeps_once_where_it_is_due():
+    injector = FaultInjector([InjectedFailure(1, 2, "checkpoint", "delay", seconds=0.2)],
+                             rank=1, hang_s=1.0)
+    started = time.monotonic()
+    assert injector.at("checkpoint", 2) is False
+    assert time.monotonic() - started >= 0.2
+    started = time.monotonic()
+    injector.at("checkpoint", 2)
+    assert time.monotonic() - started < 0.2 and not injector.armed
 
 
 def test_a_raise_fires_once_a_poison_every_time_and_a_nan_is_left_to_the_caller():

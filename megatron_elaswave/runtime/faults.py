@@ -13,6 +13,8 @@ signals itself, so the job sees exactly what an outside ``kill`` would produce:
   bug would: re-running it does not help.
 * ``kind=nan``: the rank's last model chunk outputs NaN once in iteration ``I`` (phase
   ``forward``), as a transient fault of a device would.
+* ``kind=delay,seconds=S``: the rank's thread sleeps ``S`` seconds there once, as slow storage
+  would in the ``checkpoint`` phase (nobody fails: the heartbeat goes on).
 
 Phases, within iteration ``I`` (counted from 1 like Megatron's log lines): ``forward`` (the
 first micro-batch's forward), ``backward`` (the first micro-batch's backward), ``allreduce``
@@ -50,7 +52,7 @@ import torch
 
 PHASES = ("forward", "backward", "allreduce", "optimizer", "snapshot", "recovery", "relayout",
           "evaluation", "alltoall", "checkpoint", "commit")
-KINDS = ("kill", "hang", "raise", "poison", "nan")
+KINDS = ("kill", "hang", "raise", "poison", "nan", "delay")
 
 
 class InjectedError(RuntimeError):
@@ -73,7 +75,10 @@ class InjectedFailure:
     """Where in the iteration: one of :data:`PHASES`."""
     kind: str = "kill"
     """``kill`` (SIGKILL), ``hang`` (SIGSTOP, woken later to leave), ``raise`` (an error once),
-    ``poison`` (an error every time the iteration runs) or ``nan`` (a NaN output once)."""
+    ``poison`` (an error every time the iteration runs), ``nan`` (a NaN output once) or
+    ``delay`` (a sleep of :attr:`seconds` once)."""
+    seconds: float | None = None
+    """How long a ``delay`` sleeps (only with it)."""
 
     def __post_init__(self) -> None:
         if self.rank < 0 or self.iteration < 1:
@@ -82,17 +87,21 @@ class InjectedFailure:
             raise FailureSpecError(f"phase must be one of {', '.join(PHASES)}, not {self.phase!r}")
         if self.kind not in KINDS:
             raise FailureSpecError(f"kind must be one of {', '.join(KINDS)}, not {self.kind!r}")
+        if (self.kind == "delay") != (self.seconds is not None) or (self.seconds or 0) < 0:
+            raise FailureSpecError("kind=delay takes seconds=S (S >= 0), and only it does")
 
     @classmethod
     def parse(cls, text: str) -> InjectedFailure:
-        """Parse ``rank=R,iteration=I[,phase=P][,kind=K]``."""
-        fields = _spec_fields(text, ("rank", "iteration"), ("phase", "kind"),
-                              "rank=R,iteration=I[,phase=P][,kind=K]")
+        """Parse ``rank=R,iteration=I[,phase=P][,kind=K][,seconds=S]``."""
+        usage = "rank=R,iteration=I[,phase=P][,kind=K][,seconds=S]"
+        fields = _spec_fields(text, ("rank", "iteration"), ("phase", "kind", "seconds"), usage)
         try:
             rank, iteration = int(fields.pop("rank")), int(fields.pop("iteration"))
+            seconds = float(fields.pop("seconds")) if "seconds" in fields else None
         except ValueError:
-            raise FailureSpecError(f"bad spec {text!r}: rank and iteration are integers") from None
-        return cls(rank, iteration, **fields)
+            raise FailureSpecError(f"bad spec {text!r}: rank and iteration are integers, "
+                                   "seconds a number") from None
+        return cls(rank, iteration, seconds=seconds, **fields)
 
 
 def _spec_fields(text: str, required: tuple[str, ...], optional: tuple[str, ...],
@@ -188,6 +197,9 @@ class FaultInjector:
               f"{iteration}", flush=True)
         if failure.kind == "nan":
             return True
+        if failure.kind == "delay":
+            time.sleep(failure.seconds)
+            return False
         if failure.kind in ("raise", "poison"):
             raise InjectedError(f"injected {failure.kind} failure of rank {self.rank} in the "
                                 f"{phase} of iteration {iteration}")
