@@ -348,8 +348,24 @@ def _tiling_problem(shape: tuple[int, ...], chunks: Sequence[ChunkStorageMetadat
 
 def write_index(directory: str, merged: MergedIndex) -> None:
     """Write ``merged`` as the checkpoint's DCP index (``.metadata``, synced, renamed into
-    place)."""
+    place), then read it back as a loader would; raises ``RuntimeError`` unless it names every
+    tensor and object of ``merged`` in its shape, chunk for chunk."""
     dcp.FileSystemWriter(directory).finish(merged.metadata, [merged.results])
+    written = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    for key, expected in merged.metadata.state_dict_metadata.items():
+        if _described(written.get(key)) != _described(expected):
+            raise RuntimeError(f"the index read back from {directory} does not describe {key} "
+                               "as it was written")
+    if written.keys() != merged.metadata.state_dict_metadata.keys():
+        raise RuntimeError(f"the index read back from {directory} names other tensors than "
+                           "those written")
+
+
+def _described(entry) -> tuple | None:
+    """What an index entry says of a tensor (its shape and chunks) or an object."""
+    if isinstance(entry, TensorStorageMetadata):
+        return tuple(entry.size), sorted((tuple(c.offsets), tuple(c.sizes)) for c in entry.chunks)
+    return None if entry is None else type(entry).__name__
 
 
 def write_common(directory: str, common: Mapping[str, Any]) -> None:

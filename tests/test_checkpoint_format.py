@@ -138,3 +138,22 @@ def test_the_merge_finds_a_tensor_no_part_wrote(tmp_path):
                   expected={"w": (4, 6), "b": (6,)}).gaps
     assert gaps == ["b: no part wrote it"]
 
+
+
+def test_an_index_that_does_not_read_back_as_written_fails_the_save(tmp_path, monkeypatch):
+    """The index is read back as a loader reads it before the checkpoint can be named: one that
+    storage returned short (here its last chunk lost) is an error, not a checkpoint."""
+    from torch.distributed import checkpoint as dcp
+
+    merged = _parts(tmp_path, {"rank0": [(0, 2)], "rank1": [(2, 2)]})
+    read_metadata = dcp.FileSystemReader.read_metadata
+
+    def short(reader):
+        metadata = read_metadata(reader)
+        metadata.state_dict_metadata["w"].chunks.pop()
+        return metadata
+
+    write_index(str(tmp_path), merged)  # as written
+    monkeypatch.setattr(dcp.FileSystemReader, "read_metadata", short)
+    with pytest.raises(RuntimeError, match="does not describe w as it was written"):
+        write_index(str(tmp_path), merged)

@@ -310,6 +310,21 @@ def assert_matches_plain(plain: list[dict], elastic: list[dict], tolerance: floa
     print(f"largest relative difference from the plain path: {worst}")
 
 
+@pytest.fixture(scope="module")
+def plain_path(tmp_path_factory):
+    """``plain(nproc, flags)``: the iteration records of ``scripts/pretrain_gpt.py`` without
+    ``--elastic`` on ``nproc`` ranks, one run per ``(nproc, flags)`` for the module's tests."""
+    runs = {}
+
+    def plain(nproc: int, flags: list[str]) -> list[dict]:
+        key = (nproc, tuple(flags))
+        if key not in runs:
+            runs[key] = train(tmp_path_factory.mktemp("plain"), "plain", nproc, flags)
+        return runs[key]
+
+    return plain
+
+
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("tp, pp, nproc, dropout, zero", [
     pytest.param(2, 1, 2, 0.0, "contiguous", marks=pytest.mark.sweep),
@@ -320,14 +335,14 @@ def assert_matches_plain(plain: list[dict], elastic: list[dict], tolerance: floa
     (2, 2, 8, 0.0, "interleaved"),
 ], ids=["tp2", "pp2", "tp2-pp2", "tp2-pp2-dp2", "tp2-pp2-dropout",
        "tp2-pp2-dp2-interleaved-zero"])
-def test_elastic_without_failures_is_the_plain_megatron_core_path(text_data, tmp_path,  # noqa: F811
-                                                                  tp, pp, nproc, dropout, zero):
+def test_elastic_without_failures_is_the_plain_megatron_core_path(
+        plain_path, text_data, tmp_path, tp, pp, nproc, dropout, zero):  # noqa: F811
     """With interleaved ZeRO each rank's two layers are two chunks over one data-parallel group,
     which share one reduce-scatter and one all-gather."""
     # With dropout both paths draw the layout-invariant masks (the plain default is Megatron's).
     flags = oracle_flags(text_data, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                          hidden_dropout=dropout, attention_dropout=dropout, elastic_rng="invariant")
-    plain = train(tmp_path, "plain", nproc, flags)
+    plain = plain_path(nproc, flags)
     elastic = train(tmp_path, "elastic", nproc, [*flags, *ELASTIC, "--elastic-zero", zero])
     assert sum(r["grad_norm"] > CLIP_GRAD for r in plain) >= TRAIN_ITERS // 2, \
         [r["grad_norm"] for r in plain]  # the clip binds: the scale reaches the update
@@ -335,11 +350,12 @@ def test_elastic_without_failures_is_the_plain_megatron_core_path(text_data, tmp
 
 
 @pytest.mark.timeout(400)
-def test_elastic_with_a_failure_stays_on_the_plain_megatron_core_path(text_data, tmp_path):  # noqa: F811
+def test_elastic_with_a_failure_stays_on_the_plain_megatron_core_path(
+        plain_path, text_data, tmp_path):  # noqa: F811
     """TP2 x PP1 x DP2: rank 3 is SIGKILLed after iteration 4; its TP partner becomes a spare,
     one replica carries the whole global batch, and the losses stay on the plain path's."""
     flags = oracle_flags(text_data, tensor_model_parallel_size=2)
-    plain = train(tmp_path, "plain", 4, flags)
+    plain = plain_path(4, flags)
     elastic = train(tmp_path, "elastic", 4, flags + ELASTIC, kill=(3, 4))
     assert elastic[-1]["world_size"] == 2
     assert_matches_plain(plain, elastic, AFTER_FAILURE)
@@ -350,40 +366,40 @@ def test_elastic_with_a_failure_stays_on_the_plain_megatron_core_path(text_data,
                                            pytest.param(1, 2, 2, marks=pytest.mark.sweep),
                                            (2, 2, 8)],
                          ids=["tp2", "pp2", "tp2-pp2-dp2"])
-def test_tied_embeddings_under_elastic_are_the_plain_megatron_core_path(text_data, tmp_path,  # noqa: F811
-                                                                        tp, pp, nproc):
+def test_tied_embeddings_under_elastic_are_the_plain_megatron_core_path(
+        plain_path, text_data, tmp_path, tp, pp, nproc):  # noqa: F811
     """Megatron's default, one weight for the embedding and the output layer: one parameter on
     a one-stage model, a copy on each end of a pipeline whose gradients are summed."""
     flags = oracle_flags(text_data, tied=True, tensor_model_parallel_size=tp,
                          pipeline_model_parallel_size=pp)
-    plain = train(tmp_path, "plain", nproc, flags)
+    plain = plain_path(nproc, flags)
     elastic = train(tmp_path, "elastic", nproc, flags + ELASTIC)
     assert_matches_plain(plain, elastic, EXACT)
 
 
 @pytest.mark.timeout(400)
-def test_megatrons_initialisation_under_elastic_is_the_plain_megatron_core_path(text_data,  # noqa: F811
-                                                                              tmp_path):
+def test_megatrons_initialisation_under_elastic_is_the_plain_megatron_core_path(
+        plain_path, text_data, tmp_path):  # noqa: F811
     """``--elastic-init megatron`` in ``pretrain_gpt.py``, TP1 x PP2 x DP2 with tied embeddings:
     both paths start from Megatron's own weights (the output layer's copy of the embedding
     summed in from the first stage), not the layout-invariant ones."""
     flags = oracle_flags(text_data, tied=True, pipeline_model_parallel_size=2)
-    plain = train(tmp_path, "plain", 4, flags + ["--elastic-init", "megatron"])
+    plain = plain_path(4, flags + ["--elastic-init", "megatron"])
     elastic = train(tmp_path, "elastic", 4, flags + ["--elastic-init", "megatron"] + ELASTIC)
-    invariant = train(tmp_path, "invariant", 4, flags)
+    invariant = plain_path(4, flags)
     assert relative(plain[0]["lm_loss"], invariant[0]["lm_loss"]) > 1e-3
     assert_matches_plain(plain, elastic, EXACT)
 
 
 @pytest.mark.timeout(400)
-def test_tied_embeddings_through_a_one_stage_replica_and_back_stay_on_the_plain_path(text_data,  # noqa: F811
-                                                                                     tmp_path):
+def test_tied_embeddings_through_a_one_stage_replica_and_back_stay_on_the_plain_path(
+        plain_path, text_data, tmp_path):  # noqa: F811
     """TP1 x PP2 x DP2, tied embeddings: rank 3 (the last stage of replica 1) is SIGKILLed after
     iteration 3, so rank 1 holds both copies of the embedding, in two chunks, while the other
     replica keeps one on each stage; the replacement rejoins and the replica has two stages
     again. Every iteration stays on the plain path's."""
     flags = oracle_flags(text_data, tied=True, pipeline_model_parallel_size=2)
-    plain = train(tmp_path, "plain", 4, flags)
+    plain = plain_path(4, flags)
     records = train(tmp_path, "elastic", 4, flags + ELASTIC + HELD, kill=(3, 3), rejoin=True)
     [recovery] = [r for r in records if r["event"] == "recovery"]
     [grow] = [r for r in records if r["event"] == "grow"]
@@ -395,8 +411,8 @@ def test_tied_embeddings_through_a_one_stage_replica_and_back_stay_on_the_plain_
 
 
 @pytest.mark.timeout(400)
-def test_an_uneven_pipeline_stays_on_the_plain_path_through_a_failure_and_back(text_data,  # noqa: F811
-                                                                               tmp_path):
+def test_an_uneven_pipeline_stays_on_the_plain_path_through_a_failure_and_back(
+        plain_path, text_data, tmp_path):  # noqa: F811
     """TP1 x PP2 x DP2 with ``--decoder-first-pipeline-num-layers 1``: the first stage holds
     the embedding and layer 0, the last layers 1 to 3, as megatron-core splits it on the plain
     path. Rank 3 (the last stage of replica 1) is SIGKILLed after iteration 3 and started again:
@@ -404,7 +420,7 @@ def test_an_uneven_pipeline_stays_on_the_plain_path_through_a_failure_and_back(t
     the user's split. Every iteration stays on the plain path's, within 1e-5 before the kill."""
     flags = oracle_flags(text_data, pipeline_model_parallel_size=2,
                          decoder_first_pipeline_num_layers=1)
-    plain = train(tmp_path, "plain", 4, flags)
+    plain = plain_path(4, flags)
     records = train(tmp_path, "elastic", 4, flags + ELASTIC + HELD, kill=(3, 3), rejoin=True)
     elastic = [r for r in records if r["event"] == "iteration"]
     [recovery] = [r for r in records if r["event"] == "recovery"]
@@ -421,13 +437,13 @@ def test_an_uneven_pipeline_stays_on_the_plain_path_through_a_failure_and_back(t
 
 @pytest.mark.timeout(400)
 def test_tied_embeddings_saved_by_survivors_that_cannot_continue_resume_on_the_plain_path(
-        text_data, tmp_path):  # noqa: F811
+        plain_path, text_data, tmp_path):  # noqa: F811
     """TP1 x PP2 x DP2, tied embeddings, ``--elastic-policy reroute``: a failure in each replica
     leaves none whole, so the survivors save the state of the last complete iteration (the
     embedding's copy on each end of their pipeline) and stop; ``--load`` on two ranks finishes
     the run. Every iteration, before and after, is the plain path's."""
     flags = oracle_flags(text_data, tied=True, pipeline_model_parallel_size=2)
-    plain = train(tmp_path, "plain", 4, flags)
+    plain = plain_path(4, flags)
     checkpoint, metrics = tmp_path / "checkpoint", tmp_path / "stopped.jsonl"
     with launch([PRETRAIN, *flags, *ELASTIC, "--elastic-policy", "reroute",
                  "--save", str(checkpoint), "--elastic-metrics-file", str(metrics),
@@ -458,15 +474,14 @@ def virtual_stages(layout: list[dict]) -> list[int]:
 @pytest.mark.parametrize("tp, pp, nproc, num_layers", [
     pytest.param(1, 2, 4, 4, marks=pytest.mark.sweep), (2, 2, 8, 4),
     pytest.param(1, 4, 4, 8, marks=pytest.mark.sweep)], ids=["pp2-dp2", "tp2-pp2-dp2", "pp4"])
-def test_interleaved_schedule_under_elastic_is_the_plain_megatron_core_path(text_data,  # noqa: F811
-                                                                            tmp_path, tp, pp,
-                                                                            nproc, num_layers):
+def test_interleaved_schedule_under_elastic_is_the_plain_megatron_core_path(
+        plain_path, text_data, tmp_path, tp, pp, nproc, num_layers):  # noqa: F811
     """Two virtual stages of one layer per stage: both paths run Megatron's interleaved
     schedule, the elastic one over one chunk per layer group."""
     flags = oracle_flags(text_data, tensor_model_parallel_size=tp,
                          pipeline_model_parallel_size=pp, num_layers=num_layers,
                          num_layers_per_virtual_pipeline_stage=1)
-    plain = train(tmp_path, "plain", nproc, flags)
+    plain = plain_path(nproc, flags)
     elastic = train(tmp_path, "elastic", nproc, flags + ELASTIC)
     dp = nproc // (tp * pp)
     assert virtual_stages(elastic[-1]["layout"]) == [2] * dp, elastic[-1]["layout"]
@@ -474,15 +489,15 @@ def test_interleaved_schedule_under_elastic_is_the_plain_megatron_core_path(text
 
 
 @pytest.mark.timeout(400)
-def test_interleaved_replicas_keep_their_schedule_through_a_failure_and_back(text_data,  # noqa: F811
-                                                                           tmp_path):
+def test_interleaved_replicas_keep_their_schedule_through_a_failure_and_back(
+        plain_path, text_data, tmp_path):  # noqa: F811
     """TP1 x PP2 x DP2 interleaved: rank 3 (stage 1 of replica 1) is SIGKILLed after iteration
     3; replica 1 re-partitions onto rank 1 and runs 1F1B while replica 0 keeps the interleaved
     schedule with more of the 8 micro-batches; the replacement rejoins and both replicas are
     interleaved again. Every iteration stays on the plain interleaved run's."""
     flags = oracle_flags(text_data, pipeline_model_parallel_size=2, global_batch_size=16,
                          num_layers_per_virtual_pipeline_stage=1)
-    plain = train(tmp_path, "plain", 4, flags)
+    plain = plain_path(4, flags)
     records = train(tmp_path, "elastic", 4, flags + ELASTIC + HELD, kill=(3, 3), rejoin=True)
     assert "; replicas [1] run 1F1B, their stages changed" in (tmp_path / "elastic.log").read_text()
     [recovery] = [r for r in records if r["event"] == "recovery"]

@@ -118,6 +118,17 @@ def test_a_transient_storage_error_is_written_again_and_the_save_commits(
     assert capsys.readouterr().out.count("trying again in") == 2
 
 
+def test_a_committed_save_leaves_its_outcome_in_the_store_and_not_its_parts(tmp_path):
+    """The keys each writer sets for its part are read by the finaliser alone: a job that saves
+    every few hundred iterations for weeks must not keep one key per rank and save."""
+    store, checkpoints, requests = writers(tmp_path, (0, 1))
+    for rank in (1, 0):
+        checkpoints[rank].submit(requests[rank])
+    assert all(checkpoints[rank].wait(60) for rank in (0, 1))
+    assert outcome(store, requests[0]) == COMMITTED
+    assert not any(store.check([requests[0].key(f"part/{rank}")]) for rank in (0, 1))
+
+
 @pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
                                    CheckpointException("write failed", {0: (OSError(
                                        errno.EACCES, "Permission denied"), [])})],
@@ -146,6 +157,27 @@ def test_a_save_that_cannot_be_written_is_abandoned_and_says_why_on_every_rank(
         assert line.endswith(f"no complete checkpoint in {tmp_path} yet")
     assert checkpoints[1].failed is not None  # the rank that failed knows at once
 
+
+
+@pytest.mark.parametrize("free_blocks", [0, 1000])
+def test_torch_saves_unexplained_error_on_a_full_file_system_is_said_as_one(
+        tmp_path, monkeypatch, free_blocks):
+    """``torch.save`` meets a full disk with an error of its zip writer that names no cause;
+    the line says the file system is full where it is, and the error as it came otherwise."""
+    zip_error = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    failing_writes(monkeypatch, [zip_error])
+    statvfs = os.statvfs
+    monkeypatch.setattr(durable.os, "statvfs", lambda path: type(
+        "Usage", (), {"f_bavail": free_blocks, "f_blocks": statvfs(path).f_blocks})())
+    _, checkpoints, requests = writers(tmp_path, (0,))
+    checkpoints[0].submit(requests[0])
+    assert checkpoints[0].wait(60)
+    reason = checkpoints[0].first_failure().reason
+    if free_blocks:
+        assert reason == f"rank 0: RuntimeError: {zip_error}"
+    else:
+        assert reason == (f"rank 0: OSError: [Errno {errno.ENOSPC}] No space left on device "
+                          f"(RuntimeError: {zip_error})")
 
 def test_the_commit_of_a_finaliser_that_stops_is_completed_by_the_lowest_survivor(
         tmp_path, monkeypatch, capsys):

@@ -78,7 +78,7 @@ Durable checkpoints (:mod:`~megatron_elaswave.training.durable`):
 
 =============================================  ==========================================================
 ``rt/ckpt/<iteration>-g<g>/part/<rank>``       ``rank`` wrote its part of the save of ``iteration``
-                                               (snapshots of layout ``g``)
+                                               (snapshots of layout ``g``); deleted once it commits
 ``rt/ckpt/<iteration>-g<g>/outcome``           ``committing``, ``committed`` or ``abandoned``, first
                                                written with ``compare_set``
 ``rt/ckpt/<iteration>-g<g>/error``             why the save could not be written (the first

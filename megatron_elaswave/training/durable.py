@@ -18,7 +18,8 @@ the rank writes. A save goes as follows (:class:`DurableCheckpoints`):
    shard as the boxes that the shard's flat ranges cover, into its own directory
    ``rank<r>`` of ``<save>/iter_<iteration>.partial-g<generation>``; it then says so in the store.
 3. The finaliser waits for every writer, merges their indexes into one, checks that every tensor
-   is covered exactly, writes ``common.pt`` and ``metadata.json``, renames the directory to
+   is covered exactly, writes the index and reads it back as a loader does, writes
+   ``common.pt`` and ``metadata.json``, renames the directory to
    ``<save>/iter_<iteration>`` and only then writes ``latest_checkpointed_iteration.txt``
    (atomically, by rename). A checkpoint the tracker names is therefore always complete.
 
@@ -454,7 +455,7 @@ class DurableCheckpoints:
     def _fail(self, store, name: SaveName, error: BaseException) -> None:
         """Abandon ``name`` for ``error`` and say why in the store: the job stops (or warns) on
         it at its next step boundary."""
-        error = _unwrapped(error)
+        error = _explained(_unwrapped(error), name.root)
         what = f"{type(error).__name__}: {first_line(error)}"
         reason = f"rank {self.config.rank}: {what}"
         with self._lock:
@@ -570,6 +571,8 @@ class DurableCheckpoints:
         store.set(CHECKPOINT_LATEST_KEY, str(max(name.iteration, latest or 0)))
         store.set(name.key("outcome"), COMMITTED)
         store.compare_set(CHECKPOINT_LOCK_KEY, name.save_id, "")
+        for writer in name.writers:  # read by the finaliser only, which is done with them
+            store.delete_key(name.key(f"part/{writer}"))
         _remove_abandoned_partials(name)
         how = (f"its commit completed for rank {failed_finaliser}, which failed"
                if failed_finaliser is not None else
@@ -623,6 +626,22 @@ def _unwrapped(error: BaseException) -> BaseException:
         if isinstance(first, BaseException):
             return _unwrapped(first)
     return error
+
+
+def _explained(error: BaseException, root: str) -> BaseException:
+    """``error``, or the full file system under ``root`` that caused it: ``torch.save`` reports
+    running out of space as an error of its zip writer (``unexpected pos 704 vs 598``) that
+    names no cause."""
+    if isinstance(error, OSError):
+        return error
+    try:
+        full = os.statvfs(root).f_bavail == 0
+    except OSError:
+        return error
+    if not full:
+        return error
+    return OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} ({type(error).__name__}: "
+                                 f"{first_line(error)})")
 
 
 def _transient(error: BaseException) -> bool:
