@@ -124,7 +124,7 @@ class ElasticHooks:
     def train_step(self, iteration: int) -> StepResult | None:
         from megatron_elaswave.training.durable import SaveFailed
         from megatron_elaswave.training.migration import StateLost
-        from megatron_elaswave.training.recovery import (
+        from megatron_elaswave.training.outcomes import (
             CannotContinue,
             StepFailed,
             cannot_continue_line,
@@ -164,7 +164,7 @@ class ElasticHooks:
 
     def evaluate(self, split: EvaluationSplit) -> float | None:
         from megatron_elaswave.training.migration import StateLost
-        from megatron_elaswave.training.recovery import CannotContinue
+        from megatron_elaswave.training.outcomes import CannotContinue
 
         try:
             return self.job.evaluate(split)

@@ -2,8 +2,8 @@
 
 :class:`ElasticTrainer` is Megatron's training loop (:class:`~.loop.Trainer`) with what survives
 failures attached: per-step snapshots, a failure monitor, a group registry it edits in place,
-and a :class:`~.recovery.Recovery` that runs the recovery protocol on a failed step (agree, plan,
-edit the groups, restore, re-run). The trainer itself owns the state of the stage it holds and
+and a :class:`~.recovery.Recovery`, handed to it, that runs the recovery protocol on a failed
+step (agree, plan, edit the groups, restore, re-run). The trainer itself owns the state of the stage it holds and
 how that state is restored into a new layout (rollback, share, migrate: :meth:`restore`).
 
 With ``--save`` the trainer queues a durable checkpoint of every ``--save-interval``-th
@@ -12,7 +12,7 @@ iteration, of the last one and of the one after which the job stops early
 in the background (:mod:`.durable`). When no layout of the survivors can hold the model, they gather the state of
 the rollback iteration into the checkpoint layout (:mod:`.rescue`), save it the same way to
 ``--save`` (default ``./elaswave-checkpoint``), wait for it and stop with
-:class:`~.recovery.CannotContinue`, naming what is missing and where the checkpoint is;
+:class:`~.outcomes.CannotContinue`, naming what is missing and where the checkpoint is;
 ``--load`` resumes from it in any layout.
 
 A ``recovery`` record with the time of each phase goes into the metrics file (:mod:`.records`).
@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -72,6 +73,7 @@ from .durable import (
 from .layer_groups import ModelFactory, build_stage_objects
 from .loop import StepResult, Trainer, log
 from .migration import NamedShard, StateLost, adam_step, load_pieces, migrate, needed_pieces
+from .outcomes import CannotContinue
 from .planning import plan_growth
 from .records import (
     RecoveryTimes,
@@ -80,7 +82,6 @@ from .records import (
     write_recovery,
     write_redeal,
 )
-from .recovery import CannotContinue, Recovery
 from .relayout import LayoutChange
 from .restore import RestoreRound
 from .snapshots import StepSnapshots, restore_rng_states
@@ -117,6 +118,9 @@ class ElasticTrainer(Trainer):
     (:meth:`save_durably`); Megatron-LM's loop asks for them itself instead."""
     stop_conditions: StopConditions = None
     """This rank's reasons to stop before ``--train-iters``."""
+    recovery_of: Callable[[ElasticTrainer], Any] = None
+    """Builds, from this trainer, what runs the recovery protocol on a failed step
+    (:class:`~.recovery.Recovery`, which works on the trainer's parts)."""
 
     def __post_init__(self) -> None:
         self._joining: frozenset[int] = frozenset()
@@ -138,7 +142,7 @@ class ElasticTrainer(Trainer):
         self.stop_conditions = self.stop_conditions or StopConditions()
         self.stopping: str | None = None
         """Why the job stops after the current iteration (every stage holder agrees)."""
-        self.recovery = Recovery(self)
+        self.recovery = self.recovery_of(self)
         if self.detector is not None:
             self.detector.reset(planned=self.layout)
 
@@ -512,7 +516,7 @@ class ElasticTrainer(Trainer):
         """Save the state of ``iteration`` that every member has just restored, in the layout of
         ``generation``, under ``root``, and wait until it is committed; returns its directory.
         Every member of the job calls this; the spares only wait. Raises
-        :class:`~.recovery.CannotContinue` when the save is abandoned (a rank failed meanwhile)."""
+        :class:`~.outcomes.CannotContinue` when the save is abandoned (a rank failed meanwhile)."""
         if self.is_active:
             self.save_durably(root)
         outcome = checkpoint_key(f"{iteration}-g{generation}", "outcome")
@@ -594,7 +598,7 @@ class ElasticTrainer(Trainer):
         """Restore the newest state that survives whole into ``layout``, whose groups (of
         ``generation``) exist: roll back, rebuild this rank's objects, migrate the pieces it
         needs, commit once every member has, and snapshot at once. Raises
-        :class:`~.recovery.CannotContinue` when the state is gone."""
+        :class:`~.outcomes.CannotContinue` when the state is gone."""
         members = tuple(sorted(layout.known_ranks()))
         restore = RestoreRound(
             self.store, generation, self.rank, members,

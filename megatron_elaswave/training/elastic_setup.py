@@ -33,6 +33,7 @@ from .loop import log
 from .migration import NamedShard
 from .model import seed_random_generators
 from .planning import cost_model, failure_free_layout
+from .recovery import Recovery
 from .snapshots import StepSnapshots, affordable_copies, ranks_per_node, snapshot_config
 from .stopping import StopConditions
 from .stragglers import RebalanceConfig, StragglerDetector
@@ -74,8 +75,8 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
         args=args, objects=objects, pg_collection=objects.schedule_groups, backend=backend,
         layout=layout, train_source=train_source, valid_source=valid_source,
         metrics=MetricsWriter(args.elastic_metrics_file if rank == 0 else None), rank=rank,
-        snapshots=snapshots, registry=registry, monitor=monitor, store=store, **parts,
-        **trainer_fields)
+        snapshots=snapshots, registry=registry, monitor=monitor, store=store,
+        recovery_of=Recovery, **parts, **trainer_fields)
 
 
 def _agree_on_copies(args: argparse.Namespace, objects, tp_rank: int, group) -> int:
@@ -176,7 +177,7 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
             args=args, objects=None, pg_collection=None, backend=backend,
             layout=plan.state_layout, train_source=train_source, valid_source=valid_source,
             metrics=MetricsWriter(None), rank=rank, iteration=plan.iteration, snapshots=snapshots,
-            registry=registry, monitor=monitor, store=store,
+            registry=registry, monitor=monitor, store=store, recovery_of=Recovery,
             **_runtime_parts(args, backend, rank, vocab_size, config,
                              model_factory or ModelFactory.from_flags(args, vocab_size), store,
                              snapshots, monitor),

@@ -44,7 +44,7 @@ from .model import (
     wrap_and_optimize,
 )
 from .profiling import CostProfiler, device_description, write_profile
-from .recovery import CannotContinue, StepFailed
+from .outcomes import CannotContinue, StepFailed
 from .snapshots import StepSnapshots, snapshot_config
 from .startup import StartupWatch
 from .stopping import StopConditions, describe

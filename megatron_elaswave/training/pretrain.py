@@ -87,10 +87,9 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
     from megatron_elaswave.runtime.dvfs import DvfsError
 
     from .checkpoint import CheckpointError
-    from .recovery import cannot_continue_line
     from .data import DataError
     from .durable import SaveFailed
-    from .recovery import CannotContinue, StepFailed
+    from .outcomes import CannotContinue, StepFailed, cannot_continue_line
     from .job import CannotRejoin, train_job
     from .relayout import JobStopped, JoinInterrupted
     from .migration import StateLost

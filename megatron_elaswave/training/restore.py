@@ -23,7 +23,7 @@ from megatron_elaswave.layout import Layout
 from megatron_elaswave.runtime import wire
 from megatron_elaswave.runtime.snapshot import SnapshotTag, newest_whole_iteration
 
-from .recovery import CannotContinue
+from .outcomes import CannotContinue
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -52,7 +52,7 @@ class RestoreRound:
         is held complete by the members together
         (:func:`~megatron_elaswave.runtime.snapshot.newest_whole_iteration`). ``held`` is this rank's
         snapshots, ``lost`` the ranks failed since the state was last restored. Raises
-        :class:`~.recovery.CannotContinue` if there is none."""
+        :class:`~.outcomes.CannotContinue` if there is none."""
         self.store.set(f"{self.prefix}/held/{self.rank}", json.dumps([list(tag) for tag in held]))
         everything = [SnapshotTag(*tag) for raw in self._wait_and_get("held")
                       for tag in json.loads(raw)]

@@ -30,7 +30,7 @@ from megatron_elaswave.launch.alerts import AlertListener
 from megatron_elaswave.launch.keys import FINISHED_KEY, START_VERDICT_KEY, started_key
 from megatron_elaswave.launch.store import WorkerDeath, read_deaths
 
-from .recovery import CannotContinue
+from .outcomes import CannotContinue
 
 STARTED = "started"
 _POLL_S = 0.05
@@ -96,7 +96,7 @@ class StartupWatch:
     def wait_until_started(self, timeout: timedelta) -> None:
         """Mark this rank ready, wait until every rank is, then stop watching: from here the
         failure monitor handles deaths. Stops the worker instead if a rank dies first; raises
-        :class:`~.recovery.CannotContinue` if the others are not all ready within ``timeout``."""
+        :class:`~.outcomes.CannotContinue` if the others are not all ready within ``timeout``."""
         self._store.set(started_key(self._rank), "")
         everyone = [started_key(rank) for rank in range(self._world_size)]
         deadline = time.monotonic() + timeout.total_seconds()
