@@ -36,7 +36,7 @@ import pytest
 from torch.distributed import Store, TCPStore
 
 from megatron_elaswave.launch.etcd_store import EtcdAddress
-from megatron_elaswave.launch.launcher import accepts_connections
+from megatron_elaswave.launch.rendezvous import accepts_connections
 from megatron_elaswave.launch.store import WorkerDeath, read_deaths, read_worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))

@@ -33,7 +33,8 @@ from megatron_elaswave.launch.environment import (
     slurm_settings,
 )
 from megatron_elaswave.launch.keys import node_key
-from megatron_elaswave.launch.launcher import UsageError, is_this_machine
+from megatron_elaswave.launch.config import UsageError
+from megatron_elaswave.launch.rendezvous import is_this_machine
 from megatron_elaswave.launch.run import (
     build_parser,
     config_from_args,

@@ -21,7 +21,9 @@ import pytest
 from harness import free_port, is_gone, launch, wait_until, worker_script
 
 from megatron_elaswave.launch.keys import NODE_CHANGES_KEY, death_key, worker_key
-from megatron_elaswave.launch.launcher import LaunchConfig, accepts_connections, job_exit_status
+from megatron_elaswave.launch.config import LaunchConfig
+from megatron_elaswave.launch.launcher import job_exit_status
+from megatron_elaswave.launch.rendezvous import accepts_connections
 from megatron_elaswave.launch.proctitle import worker_title
 from megatron_elaswave.launch.run import parse_config
 from megatron_elaswave.launch.store import (
@@ -588,7 +590,7 @@ def test_sigterm_gives_workers_that_save_on_it_the_time_they_give_their_save():
 def test_the_store_tls_flags_are_handed_on_as_etcdctls_variables(tmp_path):
     """``--store-cacert/--store-cert/--store-key`` set etcdctl's variables, which the job store's
     clients read, in the launcher and (inherited) its workers; a missing file is one line."""
-    from megatron_elaswave.launch.launcher import UsageError
+    from megatron_elaswave.launch.config import UsageError
     from megatron_elaswave.launch.run import build_parser, export_store_security
 
     ca = tmp_path / "ca.pem"

@@ -4,11 +4,11 @@ The writer of something every rank must read (a launcher recording a death, a mo
 a failure or a heartbeat silence, a replacement asking to join) raises an alert after its write
 (:func:`megatron_elaswave.launch.store.raise_alert`): it bumps the count ``rt/alerts``, one key whatever
 the size of the job. Each node's launcher reads that count every 50 ms and relays it to its
-workers in a local file (:data:`NODE_ALERTS_ENV` names it); an :class:`AlertListener` of each
-rank reads the file every ``poll_interval_s`` and calls back when the count moved. A rank learns
-of a death within two poll intervals, and a quiet job costs the store one read of one key per
-node and poll. A listener without a launcher's file (a process not started by ``elaswave-run``)
-reads the count in the store itself.
+workers in a local file (:class:`AlertRelay`; :data:`NODE_ALERTS_ENV` names it); an
+:class:`AlertListener` of each rank reads the file every ``poll_interval_s`` and calls back when
+the count moved. A rank learns of a death within two poll intervals, and a quiet job costs the
+store one read of one key per node and poll. A listener without a launcher's file (a process not
+started by ``elaswave-run``) reads the count in the store itself.
 
 (The listener once waited in the store for a key of its own, which every alert then had to set
 for every rank: two writes per rank and alert, and a wait that only its own key could end. A
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -28,6 +30,8 @@ from megatron_elaswave.launch.keys import ALERT_COUNT_KEY
 
 if TYPE_CHECKING:
     from torch.distributed import Store
+
+    from megatron_elaswave.launch.guarded_store import GuardedStore
 
 DEFAULT_POLL_INTERVAL_S = 0.05
 NODE_ALERTS_ENV = "ELASWAVE_NODE_ALERTS"
@@ -108,3 +112,26 @@ class AlertListener:
                 return int(relayed.read())
         except (OSError, ValueError):  # not written yet
             return 0
+
+
+class AlertRelay:
+    """Hands the job's alert count to this node's workers in a file, which their alert
+    listeners read instead of the store (:mod:`megatron_elaswave.launch.alerts`): one read per
+    node and poll, not per worker."""
+
+    def __init__(self, store: GuardedStore) -> None:
+        self._store = store
+        self._dir = tempfile.mkdtemp(prefix="elaswave-node-")
+        self.path = os.path.join(self._dir, "alerts")
+        """The file the workers read the count in (:data:`NODE_ALERTS_ENV`)."""
+        self._seen = -1
+
+    def relay(self) -> None:
+        """Read the job's alert count, and write it to :attr:`path` if it moved."""
+        count = self._store.call(lambda store: store.add(ALERT_COUNT_KEY, 0))
+        if count is not None and count != self._seen:
+            write_relayed_count(self.path, count)
+            self._seen = count
+
+    def close(self) -> None:
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -13,10 +13,10 @@ taken from the first of these that gives it, setting by setting:
 3. the scheduler, one of: an ``srun`` step (:func:`slurm_settings`); else Kubeflow's PyTorchJob
    as operators before 1.7 set it up (:func:`pytorchjob_settings`); else an Indexed Job, such as
    a JobSet's (:func:`indexed_job_settings`);
-4. the defaults of :class:`~megatron_elaswave.launch.launcher.LaunchConfig`.
+4. the defaults of :class:`~megatron_elaswave.launch.config.LaunchConfig`.
 
 The functions that read a source are pure (a mapping of the environment in, settings out), and
-every error is a :class:`~megatron_elaswave.launch.launcher.UsageError` of one line naming the
+every error is a :class:`~megatron_elaswave.launch.config.UsageError` of one line naming the
 flag or variable it comes from.
 """
 
@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from itertools import product
 
-from megatron_elaswave.launch.launcher import LaunchConfig, UsageError
+from megatron_elaswave.launch.config import LaunchConfig, UsageError
 
 DEFAULT_RDZV_PORT = 29400
 """Port of ``--rdzv-endpoint HOST`` given without one, as in torchrun."""

@@ -31,7 +31,8 @@ from megatron_elaswave.launch.environment import (
     free_port,
     resolve,
 )
-from megatron_elaswave.launch.launcher import LaunchConfig, LaunchError, UsageError, run
+from megatron_elaswave.launch.config import LaunchConfig, LaunchError, UsageError
+from megatron_elaswave.launch.launcher import run
 
 PROG = "elaswave-run"
 

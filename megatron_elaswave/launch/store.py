@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from megatron_elaswave.launch.etcd_store import ETCD_URL_SCHEME, EtcdAddress, EtcdStore, StoreURLError
+from megatron_elaswave.launch.etcd_store import ETCD_URL_SCHEME, EtcdAddress, EtcdStore
 from megatron_elaswave.launch.keys import (
     ALERT_COUNT_KEY,
     COLLECTED_KEY,

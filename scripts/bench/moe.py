@@ -180,13 +180,14 @@ class KilledJob:
     """One ``--elastic`` job in Megatron-LM's loop under elaswave-run whose worker the
     benchmark SIGKILLs from outside."""
 
-    def __init__(self, script: Path, flags: list[str], workdir: Path, nproc: int) -> None:
+    def __init__(self, script: Path, flags: list[str], workdir: Path, nproc: int,
+                 elastic_args: list[str]) -> None:
         self.metrics = workdir / "metrics.jsonl"
         self.log_path = workdir / "job.log"
         self.port = free_port()
         command = [sys.executable, "-m", "megatron_elaswave.launch.run",
                    f"--nproc-per-node={nproc}", f"--master-port={self.port}", "-m",
-                   MegatronLMJob.RUNNER, str(script), *flags, *ELASTIC, *args.elastic_args,
+                   MegatronLMJob.RUNNER, str(script), *flags, *ELASTIC, *elastic_args,
                    "--elastic-metrics-file", str(self.metrics)]
         self.log = open(self.log_path, "w")
         self.process = subprocess.Popen(
@@ -245,7 +246,7 @@ class KilledJob:
 def kill_once(args: argparse.Namespace, script: Path, moe: bool) -> dict:
     with tempfile.TemporaryDirectory(prefix="moe-mttr-") as workdir:
         job = KilledJob(script, recipe(args, args.fail_after + 4, moe=moe), Path(workdir),
-                        args.nproc)
+                        args.nproc, args.elastic_args)
         try:
             victim = job.worker_pid(args.fail_rank)
             job.wait_until(lambda: job.logged() >= args.fail_after,
