@@ -94,9 +94,10 @@ def cluster_revision_and_keys(cluster) -> tuple[int, int]:
 @pytest.mark.timeout(120)
 def test_a_heartbeat_is_one_write_of_one_key_and_a_replacement_never_repeats_a_value(
         etcd_cluster, store):
-    """A beat overwrites the member's key: one revision and no other key (an ``add`` reads
-    first and keeps a token key of its own). Its watchers read it as a counter, on either
-    store; the values move at every beat, a replacement's included."""
+    """On etcd a beat overwrites the member's key: one revision and no other key (an ``add``
+    reads first and keeps a token key of its own); on a ``TCPStore`` it is an ``add``. Its
+    watchers read it as a counter, on either store; the values move at every beat, a
+    replacement's included."""
     etcd = store_on(etcd_cluster, "beats")
     for each in (etcd, store):
         key = "rt/heartbeat/0"

@@ -17,26 +17,36 @@ from __future__ import annotations
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from torch.distributed import Store
+from megatron_elaswave.launch.etcd_store import EtcdStore
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 
 class Heartbeat:
-    """A member's heartbeat: a key that it alone writes, overwritten with a new value at each
-    beat, which its watchers compare with the value they read last (:class:`HeartbeatSilence`).
+    """A member's heartbeat: a key that it alone writes, a new value at each beat, which its
+    watchers compare with the value they read last (:class:`HeartbeatSilence`).
 
-    One write a beat: on etcd one revision, where an ``add`` would read, write and keep a token
-    key. Values count up from the wall clock in microseconds, so that a replacement of the
-    member never writes a value its predecessor left; they are decimal integers, as ``add``
-    reads them."""
+    On etcd a beat overwrites the key: one put, one revision, where an ``add`` would read first
+    and keep a token key (:mod:`~megatron_elaswave.launch.etcd_store`); the values count up from
+    the wall clock in microseconds, so that a replacement of the member never writes one its
+    predecessor left. On a ``TCPStore`` a beat is an ``add``, one request as well, whose answer
+    tells the beat at once that the store is gone (a ``set`` is not answered: the first one
+    after the store's host died would seem to succeed, and the next would fail with a
+    warning of c10d's)."""
 
     def __init__(self, key: str) -> None:
         self.key = key
         self._value = time.time_ns() // 1000
 
     def beat(self, store: Store) -> None:
-        self._value += 1
-        store.set(self.key, str(self._value))
+        if isinstance(store, EtcdStore):
+            self._value += 1
+            store.set(self.key, str(self._value))
+        else:
+            store.add(self.key, 1)
 
 
 @dataclass
