@@ -13,7 +13,7 @@ Launchers (:mod:`megatron_elaswave.launch.launcher`, :mod:`megatron_elaswave.lau
 ``elaswave/deaths/count``              deaths recorded so far (a ``store.add`` counter)
 ``elaswave/deaths/<i>``                ``WorkerDeath`` (JSON), the i-th death of the job
 ``elaswave/nodes/<n>``                 ``NodeRecord`` (JSON) of the launcher of node ``n``
-``elaswave/nodes/<n>/heartbeat``       counter the launcher of node ``n`` bumps while alive
+``elaswave/nodes/<n>/heartbeat``       heartbeat of the launcher of node ``n`` (``silence.Heartbeat``)
 ``elaswave/nodes/<n>/done``            set when node ``n``'s workers have all ended
 ``elaswave/nodes/<n>/lost``            node ``n`` was declared lost (by the launcher that watched it);
                                        its launcher kills its workers
@@ -27,7 +27,7 @@ Failure detection and agreement (:mod:`~megatron_elaswave.runtime.monitor`,
 
 =====================================  ==================================================================
 ``rt/alerts``                          bumped after each write every monitor must notice
-``rt/heartbeat/<rank>``                heartbeat counter of ``rank`` (``store.add``)
+``rt/heartbeat/<rank>``                heartbeat of ``rank``: a counter (``silence.Heartbeat``)
 ``rt/gen<g>/silent/count``             heartbeat silences reported in ``g`` (``store.add``)
 ``rt/gen<g>/silent/<i>``               the i-th ``Silence`` (JSON): a member found silent by a
                                        neighbour that watched it
