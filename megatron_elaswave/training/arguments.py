@@ -561,12 +561,16 @@ def pipeline_stage_layers(args: argparse.Namespace) -> tuple[int, ...] | None:
     multi-token prediction layers in it."""
     pp = args.pipeline_model_parallel_size
     layout = getattr(args, "pipeline_model_parallel_layout", None)
-    if layout is not None:
-        return _layout_string_stage_layers(str(layout), pp, args.num_layers)
     first = getattr(args, "decoder_first_pipeline_num_layers", None)
     last = getattr(args, "decoder_last_pipeline_num_layers", None)
     embedding = bool(getattr(args, "account_for_embedding_in_pipeline_split", False))
     loss = bool(getattr(args, "account_for_loss_in_pipeline_split", False))
+    if layout is not None:
+        if first is not None or last is not None or embedding or loss:
+            raise ValueError("--pipeline-model-parallel-layout places every layer itself: give it "
+                             "without --decoder-first/last-pipeline-num-layers and "
+                             "--account-for-embedding/loss-in-pipeline-split")
+        return _layout_string_stage_layers(str(layout), pp, args.num_layers)
     if first is None and last is None and not embedding and not loss:
         return None
     return megatron_stage_layers(args.num_layers, pp, first=first, last=last,
@@ -585,23 +589,23 @@ def _layout_string_stage_layers(layout: str, pp: int, num_layers: int) -> tuple[
         raise ValueError(f"--pipeline-model-parallel-layout {layout}: {error}") from None
     if len(stages) != pp:
         raise ValueError(f"--pipeline-model-parallel-layout {layout} has {len(stages)} stages: "
-                         f"the elastic layout starts from one per pipeline stage ({pp}), "
-                         "without virtual pipeline stages")
+                         f"one per pipeline stage ({pp}) is supported, without virtual "
+                         "pipeline stages")
     flat = [kind for stage in stages for kind in stage]
     if LayerType.mtp in flat:
         raise ValueError(f"--pipeline-model-parallel-layout {layout} places multi-token "
-                         "prediction layers, which --elastic does not run")
-    if (flat.count(LayerType.embedding) != 1 or LayerType.embedding not in stages[0]
-            or flat.count(LayerType.loss) != 1 or LayerType.loss not in stages[-1]):
-        raise ValueError(f"--pipeline-model-parallel-layout {layout} must place the embedding "
-                         "(E) once on the first stage and the loss (L) once on the last")
+                         "prediction layers, which are not supported")
+    if (flat.count(LayerType.embedding) != 1 or flat[:1] != [LayerType.embedding]
+            or flat.count(LayerType.loss) != 1 or flat[-1:] != [LayerType.loss]):
+        raise ValueError(f"--pipeline-model-parallel-layout {layout} must begin with the "
+                         "embedding (E) and end with the loss (L), once each")
     counts = tuple(stage.count(LayerType.decoder) for stage in stages)
     if sum(counts) != num_layers:
         raise ValueError(f"--pipeline-model-parallel-layout {layout} places {sum(counts)} "
                          f"transformer layers, the model has --num-layers {num_layers}")
     if min(counts) < 1:
         raise ValueError(f"--pipeline-model-parallel-layout {layout} leaves a stage without a "
-                         "transformer layer, which the elastic layout does not hold")
+                         "transformer layer, which is not supported")
     return counts
 
 

@@ -54,10 +54,12 @@ save of the job that failed) and ``rt/ckpt/lock`` (the save that commits, empty 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import os
 import queue
+import secrets
 import shutil
 import threading
 import time
@@ -589,21 +591,27 @@ def check_save_directory_is_shared(save: str, group, *, rank: int, node: int, no
     ``group`` (every rank of the job); the first rank of each node writes and reads one file."""
     if nodes <= 1:
         return
-    token = torch.randint(1, 2**62, (1,)) if rank == 0 else torch.zeros(1, dtype=torch.int64)
+    # Not from torch's generator: a job with --save draws the same random numbers as without.
+    token = torch.tensor([secrets.randbits(62) if rank == 0 else 0])
     dist.all_reduce(token, group=group)
 
     def probe(of_node: int) -> str:
         return os.path.join(save, f".elaswave-node{of_node}-{int(token)}")
 
+    written = True
     if first_on_node:
-        with open(probe(node), "w", encoding="utf-8"):
-            pass
+        try:
+            with open(probe(node), "w", encoding="utf-8"):
+                pass
+        except OSError:
+            written = False  # said below by the next node, which cannot see it
     dist.barrier(group=group)
     blind = first_on_node and not os.path.exists(probe((node + 1) % nodes))
     reader = torch.tensor([node + 1 if blind else 0])
     dist.all_reduce(reader, op=dist.ReduceOp.MAX, group=group)
-    if first_on_node:
-        os.remove(probe(node))
+    if first_on_node and written:
+        with contextlib.suppress(OSError):
+            os.remove(probe(node))
     if int(reader):
         blind_node = int(reader) - 1
         raise CheckpointError(
