@@ -71,7 +71,7 @@ def megatron_stage_layers(num_layers: int, num_stages: int, *, first: int | None
                              "and loss as layers, not both")
         if num_stages < (first is not None) + (last is not None):
             raise ValueError(f"{num_stages} pipeline stages have no room for a first and a "
-                             f"last stage of their own")
+                             "last stage of their own")
         middle_stages = num_stages - (first is not None) - (last is not None)
         middle_layers = num_layers - (first or 0) - (last or 0)
         if middle_stages == 0 and middle_layers != 0 or middle_stages and (

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_elaswave.layout import ExpertParallelism, Layout, layer_ranges
+from megatron_elaswave.layout import ExpertParallelism, Layout, even_layer_split, layer_ranges
 
 
 @dataclass(frozen=True)
@@ -103,5 +103,6 @@ class JobSpec:
 
     def initial_ranges(self) -> list[tuple[int, int]]:
         """The layer range of each stage of a failure-free replica."""
-        return layer_ranges(self.stage_layers or (self.num_layers // self.pipeline_parallel_size,)
-                            * self.pipeline_parallel_size)
+        if self.stage_layers is None:
+            return even_layer_split(self.num_layers, self.pipeline_parallel_size)
+        return layer_ranges(self.stage_layers)

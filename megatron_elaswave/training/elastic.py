@@ -3,8 +3,9 @@
 :class:`ElasticTrainer` is Megatron's training loop (:class:`~.loop.Trainer`) with what survives
 failures attached: per-step snapshots, a failure monitor, a group registry it edits in place,
 and a :class:`~.recovery.Recovery`, handed to it, that runs the recovery protocol on a failed
-step (agree, plan, edit the groups, restore, re-run). The trainer itself owns the state of the stage it holds and
-how that state is restored into a new layout (rollback, share, migrate: :meth:`restore`).
+step (agree, plan, edit the groups, restore, re-run). The trainer itself owns the state of the
+stage it holds and how that state is restored into a new layout (rollback, share, migrate:
+:meth:`restore`).
 
 With ``--save`` the trainer queues a durable checkpoint of every ``--save-interval``-th
 iteration, of the last one and of the one after which the job stops early
