@@ -225,12 +225,16 @@ def _wait_on_a_thread(wait, work: Any, timeout: timedelta, abandon: threading.Ev
     done, waker = threading.Event(), threading.Event()
 
     def run() -> None:
+        nonlocal work
         try:
             outcome["completed"] = wait(work, timeout)
         except BaseException as error:  # re-raised on the waiting thread
             # Without its traceback, which would hold this frame, ``work`` and so its group's
             # gloo context in a reference cycle after the wait was abandoned.
             outcome["error"] = error.with_traceback(None)
+        # Dropped before ``done`` says the operation ended: an abandoned wait's group may be
+        # released (its gloo threads joined) at once, while this thread has yet to return.
+        work = None
         done.set()
         waker.set()
 
