@@ -612,18 +612,21 @@ def test_survivors_that_cannot_continue_save_a_checkpoint_that_resumes_the_traje
 def test_a_lost_node_takes_half_the_job_and_the_other_half_continues(text_data, reference,  # noqa: F811
                                                                     tmp_path):
     """Two launchers of four workers each; node 1's launcher is SIGKILLed with its workers (the
-    last stage of both replicas): each replica re-partitions its layers onto its first stage."""
+    last stage of both replicas): node 0 finds its launcher's process gone by its connection,
+    without waiting for the node timeout, and each replica re-partitions its layers onto its
+    first stage."""
     metrics = tmp_path / "node.jsonl"
     flags = [PRETRAIN, *elastic_flags(text_data, tensor_model_parallel_size=2,
                                       pipeline_model_parallel_size=2),
              "--elastic-metrics-file", str(metrics)]
     with contextlib.ExitStack() as stack:
         node0, node1 = launch_nodes(stack, flags, 4, master_port=free_port(), log_dir=tmp_path,
-                                    node_args=[["--node-timeout=1"]] * 2)
+                                    node_args=[["--node-timeout=60"]] * 2)
         node0.wait_for(lambda: metrics.exists() and len(read_metrics(str(metrics), "iteration")) >= 3,
                        120, "iteration 3")
         node1.send_signal(signal.SIGKILL)
         returncode, output = node0.wait(240)
+    assert "node 1 lost: its launcher's process ended" in output, output[-4000:]
     iterations = read_metrics(str(metrics), "iteration")
     assert [r["iteration"] for r in iterations] == list(range(1, TRAIN_ITERS + 1)), output[-4000:]
     assert_on_trajectory(reference, iterations)

@@ -296,8 +296,9 @@ def run_two_nodes(tmp_path, text_data, cluster, name: str, inject, node_timeout_
 def test_node_0_lost_with_its_workers_is_recovered_from_on_etcd(text_data, small_reference,  # noqa: F811
                                                                  etcd_cluster, tmp_path):
     """Node 0's launcher, fork server and workers are SIGKILLed: on etcd the store lives on, node
-    1 declares node 0 lost and its workers go on without ranks 0 and 1, on the trajectory. Node
-    0's agent compacted the cluster's history (every second here); node 1's does from then on."""
+    1 declares node 0 lost as soon as its connection to node 0's launcher closes (not after the
+    node timeout) and its workers go on without ranks 0 and 1, on the trajectory. Node 0's agent
+    compacted the cluster's history (every second here); node 1's does from then on."""
     killed, lost_at = {}, []
 
     def inject(nodes, reached):
@@ -307,11 +308,11 @@ def test_node_0_lost_with_its_workers_is_recovered_from_on_etcd(text_data, small
         lost_at.append(cluster_revision_and_keys(etcd_cluster)[0])
 
     [(_, _), (node1_code, node1_output)], metrics = run_two_nodes(
-        tmp_path, text_data, etcd_cluster, "node0", inject,
+        tmp_path, text_data, etcd_cluster, "node0", inject, node_timeout_s=60,
         node_args=("--store-compaction-interval=1",))
     assert at_revision(etcd_cluster, lost_at[0]) == "compacted"
     assert node1_code == 0, node1_output[-4000:]
-    assert "node 0 lost: no heartbeat for" in node1_output
+    assert "node 0 lost: its launcher's process ended" in node1_output, node1_output[-4000:]
     assert all(is_gone(pid) for pid in killed.values())
     [recovery] = read_metrics(str(metrics), "recovery")
     assert recovery["failed_ranks"] == [0, 1]

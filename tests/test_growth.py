@@ -242,7 +242,7 @@ def test_a_new_launcher_replaces_a_lost_node(text_data, small_reference, tmp_pat
 
     def node(rank: int, name: str, *extra: str):
         return launch(flags, 2, nnodes=2, node_rank=rank, master_port=port,
-                      launcher_args=["--node-timeout=1", *extra], log_path=tmp_path / name)
+                      launcher_args=list(extra), log_path=tmp_path / name)
 
     def recorded(event: str) -> list[dict]:
         return read_metrics(str(metrics), event) if metrics.exists() else []

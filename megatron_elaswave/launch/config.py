@@ -157,6 +157,11 @@ class LaunchConfig:
         """The job's namespace on the etcd cluster of :attr:`store`, if any."""
         return None if self.store is None else EtcdAddress.parse(self.store, self.run_id)
 
+    @property
+    def store_host(self) -> str:
+        """The host of the job store: node 0's (``--master-addr``), or the first etcd member's."""
+        return self.master_addr if self.store is None else self.etcd_address.endpoints[0][0]
+
     def global_rank(self, local_rank: int, node_rank: int | None = None) -> int:
         node = self.node_rank if node_rank is None else node_rank
         return node * self.nproc_per_node + local_rank

@@ -55,6 +55,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_elaswave.errors import first_line
+from megatron_elaswave.waiting import pauses, wait_until
 
 ETCD_URL_SCHEME = "etcd://"
 DEFAULT_ETCD_NAMESPACE = "elaswave"
@@ -110,10 +111,10 @@ _REQUEST_TIMEOUT_S = 2.0
 """Bounds one HTTP request; a member that does not answer within it counts as unavailable."""
 _MAX_TXN_OPS = 128
 """etcd's default ``--max-txn-ops``: longer batches are split."""
-_FIRST_POLL_S = 0.001
 _TOKEN_LEASE_MIN_S = 60
 """The shortest life of an ``add``'s token key (etcd's leases count in seconds)."""
-_MAX_POLL_S = 0.02
+_MAX_RETRY_PAUSE_S = 0.2
+"""The longest pause between two rounds of the members while none answers."""
 
 
 @dataclass(frozen=True)
@@ -274,14 +275,9 @@ class EtcdStore(dist.Store):
 
     def wait(self, keys: Sequence[str], timeout: timedelta | None = None) -> None:
         limit = (timeout or self._timeout).total_seconds()
-        deadline = time.monotonic() + limit
-        pause = _FIRST_POLL_S
-        while not self.check(keys):
-            if time.monotonic() >= deadline:
-                raise dist.DistStoreError(f"wait timeout after {limit * 1000:.0f}ms, keys: "
-                                          f"{', '.join(keys)}")
-            time.sleep(pause)
-            pause = min(2 * pause, _MAX_POLL_S)
+        if not wait_until(lambda: self.check(keys), limit):
+            raise dist.DistStoreError(f"wait timeout after {limit * 1000:.0f}ms, keys: "
+                                      f"{', '.join(keys)}")
 
     def delete_key(self, key: str) -> bool:
         tokens = self._token_key(key, "").encode()
@@ -426,7 +422,7 @@ class EtcdStore(dist.Store):
             raise StoreLost(_lost[self.address])
         clients = self._clients()
         deadline = time.monotonic() + self._unavailable_s
-        pause = _FIRST_POLL_S
+        retry_pauses = pauses(_MAX_RETRY_PAUSE_S)
         renewed = False
         while True:
             for offset in range(len(clients)):
@@ -463,8 +459,7 @@ class EtcdStore(dist.Store):
                     f"no member of the etcd cluster answered for {self._unavailable_s:g} s: "
                     f"{last_error}")
                 raise StoreLost(_lost[self.address])
-            time.sleep(pause)
-            pause = min(2 * pause, 0.2)
+            time.sleep(next(retry_pauses))
 
 
 class HistoryCompaction:

@@ -78,6 +78,7 @@ from megatron_elaswave.launch.etcd_store import HistoryCompaction
 from megatron_elaswave.launch.fence import ExclusionFence
 from megatron_elaswave.launch.guarded_store import GuardedStore
 from megatron_elaswave.launch.keys import node_done_key, node_lost_key
+from megatron_elaswave.launch.liveness import LivenessListener
 from megatron_elaswave.launch.node_watch import NodeWatch
 from megatron_elaswave.launch.rendezvous import connect, host_store, join, take_node_rank
 from megatron_elaswave.launch.signals import Interrupted, SignalLatch
@@ -130,7 +131,7 @@ def run(config: LaunchConfig) -> int:
                 else:
                     store = (host_store(config) if config.is_store_host
                              else connect(config, signals))
-                replaces_lost_node = join(store, config, signals)
+                replaces_lost_node = join(store, config, signals, _listen_for_watchers(config))
             except Interrupted as interrupt:
                 log(f"received {signal_name(interrupt.signum)} before the workers started")
                 return 128 + interrupt.signum
@@ -139,6 +140,17 @@ def run(config: LaunchConfig) -> int:
     finally:
         if fork_server is not None:
             fork_server.close()
+
+
+def _listen_for_watchers(config: LaunchConfig) -> str:
+    """Open this agent's liveness port (:mod:`~megatron_elaswave.launch.liveness`), held until
+    the process ends; returns its ``HOST:PORT``, or ``""`` if none could be opened (the nodes
+    that watch this one then go by its heartbeat alone)."""
+    try:
+        return LivenessListener(config.store_host).address
+    except OSError as error:
+        log(f"no liveness port ({error}): a loss of this node is found by its heartbeat alone")
+        return ""
 
 
 def _start_fork_server(config: LaunchConfig, worker_base_env: Mapping[str, str]
@@ -218,6 +230,8 @@ class _NodeAgent:
                                     after_each_start=self._peers.beat)
             if self._signals.received:
                 return self._shut_down(self._signals.received[0])
+            if self._peers.agents_gone:
+                self._store.call(self._peers.declare_agents_gone)
             if time.monotonic() >= self._next_heartbeat:
                 self._next_heartbeat = time.monotonic() + self._peers.interval_s
                 if (declared := self._peers.heartbeat_finds_node_lost()) is not None:

@@ -7,7 +7,6 @@ import dataclasses
 import errno
 import os
 import socket
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -18,6 +17,7 @@ from megatron_elaswave.launch.console import log
 from megatron_elaswave.launch.keys import NODE_ARRIVALS_KEY, node_key, node_lost_key
 from megatron_elaswave.launch.signals import SignalLatch
 from megatron_elaswave.launch.store import NodeRecord, change_node_state, from_json, to_json
+from megatron_elaswave.waiting import wait_until
 
 if TYPE_CHECKING:
     from torch.distributed import Store, TCPStore
@@ -27,25 +27,25 @@ if TYPE_CHECKING:
 # fail in milliseconds, not after the seconds that importing torch takes.
 
 _JOIN_POLL_INTERVAL_S = 0.1
+"""The longest pause between two looks for the other launchers or the store: they start in
+seconds."""
 
 
 # Bounds every store call of an agent, so that a stalled store host cannot freeze its supervision.
 STORE_TIMEOUT = timedelta(seconds=30)
 
 
-def wait_until(
+def wait_for(
     ready: Callable[[], bool],
     timeout_s: float,
     signals: SignalLatch,
     waiting_for: Callable[[], str],
 ) -> None:
-    """Poll ``ready`` until it holds; a forwarded signal or the timeout ends the wait."""
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        signals.raise_if_received()
-        if time.monotonic() > deadline:
-            raise LaunchError(f"timed out after {timeout_s:g} s waiting for {waiting_for()}")
-        time.sleep(_JOIN_POLL_INTERVAL_S)
+    """Poll ``ready`` until it holds; a forwarded signal (raised) or the timeout
+    (:class:`LaunchError`) ends the wait."""
+    if not wait_until(ready, timeout_s, check=signals.raise_if_received,
+                      max_pause_s=_JOIN_POLL_INTERVAL_S):
+        raise LaunchError(f"timed out after {timeout_s:g} s waiting for {waiting_for()}")
 
 
 def host_store(config: LaunchConfig, listener: socket.socket | None = None) -> TCPStore:
@@ -139,7 +139,7 @@ def connect(config: LaunchConfig, signals: SignalLatch) -> Store:
 
     address = (config.master_addr, config.master_port)
     # Probe with a plain socket first: TCPStore's own retries log a stack trace per attempt.
-    wait_until(
+    wait_for(
         lambda: accepts_connections(address),
         config.join_timeout_s,
         signals,
@@ -156,7 +156,7 @@ def _connect_etcd(config: LaunchConfig, signals: SignalLatch) -> Store:
         raise UsageError(f"--store etcd:// needs the etcd3gw package ({error}); install "
                          "megatron-elaswave[etcd]") from None
     address = config.etcd_address
-    wait_until(lambda: any(map(accepts_connections, address.endpoints)), config.join_timeout_s,
+    wait_for(lambda: any(map(accepts_connections, address.endpoints)), config.join_timeout_s,
                 signals, lambda: f"a member of the etcd cluster {address.describe()}")
     return EtcdStore(address, STORE_TIMEOUT)
 
@@ -170,8 +170,9 @@ def accepts_connections(address: tuple[str, int]) -> bool:
     return True
 
 
-def join(store: Store, config: LaunchConfig, signals: SignalLatch) -> bool:
-    """Register this node agent and wait until all ``nnodes`` have, with matching settings.
+def join(store: Store, config: LaunchConfig, signals: SignalLatch, liveness: str) -> bool:
+    """Register this node agent, reachable by its watchers at ``liveness`` (``HOST:PORT``), and
+    wait until all ``nnodes`` have, with matching settings.
 
     Returns whether this agent took the place of a node that was declared lost (``--rejoin``).
     """
@@ -182,6 +183,7 @@ def join(store: Store, config: LaunchConfig, signals: SignalLatch) -> bool:
             pid=os.getpid(),
             nproc_per_node=config.nproc_per_node,
             run_id=config.run_id,
+            liveness=liveness,
         )
     )
     holder = store.compare_set(node_key(config.node_rank), "", mine).decode()
@@ -194,7 +196,7 @@ def join(store: Store, config: LaunchConfig, signals: SignalLatch) -> bool:
         absent = [str(n) for n, key in enumerate(keys) if not store.check([key])]
         return f"the launchers of node ranks {', '.join(absent)} to join"
 
-    wait_until(lambda: store.check(keys), config.join_timeout_s, signals, missing)
+    wait_for(lambda: store.check(keys), config.join_timeout_s, signals, missing)
     for raw in store.multi_get(keys):
         node = from_json(NodeRecord, raw)
         if node.run_id != config.run_id:
@@ -226,7 +228,7 @@ def _replace_lost_node(store: Store, config: LaunchConfig, signals: SignalLatch,
     if not store.check([lost]):
         log(f"node rank {config.node_rank} is held by {where}: waiting until the nodes that "
              "watch it declare it lost")
-    wait_until(lambda: store.check([lost]), config.join_timeout_s, signals,
+    wait_for(lambda: store.check([lost]), config.join_timeout_s, signals,
                 lambda: f"node rank {config.node_rank} ({where}) to be declared lost")
     store.set(node_key(config.node_rank), mine)
     store.delete_key(lost)

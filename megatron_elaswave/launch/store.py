@@ -23,8 +23,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -44,6 +42,7 @@ from megatron_elaswave.launch.keys import (
     silence_key,
     worker_key,
 )
+from megatron_elaswave.waiting import wait_until
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -87,6 +86,9 @@ class NodeRecord:
     """Workers it starts; every node of a job must start the same number."""
     run_id: str
     """The job's ``--run-id``; launchers of different jobs refuse to join each other."""
+    liveness: str = ""
+    """``HOST:PORT`` of the launcher's :class:`~megatron_elaswave.launch.liveness.LivenessListener`,
+    which the launchers that watch the node hold a connection to."""
 
 
 @dataclass(frozen=True)
@@ -339,31 +341,14 @@ class WaitInterrupted(RuntimeError):
     keys did not all appear in time."""
 
 
-_FIRST_KEY_POLL_S = 0.001
-_KEY_POLL_INTERVAL_S = 0.02
-"""Polls of a wait for keys start at ``_FIRST_KEY_POLL_S`` and double up to this: the peers of
-a barrier usually arrive within milliseconds, and a long wait costs the store little."""
-
-
-def key_poll_pauses() -> Iterator[float]:
-    """The pauses between the polls of one wait for keys, without end."""
-    pause = _FIRST_KEY_POLL_S
-    while True:
-        yield pause
-        pause = min(2 * pause, _KEY_POLL_INTERVAL_S)
-
-
 def wait_for_keys(store: Store, keys: list[str], timeout: timedelta,
                   failure: threading.Event | None = None) -> None:
     """Return once every key of ``keys`` exists. Raises :class:`WaitInterrupted` as soon as
     ``failure`` is set (the peer that was to set a key may be dead: the caller recovers instead
     of waiting the timeout out), or after ``timeout``."""
-    deadline = time.monotonic() + timeout.total_seconds()
-    pauses = key_poll_pauses()
-    while not store.check(keys):
-        if failure is not None and failure.is_set():
-            raise WaitInterrupted(f"a failure was detected while waiting for {len(keys)} keys")
-        if time.monotonic() >= deadline:
-            missing = [key for key in keys if not store.check([key])]
-            raise WaitInterrupted(f"keys not set within {timeout.total_seconds():g} s: {missing}")
-        time.sleep(next(pauses))
+    if wait_until(lambda: store.check(keys), timeout.total_seconds(), abandon=failure):
+        return
+    if failure is not None and failure.is_set():
+        raise WaitInterrupted(f"a failure was detected while waiting for {len(keys)} keys")
+    missing = [key for key in keys if not store.check([key])]
+    raise WaitInterrupted(f"keys not set within {timeout.total_seconds():g} s: {missing}")

@@ -43,6 +43,7 @@ from megatron_elaswave.launch.decisions import Decision, Excluded
 from megatron_elaswave.launch.keys import decision_key, joined_key, round_key
 from megatron_elaswave.launch.store import read_deaths
 from megatron_elaswave.runtime.monitor import HEARTBEAT, FailureMonitor
+from megatron_elaswave.waiting import wait_until
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -92,19 +93,25 @@ class _Round:
         if committed is not None:  # a rank resumed after the others decided writes nothing
             return committed
         self.store.set(joined_key(self.generation, self.rank), "")
-        while True:
+        committed: Decision | None = None
+        proposal: Decision | None = None
+
+        def decided_or_ready() -> bool:
+            nonlocal committed, proposal
             committed = self._committed()
+            proposal = None if committed is not None else self._proposal()
+            return committed is not None or proposal is not None
+
+        while True:
+            wait_until(decided_or_ready, None, max_pause_s=self.poll_interval_s)
             if committed is not None:
                 return committed
-            proposal = self._proposal()
-            if proposal is not None and self.pause_s > 0:
+            if self.pause_s > 0:
                 time.sleep(self.pause_s)
                 self.pause_s = 0.0  # then look again: a failure meanwhile enlarges the set
-            elif proposal is not None:
-                raw = self.store.compare_set(decision_key(self.generation), "", proposal.to_json())
-                return Decision.from_json(raw)
-            else:
-                time.sleep(self.poll_interval_s)
+                continue
+            raw = self.store.compare_set(decision_key(self.generation), "", proposal.to_json())
+            return Decision.from_json(raw)
 
     def _committed(self) -> Decision | None:
         key = decision_key(self.generation)

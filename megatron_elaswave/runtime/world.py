@@ -81,6 +81,7 @@ from megatron_elaswave.launch.keys import generation_prefix, ready_key
 from megatron_elaswave.launch.store import wait_for_keys
 from megatron_elaswave.patches.distributed_c10d import forget_unformed_default_group
 from megatron_elaswave.patches.distributed_work import abandoned_work_pending
+from megatron_elaswave.waiting import wait_until
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup, Store
@@ -88,7 +89,6 @@ if TYPE_CHECKING:
     from megatron_elaswave.launch.decisions import Decision
 
 _FD_DIR = "/proc/self/fd"
-_MEET_POLL_INTERVAL_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -344,16 +344,14 @@ def _meet_survivors(
 ) -> None:
     store.set(ready_key(decision.generation, rank), "")
     everyone = [ready_key(decision.generation, survivor) for survivor in decision.survivors]
-    deadline = time.monotonic() + timeout.total_seconds()
-    while not store.check(everyone):
-        if abort is not None and abort.is_set():
-            raise GenerationAbandoned(
-                f"generation {decision.generation} abandoned: a failure was detected before "
-                "its process group formed"
-            )
-        if time.monotonic() > deadline:
-            raise GenerationAbandoned(
-                f"generation {decision.generation} abandoned: not every survivor of "
-                f"{list(decision.survivors)} arrived within {timeout.total_seconds():g} s"
-            )
-        time.sleep(_MEET_POLL_INTERVAL_S)
+    if wait_until(lambda: store.check(everyone), timeout.total_seconds(), abandon=abort):
+        return
+    if abort is not None and abort.is_set():
+        raise GenerationAbandoned(
+            f"generation {decision.generation} abandoned: a failure was detected before its "
+            "process group formed"
+        )
+    raise GenerationAbandoned(
+        f"generation {decision.generation} abandoned: not every survivor of "
+        f"{list(decision.survivors)} arrived within {timeout.total_seconds():g} s"
+    )

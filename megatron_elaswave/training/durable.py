@@ -93,13 +93,15 @@ from megatron_elaswave.patches.dist_checkpointing import (
     write_part,
 )
 from megatron_elaswave.runtime.snapshot import PendingSnapshot, SnapshotStore
+from megatron_elaswave.waiting import wait_until
 
 from .checkpoint import CheckpointError, checkpoint_dir, resume_hint, write_tracker
 from .loop import log
 from .migration import BUFFER, Piece
 
-
 _POLL_S = 0.05
+"""The longest pause between two looks at the store while a save waits for its writers, the
+commit lock or the job's verdict."""
 
 TRANSIENT_ERRNOS = frozenset({errno.EIO, errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ESTALE,
                               errno.ETIMEDOUT, errno.ENOLCK, errno.ECONNRESET})
@@ -317,15 +319,14 @@ class DurableCheckpoints:
         """Return once every save this rank took part in is written here and committed or
         abandoned by the job, or after ``timeout_s``: what there is to resume from is then
         known. A save whose writer is dead (:meth:`abandon_saves_of`) does not hold it up."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        def resolved() -> bool:
             with self._lock:
                 unresolved = list(self._unresolved.values())
             self._resolve_saves_of_the_dead(unresolved)
             with self._lock:
-                if not self._pending and not self._unresolved:
-                    return
-            time.sleep(_POLL_S)
+                return not self._pending and not self._unresolved
+
+        wait_until(resolved, timeout_s, max_pause_s=_POLL_S)
 
     def _resolve_saves_of_the_dead(self, names: list[SaveName]) -> None:
         """Note each of ``names`` the job has resolved, and resolve each that a writer known
@@ -516,16 +517,15 @@ class DurableCheckpoints:
         """Wait for every part, index them and commit (module docstring)."""
         parts = [request.key(f"part/{writer}") for writer in request.writers]
         deadline = time.monotonic() + self.config.timeout_s
-        while not store.check(parts):
-            if self._abandoned(store, request):
-                log(f" the checkpoint of iteration {request.iteration} is abandoned: a rank "
-                    f"that wrote it failed")
-                shutil.rmtree(request.directory, ignore_errors=True)
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"not every writer wrote its part within "
-                                   f"{self.config.timeout_s:g} s")
-            time.sleep(_POLL_S)
+        if not wait_until(lambda: store.check(parts) or self._abandoned(store, request),
+                          self.config.timeout_s, max_pause_s=_POLL_S):
+            raise TimeoutError(f"not every writer wrote its part within "
+                               f"{self.config.timeout_s:g} s")
+        if not store.check(parts):
+            log(f" the checkpoint of iteration {request.iteration} is abandoned: a rank that "
+                f"wrote it failed")
+            shutil.rmtree(request.directory, ignore_errors=True)
+            return
 
         def index() -> None:
             merged = merge_parts(request.directory,
@@ -538,13 +538,17 @@ class DurableCheckpoints:
             _sync_directory(request.directory)
 
         self._retrying(index, f"indexing the checkpoint of iteration {request.iteration}")
-        lock = request.save_id
-        while store.compare_set(CHECKPOINT_LOCK_KEY, "", lock).decode() != lock:
-            if self._abandoned(store, request):
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError("another checkpoint held the commit lock")
-            time.sleep(_POLL_S)
+        lock, held = request.save_id, False
+
+        def locked_or_abandoned() -> bool:
+            nonlocal held
+            held = store.compare_set(CHECKPOINT_LOCK_KEY, "", lock).decode() == lock
+            return held or self._abandoned(store, request)
+
+        if not wait_until(locked_or_abandoned, deadline - time.monotonic(), max_pause_s=_POLL_S):
+            raise TimeoutError("another checkpoint held the commit lock")
+        if not held:  # abandoned while another save held the lock
+            return
         if store.compare_set(request.key("outcome"), "", COMMITTING).decode() != COMMITTING:
             store.compare_set(CHECKPOINT_LOCK_KEY, lock, "")
             shutil.rmtree(request.directory, ignore_errors=True)

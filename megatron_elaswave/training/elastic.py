@@ -62,6 +62,7 @@ from megatron_elaswave.runtime.dvfs import DvfsGovernor
 from megatron_elaswave.runtime.faults import FaultInjector, InjectedSlowdown, slow_down
 from megatron_elaswave.runtime.monitor import FailureMonitor
 from megatron_elaswave.runtime.world import release_retired
+from megatron_elaswave.waiting import wait_until
 
 from . import relayout
 from .checkpoint import TrainingProgress, checkpoint_common, checkpoint_dir
@@ -89,6 +90,10 @@ from .snapshots import StepSnapshots, restore_rng_states
 from .stopping import SAVE_FAILED, StopConditions, describe
 from .stragglers import ForwardTimer, StageCompute, StepTimes, StragglerDetector
 from .writers import ScalarWriters
+
+_END_POLL_S = 0.05
+"""The longest pause between two looks at the store while a rank waits, at the end of the run,
+for the others or for the outcome of its last save: they wait on steps and writes."""
 
 
 @dataclass
@@ -521,13 +526,11 @@ class ElasticTrainer(Trainer):
         if self.is_active:
             self.save_durably(root)
         outcome = checkpoint_key(f"{iteration}-g{generation}", "outcome")
-        deadline = time.monotonic() + self.durable.config.timeout_s
-        while not self.store.check([outcome]) or self.store.get(outcome).decode() not in (
-                COMMITTED, ABANDONED):
-            if time.monotonic() > deadline:
-                raise CannotContinue(f"the checkpoint of iteration {iteration} was not saved "
-                                     f"within {self.durable.config.timeout_s:g} s")
-            time.sleep(0.05)
+        if not wait_until(lambda: self.store.check([outcome]) and self.store.get(outcome).decode()
+                          in (COMMITTED, ABANDONED), self.durable.config.timeout_s,
+                          max_pause_s=_END_POLL_S):
+            raise CannotContinue(f"the checkpoint of iteration {iteration} was not saved "
+                                 f"within {self.durable.config.timeout_s:g} s")
         if self.store.get(outcome).decode() == ABANDONED:
             raise CannotContinue(f"a rank failed while the survivors saved iteration {iteration}")
         self.durable.wait()
@@ -705,11 +708,19 @@ def _wait_for_the_others(trainer: ElasticTrainer) -> LayoutChange | RuntimeError
     generation = trainer.monitor.generation
     trainer.store.set(done_key(generation, trainer.rank), "")
     done = [done_key(generation, member) for member in sorted(trainer.layout.known_ranks())]
-    while not trainer.store.check(done):
-        if trainer.monitor.failure_detected.is_set():
-            return RuntimeError("a rank failed while this one waited for the others")
-        if (plan := relayout.published_plan(trainer.store, generation + 1)) is not None:
-            return plan
-        time.sleep(0.05)
+    plan: LayoutChange | None = None
+
+    def ended() -> bool:
+        nonlocal plan
+        if trainer.store.check(done):
+            return True
+        plan = relayout.published_plan(trainer.store, generation + 1)
+        return plan is not None
+
+    if not wait_until(ended, None, abandon=trainer.monitor.failure_detected,
+                      max_pause_s=_END_POLL_S):
+        return RuntimeError("a rank failed while this one waited for the others")
+    if plan is not None:
+        return plan
     trainer.store.set(FINISHED_KEY, "")
     return None

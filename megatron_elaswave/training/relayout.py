@@ -43,11 +43,13 @@ from megatron_elaswave.launch.keys import FINISHED_KEY, accepted_key, change_key
 from megatron_elaswave.launch.store import raise_alert
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.planner.frequency import ClockPlan
+from megatron_elaswave.waiting import wait_until
 
 if TYPE_CHECKING:
     from torch.distributed import Store
 
 _POLL_INTERVAL_S = 0.05
+"""The longest pause between two looks for a plan or an acceptance: they wait on steps."""
 
 RELAYOUT_DELAY_ENV = "ELASWAVE_RELAYOUT_DELAY_S"
 """Fault injection for tests: every member pauses this many seconds once a change is committed
@@ -149,13 +151,14 @@ def request_join(store: Store, rank: int) -> None:
 def wait_for_acceptance(store: Store, rank: int) -> LayoutChange:
     """Block until the job accepts ``rank``; raises :class:`JobFinished` if it ends first
     (:class:`JobStopped` if its survivors stopped)."""
-    while not store.check([accepted_key(rank)]):
-        if store.check([FINISHED_KEY]):
-            if stopped := store.get(FINISHED_KEY).decode():
-                raise JobStopped(f"the job stopped ({stopped}) before rank {rank} could rejoin it")
-            raise JobFinished(f"the job finished before rank {rank} could rejoin it")
-        time.sleep(_POLL_INTERVAL_S)
-    generation = int(store.get(accepted_key(rank)))
+    accepted = accepted_key(rank)
+    wait_until(lambda: store.check([accepted]) or store.check([FINISHED_KEY]), None,
+               max_pause_s=_POLL_INTERVAL_S)
+    if not store.check([accepted]):
+        if stopped := store.get(FINISHED_KEY).decode():
+            raise JobStopped(f"the job stopped ({stopped}) before rank {rank} could rejoin it")
+        raise JobFinished(f"the job finished before rank {rank} could rejoin it")
+    generation = int(store.get(accepted))
     return LayoutChange.from_json(store.get(change_key(generation)))
 
 
@@ -191,8 +194,7 @@ def committed_plan(store: Store, generation: int, timeout: timedelta) -> LayoutC
 
 def wait_for_plan(store: Store, generation: int, failure: threading.Event) -> LayoutChange | None:
     """The plan of ``generation``; ``None`` as soon as ``failure`` is set."""
-    while (plan := published_plan(store, generation)) is None:
-        if failure.is_set():
-            return None
-        time.sleep(_POLL_INTERVAL_S)
-    return plan
+    if not wait_until(lambda: store.check([change_key(generation)]), None, abandon=failure,
+                      max_pause_s=_POLL_INTERVAL_S):
+        return None
+    return published_plan(store, generation)

@@ -12,16 +12,16 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from megatron_elaswave.launch.keys import ABANDONED, COMMITTED, restore_prefix
-from megatron_elaswave.launch.store import WaitInterrupted, key_poll_pauses, wait_for_keys
+from megatron_elaswave.launch.store import WaitInterrupted, wait_for_keys
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.runtime import wire
 from megatron_elaswave.runtime.snapshot import SnapshotTag, newest_whole_iteration
+from megatron_elaswave.waiting import wait_until
 
 from .outcomes import CannotContinue
 
@@ -99,21 +99,13 @@ class RestoreRound:
         self.store.set(f"{self.prefix}/restored/{self.rank}", "")
         restored = [f"{self.prefix}/restored/{member}" for member in self.members]
         outcome_key = f"{self.prefix}/outcome"
-        deadline = time.monotonic() + self.timeout.total_seconds()
-        pauses = key_poll_pauses()
-        while True:
-            if self.store.check(restored):
-                proposal = COMMITTED
-            elif (self.abort.is_set() or time.monotonic() >= deadline
-                  or self.store.check([outcome_key])):
-                proposal = ABANDONED
-            else:
-                time.sleep(next(pauses))
-                continue
-            if self.store.compare_set(outcome_key, "", proposal).decode() == COMMITTED:
-                return
-            raise WaitInterrupted("the restore was abandoned: a failure was noticed before every "
-                                  "member had restored")
+        wait_until(lambda: self.store.check(restored) or self.store.check([outcome_key]),
+                   self.timeout.total_seconds(), abandon=self.abort)
+        proposal = COMMITTED if self.store.check(restored) else ABANDONED
+        if self.store.compare_set(outcome_key, "", proposal).decode() == COMMITTED:
+            return
+        raise WaitInterrupted("the restore was abandoned: a failure was noticed before every "
+                              "member had restored")
 
     def _wait_and_get(self, what: str) -> list[bytes]:
         keys = [f"{self.prefix}/{what}/{member}" for member in self.members]

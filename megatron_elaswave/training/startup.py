@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -29,6 +28,7 @@ from torch.distributed import Store
 from megatron_elaswave.launch.alerts import AlertListener
 from megatron_elaswave.launch.keys import FINISHED_KEY, START_VERDICT_KEY, started_key
 from megatron_elaswave.launch.store import WorkerDeath, read_deaths
+from megatron_elaswave.waiting import wait_until
 
 from .outcomes import CannotContinue
 
@@ -99,17 +99,20 @@ class StartupWatch:
         :class:`~.outcomes.CannotContinue` if the others are not all ready within ``timeout``."""
         self._store.set(started_key(self._rank), "")
         everyone = [started_key(rank) for rank in range(self._world_size)]
-        deadline = time.monotonic() + timeout.total_seconds()
-        while (verdict := self._verdict()) is None:
-            if self._store.check(everyone):
-                verdict = self._store.compare_set(START_VERDICT_KEY, "", STARTED).decode()
-                break
-            if time.monotonic() >= deadline:
-                missing = [r for r in range(self._world_size)
-                           if not self._store.check([started_key(r)])]
-                raise CannotContinue(f"ranks {missing} did not start within "
-                                     f"{timeout.total_seconds():g} s")
-            time.sleep(_POLL_S)
+        verdict: str | None = None
+
+        def decided() -> bool:
+            nonlocal verdict
+            verdict = self._verdict()
+            return verdict is not None or self._store.check(everyone)
+
+        if not wait_until(decided, timeout.total_seconds(), max_pause_s=_POLL_S):
+            missing = [r for r in range(self._world_size)
+                       if not self._store.check([started_key(r)])]
+            raise CannotContinue(f"ranks {missing} did not start within "
+                                 f"{timeout.total_seconds():g} s")
+        if verdict is None:
+            verdict = self._store.compare_set(START_VERDICT_KEY, "", STARTED).decode()
         if verdict != STARTED:
             self._stop(verdict, self._exit_status)
         self._close()

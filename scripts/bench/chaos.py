@@ -68,7 +68,7 @@ from pathlib import Path
 
 from common import SCRIPTS, free_port
 
-from megatron_elaswave.launch.keys import join_key
+from megatron_elaswave.launch.keys import join_key, node_lost_key
 from megatron_elaswave.launch.store import WorkerDeath, read_deaths, read_worker
 from megatron_elaswave.metrics import MetricsFollower, read_metrics
 from megatron_elaswave.training.checkpoint import latest_complete
@@ -91,9 +91,9 @@ DRIFT_MARGIN = 2.0
 """How much further than the other layout the soak may drift in a window (where that exceeds
 ``LOSS_TOLERANCE``)."""
 HEARTBEAT_TIMEOUT_S = 3.0
-NODE_TIMEOUT_S = 3.0
-"""Launcher heartbeat silence after which node 0 declares a node lost. One second, on two cores
-shared by eight workers and their replacements starting up, declared a live node lost."""
+NODE_TIMEOUT_S = 10.0
+"""``--node-timeout``, its default: a node whose launcher is SIGKILLed is declared lost by its
+watcher's connection to it at once, without waiting for its heartbeat's silence."""
 ITERATIONS_PER_FAULT = 150
 """Training iterations budgeted per fault: the replacement's start (imports) dominates. The
 soak stops the job once every fault is recovered from, so the budget only sets the schedule."""
@@ -305,7 +305,7 @@ class Soak:
         else:
             lost = 0 if kind == "node0" else 1
             self.nodes[lost].kill()
-            time.sleep(NODE_TIMEOUT_S + 1.0)  # until its watcher has declared the node lost
+            self.wait(lambda: self.store().check([node_lost_key(lost)]), NODE_TIMEOUT_S + 30)
             self.nodes[lost] = self.node(lost, rejoin_node=True)
         return Fault(kind, sorted(victims), started)
 
