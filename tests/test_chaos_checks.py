@@ -1,5 +1,6 @@
 """The chaos soak's trajectory check: within 1e-4 of the failure-free run, or within twice what
-a failure-free run on another layout drifts in the same window, never beyond both."""
+a failure-free run on another layout drifts in the same window, never beyond both; and its table
+of MTTR on both stores."""
 
 import sys
 from pathlib import Path
@@ -7,7 +8,12 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench"
 sys.path.insert(0, str(BENCH))
 
-from chaos import LOSS_TOLERANCE, off_trajectory, relative_differences  # noqa: E402
+from chaos import (  # noqa: E402
+    LOSS_TOLERANCE,
+    off_trajectory,
+    relative_differences,
+    store_comparison,
+)
 
 
 def records(losses: dict[int, float]) -> list[dict]:
@@ -36,3 +42,13 @@ def test_a_jump_beyond_both_bounds_is_off_the_trajectory():
     differences = {i: 1e-7 for i in range(1, 300)} | {120: 5e-4, 1150: 4.5e-4}
     # 120: the other layout drifted 1e-6 there; 1150: more than twice its 2e-4
     assert off_trajectory(differences, floor) == [120, 1150]
+
+
+def test_the_store_comparison_has_a_ratio_where_both_stores_measured_a_kind():
+    tcp = {"kill": {"median_s": 1.0, "count": 2}, "node": {"median_s": 0.5, "count": 1}}
+    etcd = {"kill": {"median_s": 1.5, "count": 2}, "node0": {"median_s": 2.5, "count": 1}}
+    assert store_comparison(tcp, etcd)[2:] == [
+        "| kill | 1.00 s (2) | 1.50 s (2) | 1.50 |",
+        "| node | 0.50 s (1) |  |  |",
+        "| node0 |  | 2.50 s (1) |  |",
+    ]

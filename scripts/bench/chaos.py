@@ -47,6 +47,11 @@ names at the end is not complete.
 
     python scripts/bench/chaos.py --faults 50 --seed 1 --json-out chaos.json
     python scripts/bench/chaos.py --faults 18 --seed 1 --store etcd    # node0 faults too
+    python scripts/bench/chaos.py --faults 10 --seed 1206 --compare-stores
+
+``--compare-stores`` runs the same seeded soak on both stores, one after the other (each with its
+references, logs under ``tcp/`` and ``etcd/``), and ends with one table of the MTTR per fault
+kind on each and their ratio; ``--json-out`` then holds both summaries.
 """
 
 from __future__ import annotations
@@ -498,43 +503,19 @@ def summarise(faults: list[Fault], records: list[dict], deaths: list[WorkerDeath
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--faults", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--json-out", default=None, help="write the summary here as JSON")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON, last")
-    parser.add_argument("--kinds", default=None,
-                        help=f"comma-separated fault kinds to draw from (default: {','.join(KINDS)}"
-                        ", and node0 with --store etcd)")
-    parser.add_argument("--store", choices=("tcp", "etcd"), default="tcp",
-                        help="where the job store lives: in node 0's launcher (default), or on a "
-                        "three-member etcd cluster this soak starts on loopback ports")
-    parser.add_argument("--workdir", default=None,
-                        help="keep logs and metrics here (default: runs/chaos-seed<SEED>, emptied "
-                             "first)")
-    parser.add_argument("--rejoin-delay", type=float, default=REJOIN_DELAY_S,
-                        help="seconds before a dead worker's replacement starts (default: "
-                             f"{REJOIN_DELAY_S:g})")
-    args = parser.parse_args()
-    allowed = ETCD_KINDS if args.store == "etcd" else KINDS
-    kinds = tuple(args.kinds.split(",")) if args.kinds else allowed
-    if not set(kinds) <= set(allowed) or args.faults < 1:
-        parser.error(f"--kinds takes some of {', '.join(allowed)} (node0 needs --store etcd); "
-                     "--faults must be positive")
-    workdir = Path(args.workdir) if args.workdir else SCRIPTS.parent / "runs" / f"chaos-seed{args.seed}"
-    if not args.workdir:
-        shutil.rmtree(workdir, ignore_errors=True)  # the launchers' logs are appended to
+def soak(args: argparse.Namespace, kinds: tuple[str, ...], store: str, workdir: Path
+         ) -> tuple[dict, list[str]]:
+    """One soak with the job store ``store`` (``tcp`` or ``etcd``) and its two failure-free
+    references; prints its summary and returns it with what went wrong."""
     workdir.mkdir(parents=True, exist_ok=True)
-    print(f"soak: {args.faults} faults, seed {args.seed}, logs in {workdir}", flush=True)
+    print(f"soak: {args.faults} faults, seed {args.seed}, store {store}, logs in {workdir}",
+          flush=True)
     with contextlib.ExitStack() as stack:
         etcd = None
-        if args.store == "etcd":
+        if store == "etcd":
             sys.path.insert(0, str(SCRIPTS))
-            from etcd_cluster import EtcdCluster, etcd_missing
+            from etcd_cluster import EtcdCluster
 
-            if (missing := etcd_missing()) is not None:
-                parser.error(f"--store etcd: {missing}")
             etcd = stack.enter_context(EtcdCluster(3)).url
         faults, records, deaths, output = run_soak(args.faults, args.seed, kinds, workdir,
                                                    args.rejoin_delay, etcd)
@@ -556,16 +537,79 @@ def main() -> None:
     for kind, figures in summary["mttr"].items():
         print(f"  MTTR {kind:14s} n={figures['count']:3d}  median {figures['median_s']:.2f} s  "
               f"p90 {figures['p90_s']:.2f} s  max {figures['max_s']:.2f} s")
-    problems = [f"{name.replace('_', ' ')}: {summary[name]}" for name in (
+    problems = [f"{store}: {name.replace('_', ' ')}: {summary[name]}" for name in (
         "iterations_missing", "iterations_recorded_twice", "iterations_on_other_samples",
         "iterations_off_trajectory", "tracked_checkpoint_problem") if summary[name]]
     if summary["faults_without_recovery"]:
-        problems.append(f"faults with no recovery record: {summary['faults_without_recovery']}")
+        problems.append(f"{store}: faults with no recovery record: "
+                        f"{summary['faults_without_recovery']}")
     if summary["faults"] < args.faults:
-        problems.append(f"only {summary['faults']} of {args.faults} faults injected: the job did "
-                        "not run on every rank again, or ended, before the next one")
+        problems.append(f"{store}: only {summary['faults']} of {args.faults} faults injected: the "
+                        "job did not run on every rank again, or ended, before the next one")
+    return summary, problems
+
+
+def store_comparison(tcp: dict, etcd: dict) -> list[str]:
+    """The rows of a table of MTTR per fault kind on both stores (medians), with their ratio;
+    a kind measured on one store only has a row without the ratio."""
+    rows = ["| fault kind | TCPStore median (n) | etcd median (n) | etcd / TCPStore |",
+            "|---|---|---|---|"]
+    for kind in [kind for kind in ETCD_KINDS if kind in tcp or kind in etcd]:
+        cells = [f"{runs[kind]['median_s']:.2f} s ({runs[kind]['count']})" if kind in runs
+                 else "" for runs in (tcp, etcd)]
+        ratio = (f"{etcd[kind]['median_s'] / tcp[kind]['median_s']:.2f}"
+                 if kind in tcp and kind in etcd else "")
+        rows.append(f"| {kind} | {cells[0]} | {cells[1]} | {ratio} |")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--faults", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json-out", default=None, help="write the summary here as JSON")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON, last")
+    parser.add_argument("--kinds", default=None,
+                        help=f"comma-separated fault kinds to draw from (default: {','.join(KINDS)}"
+                        ", and node0 with --store etcd)")
+    parser.add_argument("--store", choices=("tcp", "etcd"), default="tcp",
+                        help="where the job store lives: in node 0's launcher (default), or on a "
+                        "three-member etcd cluster this soak starts on loopback ports")
+    parser.add_argument("--compare-stores", action="store_true",
+                        help="run the soak on both stores with the same seed and faults (node0 "
+                        "left out), then print one table of MTTR per kind with their ratio")
+    parser.add_argument("--workdir", default=None,
+                        help="keep logs and metrics here (default: runs/chaos-seed<SEED>, emptied "
+                             "first)")
+    parser.add_argument("--rejoin-delay", type=float, default=REJOIN_DELAY_S,
+                        help="seconds before a dead worker's replacement starts (default: "
+                             f"{REJOIN_DELAY_S:g})")
+    args = parser.parse_args()
+    stores = ("tcp", "etcd") if args.compare_stores else (args.store,)
+    allowed = ETCD_KINDS if stores == ("etcd",) else KINDS
+    kinds = tuple(args.kinds.split(",")) if args.kinds else allowed
+    if not set(kinds) <= set(allowed) or args.faults < 1:
+        parser.error(f"--kinds takes some of {', '.join(allowed)} (node0 needs --store etcd "
+                     "without --compare-stores); --faults must be positive")
+    if "etcd" in stores:
+        sys.path.insert(0, str(SCRIPTS))
+        from etcd_cluster import etcd_missing
+
+        if (missing := etcd_missing()) is not None:
+            parser.error(f"--store etcd: {missing}")
+    workdir = Path(args.workdir) if args.workdir else SCRIPTS.parent / "runs" / f"chaos-seed{args.seed}"
+    if not args.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)  # the launchers' logs are appended to
+    summaries, problems = {}, []
+    for store in stores:
+        summaries[store], found = soak(args, kinds, store,
+                                       workdir / store if len(stores) > 1 else workdir)
+        problems += found
+    if args.compare_stores:
+        print("\n".join(store_comparison(summaries["tcp"]["mttr"], summaries["etcd"]["mttr"])))
     for problem in problems:
         print(problem, file=sys.stderr)
+    summary = summaries if args.compare_stores else summaries[args.store]
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(summary, indent=2))
     if args.json:
