@@ -122,7 +122,7 @@ REQUIRED: tuple[TorchAPI, ...] = (
     # patches.parallel_state
     TorchAPI("torch.distributed.get_process_group_ranks", None,
              _attribute("torch.distributed.get_process_group_ranks")),
-    # megatron_elaswave.training.startup
+    # megatron_elaswave.training.setup.startup
     TorchAPI("torch.distributed.DistError", "2.2", _attribute("torch.distributed.DistError")),
     # megatron_elaswave.launch.store.collect_generations: a generation's keys, found to be deleted
     # (pytorch/pytorch#167883).

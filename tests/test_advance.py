@@ -9,7 +9,7 @@ from unittest import mock
 
 import pytest
 
-from megatron_elaswave.training.elastic import ElasticTrainer
+from megatron_elaswave.training.recovery.elastic import ElasticTrainer
 
 
 def stand_in_trainer(failure_noticed_after_the_step: bool) -> mock.MagicMock:

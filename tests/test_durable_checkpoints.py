@@ -21,7 +21,7 @@ import pytest
 
 from harness import free_port, launch
 from megatron_elaswave.metrics import read_metrics
-from megatron_elaswave.training.checkpoint import TRACKER_FILE, latest_complete
+from megatron_elaswave.training.checkpointing.checkpoint import TRACKER_FILE, latest_complete
 from test_megatron_adaptor import (
     LOG_LINE,
     TRAINING_SCRIPT,

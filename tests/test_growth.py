@@ -29,7 +29,7 @@ from megatron_elaswave.metrics import read_metrics
 from megatron_elaswave.planner.frequency import ClockPlan
 from megatron_elaswave.runtime.agreement import agree
 from megatron_elaswave.runtime.monitor import FailureMonitor, MonitorConfig
-from megatron_elaswave.training import relayout
+from megatron_elaswave.training.recovery.protocol import relayout
 from test_elastic import (
     PRETRAIN,
     TRAIN_ITERS,

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_elaswave.layout import Layout, Replica, StageInstance
-from megatron_elaswave.training.layer_groups import ChunkRange, chunk_ranges
+from megatron_elaswave.training.step.layer_groups import ChunkRange, chunk_ranges
 
 
 def heterogeneous_layout() -> Layout:

@@ -18,7 +18,7 @@ import pytest
 
 from megatron_elaswave.launch.keys import change_key
 from megatron_elaswave.metrics import read_metrics
-from megatron_elaswave.training.relayout import RELAYOUT_DELAY_ENV
+from megatron_elaswave.training.recovery.relayout import RELAYOUT_DELAY_ENV
 from test_elastic import FOLLOW_STRAGGLERS, TRAIN_ITERS, assert_on_trajectory, run
 from test_pretrain_gpt import PRETRAIN, model_flags, text_data  # noqa: F401  (fixture)
 from harness import free_port, launch

@@ -27,7 +27,7 @@ import pytest
 
 from harness import free_port, launch
 from megatron_elaswave.metrics import read_metrics
-from megatron_elaswave.training.checkpoint import write_tracker
+from megatron_elaswave.training.checkpointing.checkpoint import write_tracker
 from test_megatron_adaptor import TRAINING_SCRIPT
 from test_megatron_lm_recipes import CPU, assert_on_trajectory
 

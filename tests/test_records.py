@@ -3,7 +3,7 @@ before it writes the ones it held back; whichever rank logs next must write them
 
 from __future__ import annotations
 
-from megatron_elaswave.training.records import split_held_records
+from megatron_elaswave.training.recovery.records import split_held_records
 
 
 def record(iteration: int) -> dict:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from megatron_elaswave.layout import Layout
-from megatron_elaswave.training.rescue import checkpoint_layout
+from megatron_elaswave.training.recovery.rescue import checkpoint_layout
 
 
 def grid(tp: int, pp: int, dp: int, num_layers: int = 8) -> Layout:

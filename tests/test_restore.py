@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from megatron_elaswave.launch.store import WaitInterrupted
-from megatron_elaswave.training.restore import RestoreRound
+from megatron_elaswave.training.recovery.restore import RestoreRound
 
 MEMBERS = (0, 1, 2)
 

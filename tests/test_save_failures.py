@@ -1,4 +1,4 @@
-"""Saves that fail are loud, and every save resolves (``training/durable.py``).
+"""Saves that fail are loud, and every save resolves (``training/checkpointing/durable.py``).
 
 In one process: the writers of a save (one :class:`DurableCheckpoints` per rank, over one job
 store) with a storage error put in their way, and a finaliser that stops in the middle of its
@@ -32,9 +32,10 @@ from megatron_elaswave.launch.keys import (
     COMMITTED,
     checkpoint_key,
 )
-from megatron_elaswave.training import durable, exit_status
-from megatron_elaswave.training.checkpoint import latest_complete
-from megatron_elaswave.training.durable import (
+from megatron_elaswave.training.checkpointing import durable
+from megatron_elaswave.training.setup import exit_status
+from megatron_elaswave.training.checkpointing.checkpoint import latest_complete
+from megatron_elaswave.training.checkpointing.durable import (
     DurableCheckpoints,
     DurableConfig,
     SaveRequest,
@@ -270,7 +271,7 @@ def test_a_reused_save_directory_is_overwritten_as_megatron_does(tmp_path):
     """A run before this one saved up to iteration 8 under the same ``--save``; this job, started
     afresh, saves iteration 4: its checkpoint replaces the old one of that iteration and the
     tracker names it, though the old run got further."""
-    from megatron_elaswave.training.checkpoint import checkpoint_dir, write_tracker
+    from megatron_elaswave.training.checkpointing.checkpoint import checkpoint_dir, write_tracker
 
     for iteration in (4, 8):
         old = Path(checkpoint_dir(str(tmp_path), iteration))

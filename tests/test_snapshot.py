@@ -27,7 +27,7 @@ from megatron_elaswave.runtime.snapshot import (
     SnapshotMissing,
     SnapshotStore,
 )
-from megatron_elaswave.training.snapshots import StepSnapshots, restore_rng_states, rng_states
+from megatron_elaswave.training.step.snapshots import StepSnapshots, restore_rng_states, rng_states
 
 
 def shard(rank: int, iteration: int) -> dict[str, torch.Tensor]:

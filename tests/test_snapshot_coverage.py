@@ -3,7 +3,7 @@
 A model of a job's snapshots runs the real parts that decide what survives: each rank's
 :class:`~megatron_elaswave.runtime.snapshot.SnapshotStore` (what it keeps and drops), the buddy placement
 (:func:`~megatron_elaswave.planner.zero.buddy_ranks`), the layouts the planner gives after a
-failure (:func:`~megatron_elaswave.training.planning.plan_without`) and the rollback rule
+failure (:func:`~megatron_elaswave.training.recovery.planning.plan_without`) and the rollback rule
 (:func:`~megatron_elaswave.runtime.snapshot.newest_whole_iteration`). Hypothesis draws the layout, the
 number of copies and a sequence of steps, layer moves, re-deals, failures and grows; every
 change is cut into the single copies it makes (a rank keeping its own snapshot, one replica
@@ -25,7 +25,7 @@ from megatron_elaswave.planner.profile import SyntheticModel, synthetic_profile
 from megatron_elaswave.planner.replan import PlanError
 from megatron_elaswave.planner.zero import buddy_ranks
 from megatron_elaswave.runtime.snapshot import Snapshot, SnapshotConfig, SnapshotStore, newest_whole_iteration
-from megatron_elaswave.training.planning import plan_without
+from megatron_elaswave.training.recovery.planning import plan_without
 
 SHARD = {"main_param": torch.zeros(4)}
 

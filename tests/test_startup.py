@@ -22,7 +22,7 @@ from harness import free_port, launch
 from megatron_elaswave.launch.keys import FINISHED_KEY, START_VERDICT_KEY, started_key
 from megatron_elaswave.launch.store import WorkerDeath, record_death
 from megatron_elaswave.metrics import read_metrics
-from megatron_elaswave.training.startup import STARTED, StartupWatch
+from megatron_elaswave.training.setup.startup import STARTED, StartupWatch
 from test_pretrain_gpt import PRETRAIN, text_data  # noqa: F401  (fixture)
 from test_step_failures import NPROC, elastic, flags
 

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from megatron_elaswave.layout import Layout
-from megatron_elaswave.training.stragglers import (
+from megatron_elaswave.training.recovery.stragglers import (
     RebalanceConfig,
     StageCompute,
     StepTimes,

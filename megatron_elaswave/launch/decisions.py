@@ -2,7 +2,7 @@
 for a rank it leaves out.
 
 A decision is written once per generation to the job store (:mod:`megatron_elaswave.runtime.agreement`
-for a failure, :mod:`megatron_elaswave.training.relayout` for a grow or a layer move) and read by the monitors,
+for a failure, :mod:`megatron_elaswave.training.recovery.relayout` for a grow or a layer move) and read by the monitors,
 the trainers and the launchers; it carries why and when the failure happened, as its proposer
 saw it, so every survivor reports the same.
 """
@@ -26,7 +26,7 @@ class Decision:
     """Launch ranks of the ended generation that are excluded, sorted."""
     joined: tuple[int, ...] = ()
     """Launch ranks that join the job in the new generation, sorted: a decision that grows the
-    job (:mod:`megatron_elaswave.training.relayout`) rather than one that ends a failure."""
+    job (:mod:`megatron_elaswave.training.recovery.relayout`) rather than one that ends a failure."""
     causes: tuple[tuple[int, str], ...] = ()
     """``(rank, why it was excluded)`` for each failed rank: the launcher's death record
     (``killed by SIGKILL``) or what the proposer saw (a silent heartbeat, no agreement)."""
@@ -38,7 +38,7 @@ class Decision:
     relayout: bool = False
     """A decision that changes the layout at a step boundary, a grow or a layer move, rather
     than one that ends a failure: its plan is published beside it
-    (:mod:`megatron_elaswave.training.relayout`)."""
+    (:mod:`megatron_elaswave.training.recovery.relayout`)."""
 
     @classmethod
     def initial(cls, world_size: int) -> Decision:

@@ -74,7 +74,7 @@ State restore after a recovery or a layout change (:mod:`~megatron_elaswave.trai
 ``rt/snapshot_copies``                         the copies of each snapshot the job chose at start
 =============================================  ==========================================================
 
-Durable checkpoints (:mod:`~megatron_elaswave.training.durable`):
+Durable checkpoints (:mod:`~megatron_elaswave.training.checkpointing.durable`):
 
 =============================================  ==========================================================
 ``rt/ckpt/<iteration>-g<g>/part/<rank>``       ``rank`` wrote its part of the save of ``iteration``
@@ -89,7 +89,7 @@ Durable checkpoints (:mod:`~megatron_elaswave.training.durable`):
 ``rt/ckpt/lock``                               the save that commits now (empty when none)
 =============================================  ==========================================================
 
-Start-up (:mod:`~megatron_elaswave.training.startup`):
+Start-up (:mod:`~megatron_elaswave.training.setup.startup`):
 
 =====================================  ==================================================================
 ``rt/start/<rank>``                    ``rank`` holds its first snapshot (``--elastic``)
@@ -97,7 +97,7 @@ Start-up (:mod:`~megatron_elaswave.training.startup`):
                                        worker stops with (a rank died before the job started)
 =====================================  ==================================================================
 
-Growth (:mod:`~megatron_elaswave.training.relayout`):
+Growth (:mod:`~megatron_elaswave.training.recovery.relayout`):
 
 =====================================  ==================================================================
 ``rt/join/<rank>``                     a replacement for ``rank`` asks to join (JSON: pid, time)

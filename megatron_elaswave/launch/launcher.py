@@ -39,7 +39,7 @@ decide what to do. It guarantees:
   input, or 3, cannot continue: there is no job left to join); and an agent started for a node rank
   that node 0 declared lost takes the node's place, clears the declaration and starts its
   workers. Such workers have ``ELASWAVE_REJOIN=1`` in their environment: they ask to join
-  (:mod:`megatron_elaswave.training.relayout`) instead of forming the job's first process group.
+  (:mod:`megatron_elaswave.training.recovery.relayout`) instead of forming the job's first process group.
 * **Excluded workers are fenced.** The agent reads the decisions the workers commit in the
   store (:mod:`megatron_elaswave.runtime.agreement`); a worker of its node that a decision excluded
   (stopped or hung, not dead) and that still runs ``--exclusion-grace`` seconds later is

@@ -5,7 +5,7 @@ globals to wrap, its arguments and what ``train()`` expects back. :class:`Elasti
 :class:`~megatron_elaswave.patches.megatron_lm_elastic.ElasticRuntime` they are handed: it adds
 and checks the ``--elastic*`` flags, starts this rank's :class:`~.job.MegatronLMJob`, passes
 iterations and evaluations to it, and ends the process with one line and the worker's exit
-status (:mod:`megatron_elaswave.training.exit_status`) when the run cannot go on.
+status (:mod:`megatron_elaswave.training.setup.exit_status`) when the run cannot go on.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from megatron_elaswave.launch.store import REJOIN_ENV
 from megatron_elaswave.patches import PatchRegistry, register_layout_invariant_rng
 from megatron_elaswave.patches.megatron_lm_elastic import DefaultGroupRedirect
 from megatron_elaswave.runtime import dropout_rng
-from megatron_elaswave.training import exit_status
+from megatron_elaswave.training.setup import exit_status
 from megatron_elaswave.training.arguments import ArgumentError, add_elastic_args, validate_elastic
 
 if TYPE_CHECKING:
-    from megatron_elaswave.training.loop import StepResult
+    from megatron_elaswave.training.step.loop import StepResult
 
     from .job import EvaluationSplit, MegatronLMJob
 
@@ -91,9 +91,9 @@ class ElasticHooks:
         layout-invariant dropout RNG if asked for; the objects of ``train()``. A replacement
         that finds the job over ends here: with status 0 if it finished, 3 if its survivors
         stopped."""
-        from megatron_elaswave.training.checkpoint import CheckpointError
-        from megatron_elaswave.training.data import DataError
-        from megatron_elaswave.training.relayout import JobFinished, JobStopped, JoinInterrupted
+        from megatron_elaswave.training.checkpointing.checkpoint import CheckpointError
+        from megatron_elaswave.training.step.data import DataError
+        from megatron_elaswave.training.recovery.relayout import JobFinished, JobStopped, JoinInterrupted
 
         from .job import MegatronLMJob, UnsupportedModel
 
@@ -122,9 +122,9 @@ class ElasticHooks:
         return self.job.evaluation_splits()
 
     def train_step(self, iteration: int) -> StepResult | None:
-        from megatron_elaswave.training.durable import SaveFailed
-        from megatron_elaswave.training.migration import StateLost
-        from megatron_elaswave.training.outcomes import (
+        from megatron_elaswave.training.checkpointing.durable import SaveFailed
+        from megatron_elaswave.training.step.migration import StateLost
+        from megatron_elaswave.training.recovery.outcomes import (
             CannotContinue,
             StepFailed,
             cannot_continue_line,
@@ -163,8 +163,8 @@ class ElasticHooks:
         return self.job.iteration
 
     def evaluate(self, split: EvaluationSplit) -> float | None:
-        from megatron_elaswave.training.migration import StateLost
-        from megatron_elaswave.training.outcomes import CannotContinue
+        from megatron_elaswave.training.step.migration import StateLost
+        from megatron_elaswave.training.recovery.outcomes import CannotContinue
 
         try:
             return self.job.evaluate(split)

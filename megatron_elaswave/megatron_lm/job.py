@@ -6,7 +6,7 @@ variables and calls ``train_step`` once per iteration. :class:`MegatronLMJob` is
 that
 
 * the model chunks are built by the script's own model provider with Megatron-LM's transformer
-  config, one chunk per layer group (:mod:`megatron_elaswave.training.layer_groups`), from the
+  config, one chunk per layer group (:mod:`megatron_elaswave.training.step.layer_groups`), from the
   random state Megatron-LM's initialisation left, and initialised by Megatron
   (``--elastic-init megatron``, the default here) or layout-invariantly; their optimizers take
   Megatron-LM's optimizer config and its parameter-group overrides;
@@ -15,7 +15,7 @@ that
   or, with ``--calculate-per-token-loss``, by the global batch's token count;
 * every ``train_step`` call ends with one more iteration done than before, re-running any
   iteration a failure broke after the survivors resharded
-  (:class:`~megatron_elaswave.training.elastic.ElasticTrainer`); the script's ``forward_step``
+  (:class:`~megatron_elaswave.training.recovery.elastic.ElasticTrainer`); the script's ``forward_step``
   runs on the micro-batches the layout deals to the replica;
 * :meth:`~MegatronLMJob.swap_into` makes ``train()``'s list of chunks and optimizer the current
   ones in place after a layout change, since ``train()`` never looks them up again;
@@ -24,7 +24,7 @@ that
 * ``--load`` resumes the latest checkpoint before the first snapshot, whatever layout saved it
   (none under ``--load`` yet: training starts from scratch, as in Megatron-LM), and each save
   Megatron-LM's loop asks for (:meth:`~MegatronLMJob.save`) is written from the snapshots in the
-  background (:mod:`megatron_elaswave.training.durable`).
+  background (:mod:`megatron_elaswave.training.checkpointing.durable`).
 """
 
 from __future__ import annotations
@@ -47,16 +47,16 @@ from megatron_elaswave.launch.keys import shared_key
 from megatron_elaswave.patches.megatron_lm_elastic import DefaultGroupRedirect
 from megatron_elaswave.runtime import dropout_rng
 from megatron_elaswave.runtime.communicator import Role
-from megatron_elaswave.training.checkpoint import TRACKER_FILE
-from megatron_elaswave.training.data import MicrobatchSource, gpt_datasets, train_samples
-from megatron_elaswave.training.elastic import ElasticTrainer, run_elastic
-from megatron_elaswave.training.elastic_setup import build_elastic_trainer, join_elastic_job
-from megatron_elaswave.training.job import resume
-from megatron_elaswave.training.layer_groups import ModelFactory
-from megatron_elaswave.training.loop import log
-from megatron_elaswave.training.loop import StepResult
-from megatron_elaswave.training.snapshots import restore_rng_states, rng_states
-from megatron_elaswave.training.stopping import StopConditions
+from megatron_elaswave.training.checkpointing.checkpoint import TRACKER_FILE
+from megatron_elaswave.training.step.data import MicrobatchSource, gpt_datasets, train_samples
+from megatron_elaswave.training.recovery.elastic import ElasticTrainer, run_elastic
+from megatron_elaswave.training.setup.elastic_setup import build_elastic_trainer, join_elastic_job
+from megatron_elaswave.training.setup.job import resume
+from megatron_elaswave.training.step.layer_groups import ModelFactory
+from megatron_elaswave.training.step.loop import log
+from megatron_elaswave.training.step.loop import StepResult
+from megatron_elaswave.training.step.snapshots import restore_rng_states, rng_states
+from megatron_elaswave.training.step.stopping import StopConditions
 
 
 class UnsupportedModel(TypeError):
@@ -169,7 +169,7 @@ class MegatronLMJob:
         """Build this rank's stage of the failure-free layout and start the failure monitor
         (collective over the job); with ``join``, a replacement's: ask to join the running job,
         wait until it takes this rank in as an iteration starts, and receive the state (raises
-        :class:`~megatron_elaswave.training.relayout.JobFinished` if the job ends first).
+        :class:`~megatron_elaswave.training.recovery.relayout.JobFinished` if the job ends first).
 
         ``model_provider(pre_process=..., post_process=..., config=..., pg_collection=...)`` is the
         script's (Megatron-LM's ``model_provider`` with its builder), ``scheduler(optimizer)``

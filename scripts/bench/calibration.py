@@ -3,7 +3,7 @@ beside the step times measured before and after a failure.
 
 1. ``profile``: ``pretrain_gpt.py --elastic-profile-out P`` on the job's layout measures the
    per-layer forward and backward times, activation and parameter bytes, the pipeline latency and
-   the data-parallel bandwidth (``training/profiling.py``).
+   the data-parallel bandwidth (``training/setup/profiling.py``).
 2. ``elastic``: the same job with ``--elastic --elastic-profile P`` (the runtime plans its
    recovery with that profile) loses ``--fail-rank`` in iteration ``--fail-at``.
 3. The planner, given ``P``, predicts the failure-free step time and that of the layout the
@@ -32,7 +32,7 @@ from megatron_elaswave.planner.frequency import PowerModel
 from megatron_elaswave.planner.job import JobSpec
 from megatron_elaswave.planner.profile import load_profile
 from megatron_elaswave.planner.replan import nominal_clock_plan
-from megatron_elaswave.training.planning import plan_without
+from megatron_elaswave.training.recovery.planning import plan_without
 
 
 def job_flags(args: argparse.Namespace, train_iters: int) -> list[str]:

@@ -76,7 +76,7 @@ from common import SCRIPTS, free_port
 from megatron_elaswave.launch.keys import join_key, node_lost_key
 from megatron_elaswave.launch.store import WorkerDeath, read_deaths, read_worker
 from megatron_elaswave.metrics import MetricsFollower, read_metrics
-from megatron_elaswave.training.checkpoint import latest_complete
+from megatron_elaswave.training.checkpointing.checkpoint import latest_complete
 
 NODES, PER_NODE = 2, 4
 RANKS = NODES * PER_NODE

@@ -9,7 +9,7 @@ from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter
 from megatron_elaswave.planner.frequency import ClockPlan
 
-from .loop import log
+from ..step.loop import log
 
 
 def split_held_records(records: list[dict], *, iteration: int, up_to: int | None,

@@ -30,7 +30,7 @@ from megatron_elaswave.runtime.agreement import agree
 from megatron_elaswave.runtime.communicator import EditMode, group_specs, member_lists
 
 from . import relayout
-from .loop import log
+from ..step.loop import log
 from .outcomes import CannotContinue, NonFiniteLoss, StepFailed
 from .planning import plan_without
 from .records import RecoveryTimes

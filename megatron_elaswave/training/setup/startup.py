@@ -30,7 +30,7 @@ from megatron_elaswave.launch.keys import FINISHED_KEY, START_VERDICT_KEY, start
 from megatron_elaswave.launch.store import WorkerDeath, read_deaths
 from megatron_elaswave.waiting import wait_until
 
-from .outcomes import CannotContinue
+from ..recovery.outcomes import CannotContinue
 
 STARTED = "started"
 _POLL_S = 0.05
@@ -96,7 +96,7 @@ class StartupWatch:
     def wait_until_started(self, timeout: timedelta) -> None:
         """Mark this rank ready, wait until every rank is, then stop watching: from here the
         failure monitor handles deaths. Stops the worker instead if a rank dies first; raises
-        :class:`~.outcomes.CannotContinue` if the others are not all ready within ``timeout``."""
+        :class:`~megatron_elaswave.training.recovery.outcomes.CannotContinue` if the others are not all ready within ``timeout``."""
         self._store.set(started_key(self._rank), "")
         everyone = [started_key(rank) for rank in range(self._world_size)]
         verdict: str | None = None

@@ -25,8 +25,8 @@ from megatron_elaswave.planner.replan import (
     plan_replica_drop,
 )
 
-from .arguments import pipeline_stage_layers
-from .snapshots import ranks_per_node
+from ..arguments import pipeline_stage_layers
+from ..step.snapshots import ranks_per_node
 
 CPU_DEVICE = SyntheticDevice(name="CPU core (gloo)", peak_tflops=0.02, model_flops_utilisation=0.5,
                              memory_bytes=16 * 2**30, bandwidth_bytes_per_s=1e9, p2p_latency_s=1e-4)

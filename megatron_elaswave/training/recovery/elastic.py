@@ -1,8 +1,8 @@
 """``--elastic`` training: a rank dies, the survivors reshard and re-run the iteration it broke.
 
-:class:`ElasticTrainer` is Megatron's training loop (:class:`~.loop.Trainer`) with what survives
+:class:`ElasticTrainer` is Megatron's training loop (:class:`~megatron_elaswave.training.step.loop.Trainer`) with what survives
 failures attached: per-step snapshots, a failure monitor, a group registry it edits in place,
-and a :class:`~.recovery.Recovery`, handed to it, that runs the recovery protocol on a failed
+and a :class:`~.protocol.Recovery`, handed to it, that runs the recovery protocol on a failed
 step (agree, plan, edit the groups, restore, re-run). The trainer itself owns the state of the
 stage it holds and how that state is restored into a new layout (rollback, share, migrate:
 :meth:`restore`).
@@ -65,16 +65,16 @@ from megatron_elaswave.runtime.world import release_retired
 from megatron_elaswave.waiting import wait_until
 
 from . import relayout
-from .checkpoint import TrainingProgress, checkpoint_common, checkpoint_dir
-from .durable import (
+from ..checkpointing.checkpoint import TrainingProgress, checkpoint_common, checkpoint_dir
+from ..checkpointing.durable import (
     DurableCheckpoints,
     SaveFailed,
     SaveRequest,
     expected_tensors,
 )
-from .layer_groups import ModelFactory, build_stage_objects
-from .loop import StepResult, Trainer, log
-from .migration import NamedShard, StateLost, adam_step, load_pieces, migrate, needed_pieces
+from ..step.layer_groups import ModelFactory, build_stage_objects
+from ..step.loop import StepResult, Trainer, log
+from ..step.migration import NamedShard, StateLost, adam_step, load_pieces, migrate, needed_pieces
 from .outcomes import CannotContinue
 from .planning import plan_growth
 from .records import (
@@ -86,10 +86,10 @@ from .records import (
 )
 from .relayout import LayoutChange
 from .restore import RestoreRound
-from .snapshots import StepSnapshots, restore_rng_states
-from .stopping import SAVE_FAILED, StopConditions, describe
+from ..step.snapshots import StepSnapshots, restore_rng_states
+from ..step.stopping import SAVE_FAILED, StopConditions, describe
 from .stragglers import ForwardTimer, StageCompute, StepTimes, StragglerDetector
-from .writers import ScalarWriters
+from ..step.writers import ScalarWriters
 
 _END_POLL_S = 0.05
 """The longest pause between two looks at the store while a rank waits, at the end of the run,
@@ -126,7 +126,7 @@ class ElasticTrainer(Trainer):
     """This rank's reasons to stop before ``--train-iters``."""
     recovery_of: Callable[[ElasticTrainer], Any] = None
     """Builds, from this trainer, what runs the recovery protocol on a failed step
-    (:class:`~.recovery.Recovery`, which works on the trainer's parts)."""
+    (:class:`~.protocol.Recovery`, which works on the trainer's parts)."""
 
     def __post_init__(self) -> None:
         self._joining: frozenset[int] = frozenset()
@@ -257,7 +257,7 @@ class ElasticTrainer(Trainer):
 
     def _stop_reason(self, report: torch.Tensor) -> str | None:
         """Why the job stops after this iteration, from the step's summed reports (the lowest
-        rank that asked says), or ``None``. Raises :class:`~.durable.SaveFailed` where a rank's
+        rank that asked says), or ``None``. Raises :class:`~megatron_elaswave.training.checkpointing.durable.SaveFailed` where a rank's
         checkpoint could not be written (``--elastic-save-failures stop``)."""
         codes = [int(code) for code in report.view(-1, self.monitor.job_size)[2].tolist() if code]
         if SAVE_FAILED in codes:  # whoever catches it finishes the saves still in flight

@@ -3,7 +3,7 @@ with, and the line each says."""
 
 from __future__ import annotations
 
-from .checkpoint import resume_hint
+from ..checkpointing.checkpoint import resume_hint
 
 
 class CannotContinue(RuntimeError):

@@ -20,23 +20,23 @@ from megatron_elaswave.runtime import dropout_rng
 
 from . import exit_status
 
-from .checkpoint import (
+from ..checkpointing.checkpoint import (
     MegatronLayout,
     TrainingProgress,
     load_checkpoint,
     resume_hint,
     save_checkpoint,
 )
-from .data import MicrobatchSource, build_datasets, load_tokenizer, padded_vocab_size
+from ..step.data import MicrobatchSource, build_datasets, load_tokenizer, padded_vocab_size
 from .distributed import init_default_group, init_model_parallel, shutdown
-from .durable import SaveFailed
-from .elastic import run_elastic
+from ..checkpointing.durable import SaveFailed
+from ..recovery.elastic import run_elastic
 from .elastic_setup import build_elastic_trainer, join_elastic_job
-from .planning import failure_free_layout
-from .relayout import JobFinished, JobStopped
-from .loop import Trainer, log
-from .migration import StateLost
-from .model import (
+from ..recovery.planning import failure_free_layout
+from ..recovery.relayout import JobFinished, JobStopped
+from ..step.loop import Trainer, log
+from ..step.migration import StateLost
+from ..step.model import (
     batched_p2p_is_safe,
     build_model_chunks,
     seed_random_generators,
@@ -44,11 +44,11 @@ from .model import (
     wrap_and_optimize,
 )
 from .profiling import CostProfiler, device_description, write_profile
-from .outcomes import CannotContinue, StepFailed
-from .snapshots import StepSnapshots, snapshot_config
+from ..recovery.outcomes import CannotContinue, StepFailed
+from ..step.snapshots import StepSnapshots, snapshot_config
 from .startup import StartupWatch
-from .stopping import StopConditions, describe
-from .writers import ScalarWriters
+from ..step.stopping import StopConditions, describe
+from ..step.writers import ScalarWriters
 
 
 class CannotRejoin(RuntimeError):

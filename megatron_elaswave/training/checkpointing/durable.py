@@ -96,8 +96,8 @@ from megatron_elaswave.runtime.snapshot import PendingSnapshot, SnapshotStore
 from megatron_elaswave.waiting import wait_until
 
 from .checkpoint import CheckpointError, checkpoint_dir, resume_hint, write_tracker
-from .loop import log
-from .migration import BUFFER, Piece
+from ..step.loop import log
+from ..step.migration import BUFFER, Piece
 
 _POLL_S = 0.05
 """The longest pause between two looks at the store while a save waits for its writers, the
@@ -155,7 +155,7 @@ class SaveRequest(SaveName):
     snapshot: PendingSnapshot
     """This rank's snapshot of ``iteration``, pinned until the request is done."""
     pieces: list[tuple[str, tuple[Segment, ...]]]
-    """Each snapshot tensor this rank writes (by key, :class:`~.migration.Piece`) and where its
+    """Each snapshot tensor this rank writes (by key, :class:`~megatron_elaswave.training.step.migration.Piece`) and where its
     parameter's elements go."""
     objects: dict[str, Any]
     """``ShardedObject`` data this rank writes, by unique key."""

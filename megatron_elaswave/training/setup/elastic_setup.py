@@ -1,4 +1,4 @@
-"""Building an :class:`~.elastic.ElasticTrainer`: for a rank launched with the job, or for a
+"""Building an :class:`~megatron_elaswave.training.recovery.elastic.ElasticTrainer`: for a rank launched with the job, or for a
 replacement that joins a running one."""
 
 from __future__ import annotations
@@ -24,19 +24,19 @@ from megatron_elaswave.runtime.dvfs import DvfsGovernor, clock_backend
 from megatron_elaswave.runtime.faults import FaultInjector
 from megatron_elaswave.runtime.monitor import FailureMonitor, MonitorConfig
 
-from . import relayout
-from .data import MicrobatchSource
-from .durable import DurableCheckpoints, DurableConfig, check_save_directory_is_shared
-from .elastic import ElasticTrainer
-from .layer_groups import ModelFactory, build_stage_objects
-from .loop import log
-from .migration import NamedShard
-from .model import seed_random_generators
-from .planning import cost_model, failure_free_layout
-from .recovery import Recovery
-from .snapshots import StepSnapshots, affordable_copies, ranks_per_node, snapshot_config
-from .stopping import StopConditions
-from .stragglers import RebalanceConfig, StragglerDetector
+from ..recovery import relayout
+from ..step.data import MicrobatchSource
+from ..checkpointing.durable import DurableCheckpoints, DurableConfig, check_save_directory_is_shared
+from ..recovery.elastic import ElasticTrainer
+from ..step.layer_groups import ModelFactory, build_stage_objects
+from ..step.loop import log
+from ..step.migration import NamedShard
+from ..step.model import seed_random_generators
+from ..recovery.planning import cost_model, failure_free_layout
+from ..recovery.protocol import Recovery
+from ..step.snapshots import StepSnapshots, affordable_copies, ranks_per_node, snapshot_config
+from ..step.stopping import StopConditions
+from ..recovery.stragglers import RebalanceConfig, StragglerDetector
 
 
 def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank: int,
@@ -81,7 +81,7 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
 
 def _agree_on_copies(args: argparse.Namespace, objects, tp_rank: int, group) -> int:
     """The copies of each snapshot: ``--elastic-snapshot-replicas``, else the most that fit in
-    every node's host memory (:func:`~.snapshots.affordable_copies`), from the largest shard and
+    every node's host memory (:func:`~megatron_elaswave.training.step.snapshots.affordable_copies`), from the largest shard and
     the least memory of any rank. Collective over ``group``, the ranks that hold a stage."""
     if args.elastic_snapshot_replicas is not None:
         return args.elastic_snapshot_replicas
@@ -95,7 +95,7 @@ def _agree_on_copies(args: argparse.Namespace, objects, tp_rank: int, group) -> 
 
 
 def _check_save_is_shared(save: str, group, rank: int, world_size: int) -> None:
-    """:func:`~.durable.check_save_directory_is_shared` over the nodes the launcher (or
+    """:func:`~megatron_elaswave.training.checkpointing.durable.check_save_directory_is_shared` over the nodes the launcher (or
     torchrun) placed the ranks on; skipped where the environment names no nodes."""
     on_node, node = ranks_per_node(), os.environ.get("GROUP_RANK")
     if on_node is None or node is None:
@@ -150,8 +150,8 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
     """A replacement's trainer: ask to join, wait until the job takes this rank in at a step
     boundary, form the grown generation's groups with the members and receive the state.
     ``model_factory`` and ``trainer_fields`` as for :func:`build_elastic_trainer`. Raises
-    :class:`~.relayout.JobFinished` if the job ends first, and
-    :class:`~.relayout.JoinInterrupted` if a failure interrupts the join once the job has taken
+    :class:`~megatron_elaswave.training.recovery.relayout.JobFinished` if the job ends first, and
+    :class:`~megatron_elaswave.training.recovery.relayout.JoinInterrupted` if a failure interrupts the join once the job has taken
     this rank in."""
     store = connect_store(timeout=timedelta(minutes=args.distributed_timeout_minutes))
     config = MonitorConfig(heartbeat_timeout_s=args.elastic_heartbeat_timeout)

@@ -22,7 +22,7 @@ from megatron_elaswave.launch.proctitle import name_worker
 from megatron_elaswave.launch.spawn import IMPORT_NOTICES
 
 from . import exit_status
-from .arguments import ArgumentError, parse_args
+from ..arguments import ArgumentError, parse_args
 
 
 # Warnings megatron-core and torch print on every rank that a user cannot act on.
@@ -86,13 +86,13 @@ def pretrain(argv: Sequence[str] | None = None) -> int:
     from megatron_elaswave.launch.store import store_address
     from megatron_elaswave.runtime.dvfs import DvfsError
 
-    from .checkpoint import CheckpointError
-    from .data import DataError
-    from .durable import SaveFailed
-    from .outcomes import CannotContinue, StepFailed, cannot_continue_line
+    from ..checkpointing.checkpoint import CheckpointError
+    from ..step.data import DataError
+    from ..checkpointing.durable import SaveFailed
+    from ..recovery.outcomes import CannotContinue, StepFailed, cannot_continue_line
     from .job import CannotRejoin, train_job
-    from .relayout import JobStopped, JoinInterrupted
-    from .migration import StateLost
+    from ..recovery.relayout import JobStopped, JoinInterrupted
+    from ..step.migration import StateLost
 
     try:
         train_job(args, backend, info.rank, info.local_rank, info.world_size)

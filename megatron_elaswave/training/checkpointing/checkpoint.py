@@ -28,7 +28,7 @@ from megatron_elaswave.patches.dist_checkpointing import (
     save_in_background,
 )
 
-from .model import TrainingObjects, allocate_optimizer_state
+from ..step.model import TrainingObjects, allocate_optimizer_state
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0
