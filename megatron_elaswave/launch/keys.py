@@ -36,7 +36,8 @@ Failure detection and agreement (:mod:`~megatron_elaswave.runtime.monitor`,
 ``rt/gen<g>/joined/<rank>``            ``rank`` entered the agreement that ends ``g``
 ``rt/gen<g>/decision``                 the ``Decision`` (JSON) that ends ``g``, written once with
                                        ``compare_set`` (a failure's or a grow's)
-``rt/gen<g>/ready/<rank>``             ``rank`` is about to form the default group of ``g``
+``rt/gen<g>/ready``                     survivors about to form the default group of ``g`` (a
+                                       ``store.add`` counter)
 ``gen<g>/...``                         torch's own rendezvous keys of ``g``'s default group
 ``rt/collected``                       the generations below it have had their keys deleted
 =====================================  ==================================================================
@@ -182,8 +183,8 @@ def decision_key(generation: int) -> str:
     return f"rt/gen{generation}/decision"
 
 
-def ready_key(generation: int, rank: int) -> str:
-    return f"rt/gen{generation}/ready/{rank}"
+def ready_key(generation: int) -> str:
+    return f"rt/gen{generation}/ready"
 
 
 def generation_prefix(generation: int) -> str:

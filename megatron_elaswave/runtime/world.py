@@ -319,7 +319,7 @@ def init_generation(
         retire([dist.group.WORLD], timeout)
         dist.destroy_process_group()
     forget_unformed_default_group()  # that of a generation abandoned while it formed
-    _meet_survivors(decision, store, rank, timeout, abort)
+    _meet_survivors(decision, store, timeout, abort)
     # Held here: torch keeps only the C++ half of a store written in Python.
     _generation_store = InterruptibleStore(store, abort, timeout)
     with recording_connections() as device_groups:
@@ -338,13 +338,15 @@ def init_generation(
 def _meet_survivors(
     decision: Decision,
     store: Store,
-    rank: int,
     timeout: timedelta,
     abort: threading.Event | None,
 ) -> None:
-    store.set(ready_key(decision.generation, rank), "")
-    everyone = [ready_key(decision.generation, survivor) for survivor in decision.survivors]
-    if wait_until(lambda: store.check(everyone), timeout.total_seconds(), abandon=abort):
+    # One counter, not a key per survivor: each poll reads one key, whatever the job's size.
+    ready = ready_key(decision.generation)
+    store.add(ready, 1)
+    everyone = len(decision.survivors)
+    if wait_until(lambda: store.add(ready, 0) >= everyone, timeout.total_seconds(),
+                  abandon=abort):
         return
     if abort is not None and abort.is_set():
         raise GenerationAbandoned(
@@ -352,6 +354,7 @@ def _meet_survivors(
             "process group formed"
         )
     raise GenerationAbandoned(
-        f"generation {decision.generation} abandoned: not every survivor of "
-        f"{list(decision.survivors)} arrived within {timeout.total_seconds():g} s"
+        f"generation {decision.generation} abandoned: {store.add(ready, 0)} of the "
+        f"{everyone} survivors {list(decision.survivors)} arrived within "
+        f"{timeout.total_seconds():g} s"
     )

@@ -127,6 +127,66 @@ def count_design(ranks: int, periods: int) -> dict:
             "alert_keys": keys_of_alert}
 
 
+def count_recovery(ranks: int) -> dict:
+    """Store calls of the part of a recovery that goes through the store alone, made by
+    ``ranks`` real monitors (threads of this process): rank 1's death is recorded as its
+    launcher records it, then every survivor, on a thread of its own, agrees on who failed
+    (:func:`~megatron_elaswave.runtime.agreement.agree`) and meets the others before forming the
+    new default group, as :func:`~megatron_elaswave.runtime.world.init_generation` does before
+    torch's rendezvous. Counted from the death record to the last survivor's meeting."""
+    from megatron_elaswave.launch.decisions import Decision
+    from megatron_elaswave.launch.store import WorkerDeath, record_death
+    from megatron_elaswave.runtime.agreement import agree
+    from megatron_elaswave.runtime.monitor import FailureMonitor, MonitorConfig
+    from megatron_elaswave.runtime.world import _meet_survivors
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=60))
+    relayed = os.path.join(tempfile.mkdtemp(prefix="store-load-"), "alerts")
+    with open(relayed, "w") as out:
+        out.write("0")
+    os.environ["ELASWAVE_NODE_ALERTS"] = relayed
+    counting = CountingStore(server)
+    config = MonitorConfig(heartbeat_interval_s=INTERVAL_S, heartbeat_timeout_s=TIMEOUT_S)
+    monitors = [FailureMonitor(counting, rank, Decision.initial(ranks), config,
+                               on_failure=lambda: None) for rank in range(ranks)]
+    for monitor in monitors:
+        monitor.start()
+    time.sleep(2 * INTERVAL_S)
+    met: dict[int, float] = {}
+
+    def survive(monitor: FailureMonitor) -> None:
+        if not monitor.failure_detected.wait(30):
+            return
+        decision = agree(counting, monitor)
+        _meet_survivors(decision, counting, timedelta(seconds=60), None)
+        met[monitor.rank] = time.perf_counter()
+
+    threads = [threading.Thread(target=survive, args=(monitor,)) for monitor in monitors
+               if monitor.rank != 1]
+    counting.requests.clear()
+    counting.keys.clear()
+    started = time.perf_counter()
+    record_death(counting, WorkerDeath(rank=1, local_rank=1, node_rank=0, pid=None,
+                                       exit_code=None, signal="SIGKILL", cause="signal",
+                                       time=time.time()))
+    with open(relayed, "w") as out:  # the launcher relays the alert to its workers
+        out.write("1")
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    requests, keys = sum(counting.requests.values()), sum(counting.keys.values())
+    by_call = dict(counting.requests)
+    for monitor in monitors:
+        monitor.stop()
+    survivors = ranks - 1
+    return {"ranks": ranks, "survivors_met": len(met),
+            "seconds": max(met.values(), default=started) - started,
+            "requests_per_survivor": requests / survivors, "keys_per_survivor": keys / survivors,
+            "calls_per_survivor": {name: count / survivors for name, count in by_call.items()}}
+
+
 def per_rank_period(design: str, ranks: int) -> tuple[float, float]:
     """(requests, keys) of one worker's monitor per quiet heartbeat period."""
     if design == "old":
@@ -276,6 +336,8 @@ def main() -> int:
                         "cores: the store server is one more thread)")
     parser.add_argument("--budget-s", type=float, default=3.0,
                         help="seconds of measurement per design and scale")
+    parser.add_argument("--ranks-recovering", type=int, nargs="+", default=[16, 64],
+                        help="job sizes whose store traffic of one recovery is counted")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -285,10 +347,12 @@ def main() -> int:
         if args.old_tree:
             entry["old"] = count_old(args.old_tree, ranks, args.periods)
         counted.append(entry)
+    recoveries = [count_recovery(ranks) for ranks in args.ranks_recovering]
     modelled = [model(ranks) for ranks in args.scales]
     measured = measure(tuple(args.scales), args.clients, args.budget_s)
     if args.json:
-        print(json.dumps({"counted": counted, "model": modelled, "measured": measured}))
+        print(json.dumps({"counted": counted, "recoveries": recoveries, "model": modelled,
+                          "measured": measured}))
         return 0
 
     print("1. Counted: store calls of real monitors per rank and heartbeat period "
@@ -303,6 +367,16 @@ def main() -> int:
             print(f"{entry['ranks']:>6} {design:>6} {got['requests_per_rank_period']:>9.2f} "
                   f"{requests:>7.2f} {got['keys_per_rank_period']:>8.2f} {keys:>7.2f} "
                   f"{got['alert_keys']:>10} {alert_keys(design, entry['ranks']):>6}")
+    print()
+    print("1b. Counted: store calls of one recovery (rank 1 SIGKILLed) per survivor, from the "
+          "death record to the survivors' meeting before the new group (agreement and meeting; "
+          "torch's own rendezvous of the group comes after, one set and one get per peer on gloo)")
+    print(f"{'ranks':>6} {'met':>5} {'seconds':>8} {'requests':>9} {'keys':>8}  calls")
+    for row in recoveries:
+        calls = ", ".join(f"{name} {count:.1f}" for name, count in
+                          sorted(row["calls_per_survivor"].items(), key=lambda kv: -kv[1]))
+        print(f"{row['ranks']:>6} {row['survivors_met']:>5} {row['seconds']:>8.3f} "
+              f"{row['requests_per_survivor']:>9.1f} {row['keys_per_survivor']:>8.1f}  {calls}")
     print()
     print(f"2. Model: store load of failure detection, {RANKS_PER_NODE} ranks per node")
     print(f"{'ranks':>6} {'old req/s':>11} {'new req/s':>10} {'old keys/s':>12} "
