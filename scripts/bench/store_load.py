@@ -3,7 +3,8 @@ the number of ranks: the design of this tree (each rank watches two neighbours, 
 counter that each node's launcher reads and relays to its workers) beside the one it replaced
 (each rank read every peer's heartbeat, an alert set two keys per rank), side by side.
 
-Three parts, all against a real ``torch.distributed.TCPStore`` on this machine:
+Three parts, all against a real ``torch.distributed.TCPStore`` on this machine (part 1 also
+counts the store traffic of one recovery, :func:`count_recovery`):
 
 1. **Counted.** Real ``FailureMonitor`` objects (``--ranks-counted`` of them, threads of this
    process) watch a quiet job for a few heartbeat periods through a wrapper that counts every
