@@ -64,7 +64,9 @@ State restore after a recovery or a layout change (:mod:`~megatron_elaswave.trai
                                                data, :mod:`~megatron_elaswave.runtime.wire`)
 ``rt/gen<g>/restore/migrate/holds/<rank>``     the pieces ``rank`` can serve
 ``rt/gen<g>/restore/migrate/needs/<rank>``     the pieces ``rank`` needs
-``rt/gen<g>/restore/restored/<rank>``          ``rank`` restored
+``rt/gen<g>/restore/rollback``                 the iteration to roll back to, or why there is none
+                                               (JSON), published by the lowest member
+``rt/gen<g>/restore/restored``                 members restored (a ``store.add`` counter)
 ``rt/gen<g>/restore/outcome``                  ``committed`` (once every member restored) or ``abandoned``
 ``rt/gen<g>/done/<rank>``                      ``rank`` finished training in ``g``
 ``rt/finished``                                the job ends: every member finished (empty) or the

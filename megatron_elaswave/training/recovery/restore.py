@@ -54,18 +54,30 @@ class RestoreRound:
         snapshots, ``lost`` the ranks failed since the state was last restored. Raises
         :class:`~.outcomes.CannotContinue` if there is none."""
         self.store.set(f"{self.prefix}/held/{self.rank}", json.dumps([list(tag) for tag in held]))
+        # The lowest member reads every holding and publishes the outcome, which the others
+        # read: one key each, where reading every holding on every member is N^2.
+        outcome = f"{self.prefix}/rollback"
+        if self.rank == self.members[0]:
+            self.store.set(outcome, json.dumps(self._rollback(lost)))
+        wait_for_keys(self.store, [outcome], self.timeout, self.abort)
+        decided = json.loads(self.store.get(outcome))
+        if "error" in decided:
+            raise CannotContinue(decided["error"])
+        return decided["iteration"]
+
+    def _rollback(self, lost: set[int]) -> dict:
         everything = [SnapshotTag(*tag) for raw in self._wait_and_get("held")
                       for tag in json.loads(raw)]
         iteration = newest_whole_iteration(everything)
-        if iteration is None:
-            newest = max((tag.iteration for tag in everything), default=0)
-            kept = {tag.rank for tag in everything if tag.iteration == newest}
-            gone = sorted(lost - kept)
-            raise CannotContinue(
-                f"no survivor holds a snapshot of ranks {gone}, which failed together with every "
-                "rank that held a copy (--elastic-snapshot-replicas sets how many ranks do)"
-                if gone else "no iteration has a complete set of surviving snapshots")
-        return iteration
+        if iteration is not None:
+            return {"iteration": iteration}
+        newest = max((tag.iteration for tag in everything), default=0)
+        kept = {tag.rank for tag in everything if tag.iteration == newest}
+        gone = sorted(lost - kept)
+        return {"error": f"no survivor holds a snapshot of ranks {gone}, which failed together "
+                         "with every rank that held a copy (--elastic-snapshot-replicas sets how "
+                         "many ranks do)" if gone else
+                         "no iteration has a complete set of surviving snapshots"}
 
     def share_state(self, state: dict | None, records: list[dict], old: Layout, new: Layout,
                     lost: set[int]) -> tuple[dict | None, list[dict]]:
@@ -96,12 +108,16 @@ class RestoreRound:
         abandoned by the first that notices a failure (or waits past the timeout) before that.
         Every member follows it, so the next recovery starts from one view of the state. Raises
         :class:`~megatron_elaswave.launch.store.WaitInterrupted` when the restore was abandoned."""
-        self.store.set(f"{self.prefix}/restored/{self.rank}", "")
-        restored = [f"{self.prefix}/restored/{member}" for member in self.members]
+        restored, everyone = f"{self.prefix}/restored", len(self.members)
+        self.store.add(restored, 1)  # a count, not a key per member: a poll reads one key
+
+        def all_restored() -> bool:
+            return self.store.add(restored, 0) >= everyone
+
         outcome_key = f"{self.prefix}/outcome"
-        wait_until(lambda: self.store.check(restored) or self.store.check([outcome_key]),
+        wait_until(lambda: all_restored() or self.store.check([outcome_key]),
                    self.timeout.total_seconds(), abandon=self.abort)
-        proposal = COMMITTED if self.store.check(restored) else ABANDONED
+        proposal = COMMITTED if all_restored() else ABANDONED
         if self.store.compare_set(outcome_key, "", proposal).decode() == COMMITTED:
             return
         raise WaitInterrupted("the restore was abandoned: a failure was noticed before every "
