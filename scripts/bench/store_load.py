@@ -82,18 +82,16 @@ class CountingStore:
         return call
 
 
-def count_design(ranks: int, periods: int) -> dict:
-    """Store calls of ``ranks`` real monitors over ``periods`` quiet heartbeat periods, per rank
-    and period; and of one alert. Runs whichever ``megatron_elaswave`` is imported."""
-    import inspect
-
-    import megatron_elaswave
+def quiet_job(ranks: int) -> tuple[dist.TCPStore, CountingStore, str, list]:
+    """``ranks`` real monitors (threads of this process) of a quiet job, started, past their
+    first beats and reads, with their store's counts cleared: the store, the counting view they
+    call it through, the file through which a launcher relays the alert count to them, and the
+    monitors. Runs whichever ``megatron_elaswave`` is imported."""
     from megatron_elaswave.launch.decisions import Decision
-    from megatron_elaswave.launch.store import raise_alert
     from megatron_elaswave.runtime.monitor import FailureMonitor, MonitorConfig
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=30))
+                           timeout=timedelta(seconds=60))
     # As under a launcher, which relays the alert count (counted in the model, per node).
     relayed = os.path.join(tempfile.mkdtemp(prefix="store-load-"), "alerts")
     with open(relayed, "w") as out:
@@ -108,6 +106,18 @@ def count_design(ranks: int, periods: int) -> dict:
     time.sleep(2 * INTERVAL_S)  # first beats and first reads of every key
     counting.requests.clear()
     counting.keys.clear()
+    return server, counting, relayed, monitors
+
+
+def count_design(ranks: int, periods: int) -> dict:
+    """Store calls of ``ranks`` real monitors over ``periods`` quiet heartbeat periods, per rank
+    and period; and of one alert. Runs whichever ``megatron_elaswave`` is imported."""
+    import inspect
+
+    import megatron_elaswave
+    from megatron_elaswave.launch.store import raise_alert
+
+    server, counting, _, monitors = quiet_job(ranks)
     time.sleep(periods * INTERVAL_S)  # a whole number of backstop rounds, by default
     requests, keys = sum(counting.requests.values()), sum(counting.keys.values())
     by_call = dict(counting.requests)
@@ -135,28 +145,14 @@ def count_recovery(ranks: int) -> dict:
     (:func:`~megatron_elaswave.runtime.agreement.agree`) and meets the others before forming the
     new default group, as :func:`~megatron_elaswave.runtime.world.init_generation` does before
     torch's rendezvous. Counted from the death record to the last survivor's meeting."""
-    from megatron_elaswave.launch.decisions import Decision
     from megatron_elaswave.launch.store import WorkerDeath, record_death
     from megatron_elaswave.runtime.agreement import agree
-    from megatron_elaswave.runtime.monitor import FailureMonitor, MonitorConfig
     from megatron_elaswave.runtime.world import _meet_survivors
 
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=60))
-    relayed = os.path.join(tempfile.mkdtemp(prefix="store-load-"), "alerts")
-    with open(relayed, "w") as out:
-        out.write("0")
-    os.environ["ELASWAVE_NODE_ALERTS"] = relayed
-    counting = CountingStore(server)
-    config = MonitorConfig(heartbeat_interval_s=INTERVAL_S, heartbeat_timeout_s=TIMEOUT_S)
-    monitors = [FailureMonitor(counting, rank, Decision.initial(ranks), config,
-                               on_failure=lambda: None) for rank in range(ranks)]
-    for monitor in monitors:
-        monitor.start()
-    time.sleep(2 * INTERVAL_S)
+    _, counting, relayed, monitors = quiet_job(ranks)
     met: dict[int, float] = {}
 
-    def survive(monitor: FailureMonitor) -> None:
+    def survive(monitor) -> None:
         if not monitor.failure_detected.wait(30):
             return
         decision = agree(counting, monitor)
