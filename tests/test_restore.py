@@ -22,7 +22,7 @@ def restore_round(store: dist.Store, rank: int, *, timeout_s: float = 30.0,
     abort = threading.Event()
     if failure_noticed:
         abort.set()
-    return RestoreRound(store, generation=3, rank=rank, members=MEMBERS,
+    return RestoreRound(store, store, generation=3, rank=rank, members=MEMBERS,
                         timeout=timedelta(seconds=timeout_s), abort=abort)
 
 

@@ -189,6 +189,11 @@ def ready_key(generation: int) -> str:
     return f"rt/gen{generation}/ready"
 
 
+def generation_store_key(generation: int) -> str:
+    """``HOST:PORT`` of the store that a member of ``generation`` hosts for its bulk traffic."""
+    return f"rt/gen{generation}/store"
+
+
 def generation_prefix(generation: int) -> str:
     """The ``PrefixStore`` prefix of the default group's rendezvous in ``generation``."""
     return f"gen{generation}/"

@@ -42,6 +42,7 @@ from megatron_elaswave.launch.keys import (
     silence_key,
     worker_key,
 )
+from megatron_elaswave.launch.liveness import address_toward
 from megatron_elaswave.waiting import wait_until
 
 if TYPE_CHECKING:
@@ -186,6 +187,17 @@ def default_group_store(timeout: timedelta) -> Store | None:
 
     _default_group_stores.append(connect_store(timeout))
     return PrefixStore("default_pg/", _default_group_stores[-1])
+
+
+def generation_store_address() -> str | None:
+    """This machine's address for a store that a worker hosts for one generation's bulk traffic
+    (:mod:`megatron_elaswave.runtime.generation_store`) when the job store is on etcd: the one
+    on the route to the cluster, which the other nodes reach too. ``None`` on node 0's
+    ``TCPStore``, which serves that traffic as fast."""
+    host = os.environ.get(STORE_ADDR_ENV, "")
+    if not host.startswith(ETCD_URL_SCHEME):
+        return None
+    return address_toward(EtcdAddress.parse(host).endpoints[0][0])
 
 
 def store_address() -> str:

@@ -127,9 +127,9 @@ class _Round:
             if waited > 2 * self.timeout_s:
                 self.unresponsive.add(survivors[0])  # alive, perhaps, but not committing
             return None
-        missing = {rank for rank in survivors if not self._has_joined(rank)}
-        if missing and waited <= self.timeout_s:
+        if not self._all_joined(survivors) and waited <= self.timeout_s:
             return None
+        missing = {rank for rank in survivors if not self._has_joined(rank)}
         self.unresponsive |= missing
         failed |= missing
         causes, failed_at = self._evidence(failed)
@@ -180,6 +180,14 @@ class _Round:
         if proposer != self.proposer:
             self.proposer, self.proposer_since = proposer, now
         return now - self.proposer_since
+
+    def _all_joined(self, ranks: list[int]) -> bool:
+        """Whether every one of ``ranks`` has joined: one request for all those not yet seen."""
+        unseen = [rank for rank in ranks if rank not in self.joined]
+        if unseen and not self.store.check([joined_key(self.generation, r) for r in unseen]):
+            return False
+        self.joined.update(unseen)
+        return True
 
     def _has_joined(self, rank: int) -> bool:
         if rank not in self.joined and self.store.check([joined_key(self.generation, rank)]):

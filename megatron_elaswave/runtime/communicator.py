@@ -64,6 +64,7 @@ from megatron_elaswave.patches.distributed_c10d import (
     forget_unformed_default_group,
     new_named_group,
 )
+from megatron_elaswave.runtime.generation_store import KEPT_GENERATIONS, GenerationStores
 from megatron_elaswave.runtime.world import InterruptibleStore, recording_connections, retire
 
 if TYPE_CHECKING:
@@ -382,18 +383,21 @@ class GroupRegistry:
     """Every process group of one rank, created from a layout and edited on failures.
 
     ``rank`` is this process's launch rank and, when the registry is created, its rank in the
-    default group (which must already exist). ``store`` is the job store, not a prefixed view:
-    ``partial`` and ``full`` edits synchronise through it and a ``full`` edit forms generation
-    ``g``'s default group on ``PrefixStore(f"gen{g}/", store)``. ``timeout`` bounds the creation
+    default group (which must already exist). ``store`` is the job store, not a prefixed view.
+    Each generation's groups meet and rendezvous in the generation's store from ``stores``
+    (default: the job store for every generation); a ``full`` edit forms generation ``g``'s
+    default group on ``PrefixStore(f"gen{g}/", <that store>)``. ``timeout`` bounds the creation
     of every group and every operation on it. ``backend`` is the device backend; the
     :data:`HOST_ROLES` groups get gloo twins where it is not gloo (:meth:`host_group`).
     """
 
     def __init__(self, layout: Layout, rank: int, *, store: Store, backend: str = "gloo",
-                 timeout: timedelta = timedelta(seconds=30), generation: int = 0) -> None:
+                 timeout: timedelta = timedelta(seconds=30), generation: int = 0,
+                 stores: GenerationStores | None = None) -> None:
         if dist.get_rank() != rank:
             raise ValueError(f"rank {rank} is rank {dist.get_rank()} of the default group")
-        self._configure(layout, rank, store, backend, timeout, generation)
+        self._configure(layout, rank, store, backend, timeout, generation, stores)
+        self._open_generation(layout, abort=None)
         self._world_ranks = {r: r for r in layout.known_ranks()}
         groups, twins = self._create_local(self._own(member_lists(self._specs)),
                                            self._own(self._host_lists(layout)), abort=None)
@@ -403,22 +407,25 @@ class GroupRegistry:
     @classmethod
     def joining(cls, layout: Layout, rank: int, *, store: Store, backend: str = "gloo",
                 timeout: timedelta = timedelta(seconds=30), generation: int,
-                abort: threading.Event | None = None) -> GroupRegistry:
+                abort: threading.Event | None = None,
+                stores: GenerationStores | None = None) -> GroupRegistry:
         """The registry of a process that joins a running job in ``generation``, whose members
         call :meth:`grow` with the same ``layout``. No default group may exist yet. Raises
         :class:`~megatron_elaswave.launch.store.WaitInterrupted` as soon as ``abort`` is set before the
         default group forms."""
         registry = cls.__new__(cls)
-        registry._configure(layout, rank, store, backend, timeout, generation)
+        registry._configure(layout, rank, store, backend, timeout, generation, stores)
+        registry._open_generation(layout, abort)
         registry._rebuild(layout, abort)
         return registry
 
     def _configure(self, layout: Layout, rank: int, store: Store, backend: str,
-                   timeout: timedelta, generation: int) -> None:
+                   timeout: timedelta, generation: int,
+                   stores: GenerationStores | None) -> None:
         if rank not in layout.known_ranks():
             raise ValueError(f"rank {rank} is not part of the layout")
         self._rank = rank
-        self._store = store
+        self._stores = stores or GenerationStores(store, rank, host_address=None, timeout=timeout)
         self._backend = backend
         self._separate_host_groups = (backend != HOST_BACKEND
                                       or os.environ.get(SEPARATE_HOST_GROUPS_ENV) == "1")
@@ -429,7 +436,10 @@ class GroupRegistry:
         self._groups: dict[tuple[int, ...], ProcessGroup] = {}
         self._host_groups: dict[tuple[int, ...], ProcessGroup] = {}
         """The gloo twins of the :data:`HOST_ROLES` groups, where they are separate."""
-        self._interruptible: dict[threading.Event | None, InterruptibleStore] = {}
+        self._interruptible: dict[tuple[int, threading.Event | None], InterruptibleStore] = {}
+        self._world_store: Store | None = None
+        """The store of the default group formed by a ``full`` rebuild: ``new_group`` without a
+        store of its own rendezvous there for as long as the group lives."""
         self._intact = True
         """False while a ``full`` rebuild is under way, and after one was interrupted."""
 
@@ -565,6 +575,7 @@ class GroupRegistry:
         if self._rank not in new_layout.known_ranks():
             raise ValueError(f"rank {self._rank} is not part of the new layout")
         self._generation = self._generation + 1 if generation is None else generation
+        self._open_generation(new_layout, abort)
         survivors = tuple(sorted(new_layout.known_ranks()))
         if mode == EditMode.FULL:
             counts = self._rebuild(new_layout, abort)
@@ -584,6 +595,7 @@ class GroupRegistry:
             raise ValueError("a grown layout must keep every rank of the job")
         started = time.perf_counter()
         self._generation = generation
+        self._open_generation(new_layout, abort)
         counts = self._rebuild(new_layout, abort)
         self._layout, self._specs = new_layout, group_specs(new_layout)
         return EditReport(EditMode.FULL, generation, *counts, time.perf_counter() - started)
@@ -640,12 +652,13 @@ class GroupRegistry:
         if dist.is_initialized():
             dist.destroy_process_group()
         forget_unformed_default_group()  # that of an interrupted rebuild
-        _store_barrier(self._store, communicator_key(self._generation, "meet"), len(survivors),
-                       self._timeout, abort)
+        _store_barrier(self._generation_store, communicator_key(self._generation, "meet"),
+                       len(survivors), self._timeout, abort)
+        self._world_store = self._rendezvous_store(abort)
         with recording_connections() as device_groups:
             dist.init_process_group(
                 self._backend,
-                store=self._rendezvous_store(abort),
+                store=self._world_store,
                 rank=survivors.index(self._rank),
                 world_size=len(survivors),
                 timeout=self._creation_timeout(abort),
@@ -696,7 +709,7 @@ class GroupRegistry:
             return {}, {}
         meetings = {communicator_key(self._generation, name): len(world)
                     for world, name, _ in specs.values()}
-        _store_barriers(self._store, meetings, self._timeout, abort)
+        _store_barriers(self._generation_store, meetings, self._timeout, abort)
         created = _new_named_groups(specs, self._timeout, self._rendezvous_store(abort),
                                     self._creation_timeout(abort), abort)
         return ({m: g for (host, m), g in created.items() if not host},
@@ -707,13 +720,30 @@ class GroupRegistry:
         processes are still busy importing and building, the op timeout."""
         return self._timeout if abort is None else min(self._timeout, CREATION_TIMEOUT)
 
+    @property
+    def generation_store(self) -> Store:
+        """The store of the current generation's bulk traffic (:mod:`~.generation_store`):
+        what its members exchange while it forms."""
+        return self._generation_store
+
+    def _open_generation(self, layout: Layout, abort: threading.Event | None) -> None:
+        """Open the store of ``self._generation``, whose members are ``layout``'s ranks; every
+        member opens it, since one of them hosts it. Forget the rendezvous views of the
+        generations whose stores are closed."""
+        self._generation_store = self._stores.open(self._generation, layout.known_ranks(), abort)
+        oldest = self._generation - KEPT_GENERATIONS
+        self._interruptible = {key: view for key, view in self._interruptible.items()
+                               if key[0] > oldest}
+
     def _rendezvous_store(self, abort: threading.Event | None) -> Store:
         """Where this generation's groups meet: reads there end as soon as ``abort`` is set."""
         # torch keeps only the C++ half of a store written in Python: the Python object must
-        # live as long as a group may use it, so there is one per ``abort`` for the registry.
-        if abort not in self._interruptible:
-            self._interruptible[abort] = InterruptibleStore(self._store, abort, self._timeout)
-        return dist.PrefixStore(generation_prefix(self._generation), self._interruptible[abort])
+        # live as long as a group may use it, so there is one per generation and ``abort``.
+        key = (self._generation, abort)
+        if key not in self._interruptible:
+            self._interruptible[key] = InterruptibleStore(self._generation_store, abort,
+                                                          self._timeout)
+        return dist.PrefixStore(generation_prefix(self._generation), self._interruptible[key])
 
     def _create_global(self, members: tuple[int, ...], backend: str,
                        abort: threading.Event | None) -> ProcessGroup | None:
@@ -733,4 +763,4 @@ class GroupRegistry:
                             abort: threading.Event | None) -> None:
         """The global synchronisation of partial and full modes, after creating group ``number``."""
         key = communicator_key(self._generation, f"created/{number}")
-        _store_barrier(self._store, key, count, self._timeout, abort)
+        _store_barrier(self._generation_store, key, count, self._timeout, abort)

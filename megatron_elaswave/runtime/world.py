@@ -4,7 +4,7 @@ A generation is one membership of the job: generation 0 is every launched rank, 
 :class:`~megatron_elaswave.launch.decisions.Decision` starts the next one with the survivors. Each
 generation gets a fresh default process group on ``PrefixStore(f"gen{g}/", store)``, so a rebuilt
 group never reads a key written by an older one. Before the rendezvous of that group, which can
-only time out, the survivors meet in the store (``rt/gen<g>/ready/<rank>``), a wait that a
+only time out, the survivors meet in the store (the counter ``rt/gen<g>/ready``), a wait that a
 detected failure interrupts: a survivor that dies just after a decision costs one more agreement,
 not a rendezvous timeout.
 

@@ -605,7 +605,7 @@ class ElasticTrainer(Trainer):
         :class:`~.outcomes.CannotContinue` when the state is gone."""
         members = tuple(sorted(layout.known_ranks()))
         restore = RestoreRound(
-            self.store, generation, self.rank, members,
+            self.store, self.registry.generation_store, generation, self.rank, members,
             timedelta(seconds=self.monitor.config.agreement_timeout_s),
             self.monitor.failure_detected)
         self.snapshots.discard()
@@ -636,7 +636,8 @@ class ElasticTrainer(Trainer):
         needs = needed_pieces(self.objects, self.tp_rank) if active else []
         try:
             values, moved = migrate(
-                held, needs, rank=self.rank, members=list(members), store=self.store,
+                held, needs, rank=self.rank, members=list(members),
+                store=self.registry.generation_store,
                 prefix=f"{restore.prefix}/migrate", group=self.registry.host_group(Role.MEMBERS),
                 timeout=timedelta(seconds=self.monitor.config.collective_timeout_s),
                 failure=self.monitor.failure_detected)

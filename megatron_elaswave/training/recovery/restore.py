@@ -5,7 +5,9 @@ layout once every member has restored.
 Every member of the restore calls the same steps in the same order; each waits for the others
 through the store (keys under ``rt/gen<g>/restore/``, :mod:`megatron_elaswave.launch.keys`), and a
 failure noticed meanwhile interrupts the wait, so no member commits a layout another one has not
-reached.
+reached. What the members exchange (their holdings, the rollback iteration, the small state)
+goes through the generation's store (:mod:`megatron_elaswave.runtime.generation_store`); the
+outcome, which the next recovery starts from, through the job store.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ class RestoreRound:
     """One rank's part in the restore that starts ``generation``."""
 
     store: Store
+    """The job store: the restore's outcome."""
+    exchange: Store
+    """The generation's store: what the members exchange."""
     generation: int
     rank: int
     members: tuple[int, ...]
@@ -53,14 +58,15 @@ class RestoreRound:
         (:func:`~megatron_elaswave.runtime.snapshot.newest_whole_iteration`). ``held`` is this rank's
         snapshots, ``lost`` the ranks failed since the state was last restored. Raises
         :class:`~.outcomes.CannotContinue` if there is none."""
-        self.store.set(f"{self.prefix}/held/{self.rank}", json.dumps([list(tag) for tag in held]))
+        self.exchange.set(f"{self.prefix}/held/{self.rank}",
+                          json.dumps([list(tag) for tag in held]))
         # The lowest member reads every holding and publishes the outcome, which the others
         # read: one key each, where reading every holding on every member is N^2.
         outcome = f"{self.prefix}/rollback"
         if self.rank == self.members[0]:
-            self.store.set(outcome, json.dumps(self._rollback(lost)))
-        wait_for_keys(self.store, [outcome], self.timeout, self.abort)
-        decided = json.loads(self.store.get(outcome))
+            self.exchange.set(outcome, json.dumps(self._rollback(lost)))
+        wait_for_keys(self.exchange, [outcome], self.timeout, self.abort)
+        decided = json.loads(self.exchange.get(outcome))
         if "error" in decided:
             raise CannotContinue(decided["error"])
         return decided["iteration"]
@@ -93,12 +99,13 @@ class RestoreRound:
         position = old.position(self.rank)
         if position is not None and self.rank == min(
                 r for r in holders if old.position(r)[2] == position[2]):
-            self.store.set(f"{self.prefix}/state/tp{position[2]}", wire.dumps((state, records)))
+            self.exchange.set(f"{self.prefix}/state/tp{position[2]}",
+                              wire.dumps((state, records)))
         if self.rank not in newcomers:
             return state, records
         key = f"{self.prefix}/state/tp{new.position(self.rank)[2]}"
-        wait_for_keys(self.store, [key], self.timeout, self.abort)
-        shared_state, shared_records = wire.loads(self.store.get(key))
+        wait_for_keys(self.exchange, [key], self.timeout, self.abort)
+        shared_state, shared_records = wire.loads(self.exchange.get(key))
         return (shared_state if state is None else state), shared_records
 
     def commit(self) -> None:
@@ -125,5 +132,5 @@ class RestoreRound:
 
     def _wait_and_get(self, what: str) -> list[bytes]:
         keys = [f"{self.prefix}/{what}/{member}" for member in self.members]
-        wait_for_keys(self.store, keys, self.timeout, self.abort)
-        return self.store.multi_get(keys)
+        wait_for_keys(self.exchange, keys, self.timeout, self.abort)
+        return self.exchange.multi_get(keys)

@@ -14,13 +14,14 @@ import torch.distributed as dist
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.launch.decisions import Decision
 from megatron_elaswave.launch.keys import SNAPSHOT_COPIES_KEY
-from megatron_elaswave.launch.store import connect_store
+from megatron_elaswave.launch.store import connect_store, generation_store_address
 from megatron_elaswave.metrics import MetricsWriter
 from megatron_elaswave.patches import distributed_work
 from megatron_elaswave.planner.frequency import PowerModel
 from megatron_elaswave.planner.replan import nominal_clock_plan
 from megatron_elaswave.runtime.communicator import GroupRegistry, Role
 from megatron_elaswave.runtime.dvfs import DvfsGovernor, clock_backend
+from megatron_elaswave.runtime.generation_store import GenerationStores
 from megatron_elaswave.runtime.faults import FaultInjector
 from megatron_elaswave.runtime.monitor import FailureMonitor, MonitorConfig
 
@@ -53,7 +54,8 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
     config = MonitorConfig(heartbeat_timeout_s=args.elastic_heartbeat_timeout)
     timeout = timedelta(seconds=config.collective_timeout_s)
     layout = failure_free_layout(args, first_global_batch_size)
-    registry = GroupRegistry(layout, rank, store=store, backend=backend.dist_backend, timeout=timeout)
+    registry = GroupRegistry(layout, rank, store=store, backend=backend.dist_backend, timeout=timeout,
+                             stores=_generation_stores(store, rank, timeout))
     model_factory = model_factory or ModelFactory.from_flags(args, vocab_size)
     # Its stage may span several layer groups (virtual stages); the seeds need no DP group.
     model_factory.seed_generators(registry.process_group_collection(registry.layer_groups()[0]))
@@ -103,6 +105,12 @@ def _check_save_is_shared(save: str, group, rank: int, world_size: int) -> None:
     check_save_directory_is_shared(save, group, rank=rank, node=int(node),
                                    nodes=world_size // on_node,
                                    first_on_node=os.environ.get("LOCAL_RANK") == "0")
+
+
+def _generation_stores(store, rank: int, timeout: timedelta) -> GenerationStores:
+    """Where each generation's groups meet and its members exchange holdings: a store hosted
+    by one of them when the job store is on etcd, the job store otherwise."""
+    return GenerationStores(store, rank, host_address=generation_store_address(), timeout=timeout)
 
 
 def _abandon_waits_on_failure(monitor: FailureMonitor) -> None:
@@ -163,11 +171,12 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
     _abandon_waits_on_failure(monitor)
     monitor.start()  # the members watch this rank's heartbeat from the plan on
     try:
+        timeout = timedelta(seconds=config.collective_timeout_s)
         registry = GroupRegistry.joining(plan.layout, rank, store=store,
-                                         backend=backend.dist_backend,
-                                         timeout=timedelta(seconds=config.collective_timeout_s),
+                                         backend=backend.dist_backend, timeout=timeout,
                                          generation=plan.decision.generation,
-                                         abort=monitor.failure_detected)
+                                         abort=monitor.failure_detected,
+                                         stores=_generation_stores(store, rank, timeout))
         if rank in plan.layout.active_ranks():  # its stage may span several layer groups
             seed_random_generators(
                 args.seed, registry.process_group_collection(registry.layer_groups()[0]))
