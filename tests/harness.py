@@ -54,6 +54,28 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+MEGATRON_WORKERS = frozenset({
+    "collective_abandon.py", "communicator_parallel_state.py", "default_group_redirect.py",
+    "imports_megatron_core.py", "megatron_lm_record.py", "p2p_early_free.py", "p2p_wait.py",
+})
+"""The worker scripts of ``tests/workers`` that import megatron-core (directly or through the
+project's patches). The others import torch alone: their launchers preload only that
+(:func:`launch`), where preloading megatron-core's GPT stack would cost every launch seconds of
+CPU that no worker uses."""
+
+
+def once(key: object, compute: Callable[[], object]) -> object:
+    """``compute()``, run the first time ``key`` is asked for in the test session: a job or a
+    data set that fixtures of several modules need (a module-scoped fixture imported into
+    another module runs again there)."""
+    if key not in _ONCE:
+        _ONCE[key] = compute()
+    return _ONCE[key]
+
+
+_ONCE: dict[object, object] = {}
+
+
 def worker_script(name: str) -> str:
     """Absolute path of a worker script in ``tests/workers``."""
     return str(WORKERS_DIR / name)
@@ -235,11 +257,17 @@ def launch(
     """Start ``python -m megatron_elaswave.launch.run ... *args`` in a session of its own, in
     the directory ``cwd`` (default: this one).
 
-    ``args`` is the script and its arguments; ``launcher_args`` are extra launcher flags;
+    ``args`` is the script and its arguments; ``launcher_args`` are extra launcher flags (a
+    worker script of ``tests/workers`` that imports torch alone gets ``--preload=torch`` unless
+    they name a ``--preload``);
     ``etcd`` (a ``--store`` URL) keeps the job store on that cluster, under ``run_id``.
     Workers get ``OMP_NUM_THREADS=1`` unless ``env`` says otherwise. Output goes to
     ``log_path``, or to a temporary file removed when the job is closed.
     """
+    script = Path(args[0]) if args else None
+    if (script is not None and script.parent == WORKERS_DIR and script.name not in MEGATRON_WORKERS
+            and not any(arg.startswith("--preload") for arg in launcher_args)):
+        launcher_args = ("--preload=torch", *launcher_args)
     command = [
         sys.executable,
         "-m",

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import free_port, is_gone, launch, launch_nodes
+from harness import free_port, is_gone, launch, launch_nodes, once
 from megatron_elaswave.metrics import read_metrics
 from megatron_elaswave.runtime.communicator import SEPARATE_HOST_GROUPS_ENV
 from test_pretrain_gpt import PRETRAIN, model_flags, text_data  # noqa: F401  (fixture)
@@ -253,6 +253,7 @@ def test_a_middle_stage_rank_dies(text_data, tmp_path):  # noqa: F811
     assert 0 < moved[0]["bytes_moved"] < recoveries[0]["bytes_moved"]
 
 
+@pytest.mark.sweep  # the logger's stop below checks the same for rank 0
 @pytest.mark.timeout(300)
 def test_a_stopped_worker_is_excluded_and_the_rest_continue(text_data, reference, tmp_path):  # noqa: F811
     flags = elastic_flags(text_data, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
@@ -268,14 +269,16 @@ def test_a_stopped_worker_is_excluded_and_the_rest_continue(text_data, reference
 @pytest.mark.timeout(300)
 def test_the_logger_stopped_and_resumed_after_its_exclusion_writes_nothing(
         text_data, reference, tmp_path):  # noqa: F811
-    """Rank 0 writes the metrics file; it is SIGSTOPped, excluded, and woken once the others have
-    recovered under a new logger: it leaves without writing a record, so every iteration is
-    recorded exactly once."""
+    """Rank 0 writes the metrics file; it is SIGSTOPped, found by its silence, excluded, and
+    woken once the others have recovered under a new logger: it leaves without writing a
+    record, so every iteration is recorded exactly once."""
     flags = elastic_flags(text_data, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     iterations, recoveries, output = run(tmp_path, "logger",
                                          [*flags, "--elastic-heartbeat-timeout", "3"], stop=0)
     assert_on_trajectory(reference, iterations)
     assert [r["failed_ranks"] for r in recoveries] == [[0]], output[-6000:]
+    assert recoveries[0]["causes"]["0"].startswith("no heartbeat for")
+    assert recoveries[0]["detect_s"] >= 2.9  # found by the 3 s heartbeat timeout
     assert "rank 0 was excluded from the job" in output
 
 
@@ -300,10 +303,9 @@ def small_flags(data_prefix: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def small_reference(text_data, tmp_path_factory):  # noqa: F811
-    """TP1 x PP2 x DP2 on 4 ranks, without failures."""
-    iterations, _, _ = run(tmp_path_factory.mktemp("small"), "reference", small_flags(text_data),
-                           nproc=4)
-    return iterations
+    """TP1 x PP2 x DP2 on 4 ranks, without failures; run once for the session."""
+    return once(("small_reference", text_data), lambda: run(
+        tmp_path_factory.mktemp("small"), "reference", small_flags(text_data), nproc=4)[0])
 
 
 @pytest.mark.timeout(300)
@@ -608,6 +610,7 @@ def test_survivors_that_cannot_continue_save_a_checkpoint_that_resumes_the_traje
     assert_on_trajectory(small_reference, stopped + resumed)
 
 
+@pytest.mark.sweep  # test_growth's lost node checks the same on four ranks; the soak at eight
 @pytest.mark.timeout(300)
 def test_a_lost_node_takes_half_the_job_and_the_other_half_continues(text_data, reference,  # noqa: F811
                                                                     tmp_path):

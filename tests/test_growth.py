@@ -233,16 +233,17 @@ def test_a_replacement_for_the_logger_writes_every_record_held_back(text_data, s
 @pytest.mark.timeout(300)
 def test_a_new_launcher_replaces_a_lost_node(text_data, small_reference, tmp_path):  # noqa: F811
     """Two launchers of two workers (node 1 holds the last stage of both replicas). Node 1's
-    launcher is SIGKILLed with its workers; each replica re-partitions onto its first stage.
-    A new launcher for node rank 1 with ``--rejoin`` takes the node's place: its workers join
-    and the job runs on two stages again."""
+    launcher is SIGKILLed with its workers: node 0 finds its launcher's process gone by its
+    connection, without waiting for the node timeout, and each replica re-partitions onto its
+    first stage. A new launcher for node rank 1 with ``--rejoin`` takes the node's place: its
+    workers join and the job runs on two stages again."""
     metrics = tmp_path / "node.jsonl"
     flags = [PRETRAIN, *small_flags(text_data), *HELD, "--elastic-metrics-file", str(metrics)]
     port = free_port()
 
     def node(rank: int, name: str, *extra: str):
         return launch(flags, 2, nnodes=2, node_rank=rank, master_port=port,
-                      launcher_args=list(extra), log_path=tmp_path / name)
+                      launcher_args=["--node-timeout=60", *extra], log_path=tmp_path / name)
 
     def recorded(event: str) -> list[dict]:
         return read_metrics(str(metrics), event) if metrics.exists() else []
@@ -267,6 +268,7 @@ def test_a_new_launcher_replaces_a_lost_node(text_data, small_reference, tmp_pat
     assert grow["joined_ranks"] == [2, 3]  # both had asked when rank 0 went on
     assert stage_ranks(grow["layout"]) == [[[0], [2]], [[1], [3]]]
     assert stages(iterations[-1]["layout"]) == stages(small_reference[0]["layout"])
+    assert "node 1 lost: its launcher's process ended" in output
     assert "replacing lost node rank 1" in replacement_output
     assert "node 1 rejoined the job" in output
 

@@ -21,14 +21,16 @@ neither is at hand.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from harness import free_port, launch
+from harness import LaunchedJob, free_port, launch
 from megatron_elaswave.metrics import read_metrics
 from megatron_elaswave.training.checkpointing.checkpoint import write_tracker
 from test_megatron_adaptor import TRAINING_SCRIPT
+from test_growth import HELD, hold_while_joining
 from test_megatron_lm_recipes import CPU, assert_on_trajectory
 
 pytestmark = pytest.mark.multiprocess
@@ -265,15 +267,16 @@ def pretrain_gpt_flags(*, ep: int, etp: int = 1, iterations: int = ITERATIONS,
 
 
 def pretrain_gpt(tmp_path: Path, name: str, flags: list[str], *,
-                 launcher_args: tuple[str, ...] = (), wait_for: str | None = None) -> dict:
-    """The project's ``pretrain_gpt.py`` on eight ranks; with ``wait_for``, the run must print
-    it. Its records."""
+                 launcher_args: tuple[str, ...] = (),
+                 during: Callable[[LaunchedJob, Path], None] | None = None) -> dict:
+    """The project's ``pretrain_gpt.py`` on eight ranks; ``during(job, metrics_file)`` is called
+    once it has started. Its records."""
     metrics = tmp_path / f"{name}.jsonl"
     with launch([PRETRAIN, *flags, "--elastic-rebalance-window", "0", "--elastic-metrics-file",
                  str(metrics)], 8, master_port=free_port(), launcher_args=launcher_args,
                 log_path=tmp_path / f"{name}.log") as job:
-        if wait_for is not None:
-            job.wait_for(lambda: wait_for in job.output(), 600, wait_for)
+        if during is not None:
+            during(job, metrics)
         returncode, output = job.wait(600)
     assert returncode == 0, output[-6000:]
     return {"output": output, "iterations": read_metrics(str(metrics), "iteration"),
@@ -334,16 +337,21 @@ def test_pretrain_gpt_survives_a_kill_and_one_right_after_layers_and_experts_mov
 
 
 @pytest.mark.timeout(900)
-def test_a_replacement_rejoins_an_moe_job_and_its_layout_returns(tmp_path):
+def test_a_replacement_rejoins_an_moe_job_and_its_layout_returns(tmp_path, two_lockstep_sets):
     """Under ``elaswave-run --rejoin``, rank 5 is SIGKILLed in iteration 3 and started again:
     its lockstep set runs on one stage per replica until the replacement joins, then the job
-    runs its first layout again, on the failure-free trajectory."""
-    flags = pretrain_gpt_flags(ep=2, iterations=80) + ["--elastic", "--log-interval", "20"]
-    reference = pretrain_gpt(tmp_path, "reference", flags)
-    rejoined = pretrain_gpt(tmp_path, "rejoined",
-                            flags + ["--elastic-inject-failure", "rank=5,iteration=3"],
-                            launcher_args=("--rejoin", "--rejoin-delay", "1"),
-                            wait_for="ranks [5] joined after iteration")
+    runs its first layout again, on the failure-free trajectory. Rank 0 is held once the job
+    has recovered, until the replacement asks to join: its imports take longer than the job."""
+    def hold_until_rank_5_asks(job: LaunchedJob, metrics: Path) -> None:
+        job.wait_for(lambda: metrics.exists() and bool(read_metrics(str(metrics), "recovery")),
+                     300, "the recovery")
+        hold_while_joining(job, [5])
+
+    reference = two_lockstep_sets
+    rejoined = pretrain_gpt(tmp_path, "rejoined", pretrain_gpt_flags(ep=2) + [
+        "--elastic", *HELD, "--elastic-inject-failure", "rank=5,iteration=3"],
+        launcher_args=("--rejoin", "--rejoin-delay", "1"), during=hold_until_rank_5_asks)
+    assert "ranks [5] joined after iteration" in rejoined["output"]
     assert_on_trajectory(rejoined, reference)
     [recovery] = rejoined["recoveries"]
     [grow] = rejoined["grows"]

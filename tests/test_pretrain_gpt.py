@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import free_port, launch
+from harness import free_port, launch, once
 from megatron_elaswave.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,8 +25,12 @@ TRAIN_ITERS = 6
 
 @pytest.fixture(scope="module")
 def text_data(tmp_path_factory) -> str:
-    """A small corpus of real text (standard-library sources) in Megatron's indexed format."""
-    directory = tmp_path_factory.mktemp("data")
+    """A small corpus of real text (standard-library sources) in Megatron's indexed format,
+    made once for the session."""
+    return once("text_data", lambda: _make_text_data(tmp_path_factory.mktemp("data")))
+
+
+def _make_text_data(directory: Path) -> str:
     corpus = directory / "corpus.jsonl"
     prefix = directory / "stdlib"
     for command in (
