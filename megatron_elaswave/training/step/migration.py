@@ -10,9 +10,11 @@ Snapshots store these keys, so any layout can find what it needs in them.
 :func:`migrate` guarantees, after a failure, that every survivor ends with the full parameters of
 every chunk it now holds and the Adam state of its new shard, taken from the snapshots of one
 iteration: its own, those of the other survivors, and the replicas of the failed ranks' snapshots
-their buddies hold. Each survivor publishes what it holds and what it needs in the store; every
-survivor derives the same transfer plan from those. Each pair of ranks then exchanges one packed
-buffer per direction, in disjoint waves (:func:`~megatron_elaswave.planner.zero.assign_waves`:
+their buddies hold. Each survivor publishes what it holds and what it needs in the store, in one
+key; the lowest survivor reads them all, plans the transfers and publishes to each survivor the
+ones it takes part in (one key each: O(N) keys for the job, where every survivor reading every
+holding would be N^2). Each pair of ranks then exchanges one packed buffer per direction, in
+disjoint waves (:func:`~megatron_elaswave.planner.zero.assign_waves`:
 in a wave every rank sends or receives one buffer at most, so no link carries two at once), and
 the receiver checks a CRC-32 of every buffer.
 """
@@ -24,7 +26,7 @@ import threading
 import zlib
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from datetime import timedelta
 
 import torch
@@ -215,13 +217,53 @@ def plan_transfers(holdings: Mapping[int, Sequence[str]],
     return transfers
 
 
-def _publish_and_collect(store, prefix: str, rank: int, members: Sequence[int], what: str,
-                         value: list, timeout: timedelta,
-                         failure: threading.Event | None) -> dict[int, list]:
-    store.set(f"{prefix}/{what}/{rank}", json.dumps(value))
-    keys = [f"{prefix}/{what}/{member}" for member in members]
-    wait_for_keys(store, keys, timeout, failure)
-    return {member: json.loads(raw) for member, raw in zip(members, store.multi_get(keys))}
+def plan_exchanges(offers: Mapping[int, tuple[Sequence[str], Sequence[Piece]]]) -> dict[int, dict]:
+    """Each member's part of the plan for ``offers`` (what each member holds and needs), as it
+    travels in JSON: the transfers it sends or receives, in the plan's order, the pairs it
+    exchanges in, in wave order, and the bytes the whole job moves; or, for every member, the
+    error that no survivor holds a piece."""
+    try:
+        transfers = plan_transfers({m: held for m, (held, _) in offers.items()},
+                                   {m: needs for m, (_, needs) in offers.items()})
+    except StateLost as lost:
+        return {member: {"error": str(lost)} for member in offers}
+    sizes: dict[tuple[int, int], int] = defaultdict(int)
+    for transfer in transfers:
+        if transfer.source != transfer.target:
+            sizes[(transfer.source, transfer.target)] += transfer.end - transfer.start
+    pairs = sorted(sizes)
+    waves = assign_waves([(source, target, sizes[(source, target)]) for source, target in pairs])
+    in_waves = [pair for _, pair in sorted(zip(waves, pairs))]
+    moved = sum(sizes.values()) * torch.float32.itemsize
+    return {member: {"transfers": [list(astuple(t)) for t in transfers
+                                   if member in (t.source, t.target)],
+                     "exchanges": [list(pair) for pair in in_waves if member in pair],
+                     "bytes": moved}
+            for member in offers}
+
+
+def _exchange_plan(store, prefix: str, rank: int, members: Sequence[int], held: Sequence[str],
+                   needs: Sequence[Piece], timeout: timedelta,
+                   failure: threading.Event | None) -> dict:
+    """This rank's part of the plan (:func:`plan_exchanges`), planned by the lowest member."""
+    store.set(f"{prefix}/offer/{rank}",
+              json.dumps([sorted(held), [astuple(p) for p in needs]]))
+    if rank == members[0]:
+        keys = [f"{prefix}/offer/{member}" for member in members]
+        wait_for_keys(store, keys, timeout, failure)
+        offers = {}
+        for member, raw in zip(members, store.multi_get(keys)):
+            member_held, member_needs = json.loads(raw)
+            offers[member] = (member_held, [Piece(*fields) for fields in member_needs])
+        plans = plan_exchanges(offers)
+        store.multi_set([f"{prefix}/plan/{member}" for member in members],
+                        [json.dumps(plans[member]) for member in members])
+    mine = f"{prefix}/plan/{rank}"
+    wait_for_keys(store, [mine], timeout, failure)
+    plan = json.loads(store.get(mine))
+    if "error" in plan:
+        raise StateLost(plan["error"])
+    return plan
 
 
 def migrate(held: Mapping[str, torch.Tensor], needs: Sequence[Piece], *, rank: int,
@@ -237,39 +279,24 @@ def migrate(held: Mapping[str, torch.Tensor], needs: Sequence[Piece], *, rank: i
     :class:`~megatron_elaswave.launch.store.WaitInterrupted` as soon as ``failure`` is set while it waits
     for a member to publish, or after ``timeout``.
     """
-    holdings = _publish_and_collect(store, prefix, rank, members, "holds", sorted(held), timeout,
-                                    failure)
-    all_needs = _publish_and_collect(
-        store, prefix, rank, members, "needs",
-        [[p.tp, p.name, p.kind, p.start, p.end] for p in needs], timeout, failure)
-    all_needs = {r: [Piece(*fields) for fields in value] for r, value in all_needs.items()}
-    transfers = plan_transfers(holdings, all_needs)
-
+    plan = _exchange_plan(store, prefix, rank, members, list(held), needs, timeout, failure)
     results = [torch.empty(need.numel, dtype=torch.float32) for need in needs]
     outgoing: dict[int, list[Transfer]] = defaultdict(list)
     incoming: dict[int, list[Transfer]] = defaultdict(list)
-    for transfer in transfers:
+    for transfer in (Transfer(*fields) for fields in plan["transfers"]):
         if transfer.source == rank == transfer.target:
             _place(results, needs, transfer, _slice(held, transfer))
         elif transfer.source == rank:
             outgoing[transfer.target].append(transfer)
         elif transfer.target == rank:
             incoming[transfer.source].append(transfer)
-
-    sizes: dict[tuple[int, int], int] = defaultdict(int)
-    for transfer in transfers:
-        if transfer.source != transfer.target:
-            sizes[(transfer.source, transfer.target)] += transfer.end - transfer.start
-    pairs = sorted(sizes)
-    waves = assign_waves([(source, target, sizes[(source, target)]) for source, target in pairs])
-    mine = sorted((wave, pair) for wave, pair in zip(waves, pairs) if rank in pair)
     in_group = {member: index for index, member in enumerate(members)}
-    for _, (source, target) in mine:  # one exchange per wave, in wave order on both sides
+    for source, target in plan["exchanges"]:  # one exchange per wave, in wave order on both sides
         if source == rank:
             _send(held, outgoing[target], in_group[target], group)
         else:
             _place_received(results, needs, incoming[source], source, in_group[source], group)
-    return results, sum(sizes.values()) * torch.float32.itemsize
+    return results, plan["bytes"]
 
 
 def _send(held: Mapping[str, torch.Tensor], items: list[Transfer], group_peer: int,
