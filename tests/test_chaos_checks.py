@@ -12,7 +12,7 @@ from chaos import (  # noqa: E402
     LOSS_TOLERANCE,
     off_trajectory,
     relative_differences,
-    store_comparison,
+    comparison,
 )
 
 
@@ -44,11 +44,15 @@ def test_a_jump_beyond_both_bounds_is_off_the_trajectory():
     assert off_trajectory(differences, floor) == [120, 1150]
 
 
-def test_the_store_comparison_has_a_ratio_where_both_stores_measured_a_kind():
-    tcp = {"kill": {"median_s": 1.0, "count": 2}, "node": {"median_s": 0.5, "count": 1}}
-    etcd = {"kill": {"median_s": 1.5, "count": 2}, "node0": {"median_s": 2.5, "count": 1}}
-    assert store_comparison(tcp, etcd)[2:] == [
-        "| kill | 1.00 s (2) | 1.50 s (2) | 1.50 |",
-        "| node | 0.50 s (1) |  |  |",
-        "| node0 |  | 2.50 s (1) |  |",
+def test_the_comparison_has_a_ratio_where_both_soaks_measured_a_kind():
+    tcp = {"kill": {"median_s": 1.0, "count": 2, "p90_s": 1.2},
+           "node": {"median_s": 0.5, "count": 1, "p90_s": 0.5}}
+    etcd = {"kill": {"median_s": 1.5, "count": 2, "p90_s": 1.75},
+            "node0": {"median_s": 2.5, "count": 1, "p90_s": 2.5}}
+    assert comparison(("TCPStore", tcp), ("etcd", etcd)) == [
+        "| fault kind | TCPStore median (n; p90) | etcd median (n; p90) | etcd / TCPStore |",
+        "|---|---|---|---|",
+        "| kill | 1.00 s (2; 1.20 s) | 1.50 s (2; 1.75 s) | 1.50 |",
+        "| node | 0.50 s (1; 0.50 s) |  |  |",
+        "| node0 |  | 2.50 s (1; 2.50 s) |  |",
     ]

@@ -79,6 +79,17 @@ def test_a_host_stops_serving_a_generation_once_it_is_past_the_kept_ones():
 
 
 @pytest.mark.timeout(60)
+def test_a_generation_asked_to_be_kept_is_served_past_the_kept_ones():
+    job = job_store()
+    (host,) = stores_of(job, 0)
+    host.open(1, [0])
+    port = int(job.get(generation_store_key(1)).decode().rpartition(":")[2])
+    for generation in range(2, 3 + KEPT_GENERATIONS):
+        host.open(generation, [0], keep={1})
+    dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT).set("served", "1")
+
+
+@pytest.mark.timeout(60)
 def test_a_request_to_a_store_whose_host_was_killed_ends_once_the_failure_is_detected():
     job = job_store()
     process = subprocess.Popen([sys.executable, "-c", HOST, str(job.port)],

@@ -437,9 +437,10 @@ class GroupRegistry:
         self._host_groups: dict[tuple[int, ...], ProcessGroup] = {}
         """The gloo twins of the :data:`HOST_ROLES` groups, where they are separate."""
         self._interruptible: dict[tuple[int, threading.Event | None], InterruptibleStore] = {}
-        self._world_store: Store | None = None
-        """The store of the default group formed by a ``full`` rebuild: ``new_group`` without a
-        store of its own rendezvous there for as long as the group lives."""
+        self._world_generation: int | None = None
+        """The generation whose store the default group formed on, after a ``full`` rebuild:
+        ``new_group`` without a store of its own rendezvous there for as long as the group
+        lives, so that store is kept open."""
         self._intact = True
         """False while a ``full`` rebuild is under way, and after one was interrupted."""
 
@@ -654,11 +655,11 @@ class GroupRegistry:
         forget_unformed_default_group()  # that of an interrupted rebuild
         _store_barrier(self._generation_store, communicator_key(self._generation, "meet"),
                        len(survivors), self._timeout, abort)
-        self._world_store = self._rendezvous_store(abort)
+        self._world_generation = self._generation
         with recording_connections() as device_groups:
             dist.init_process_group(
                 self._backend,
-                store=self._world_store,
+                store=self._rendezvous_store(abort),
                 rank=survivors.index(self._rank),
                 world_size=len(survivors),
                 timeout=self._creation_timeout(abort),
@@ -729,11 +730,13 @@ class GroupRegistry:
     def _open_generation(self, layout: Layout, abort: threading.Event | None) -> None:
         """Open the store of ``self._generation``, whose members are ``layout``'s ranks; every
         member opens it, since one of them hosts it. Forget the rendezvous views of the
-        generations whose stores are closed."""
-        self._generation_store = self._stores.open(self._generation, layout.known_ranks(), abort)
+        generations whose stores are closed: a gloo group uses its store only while it forms."""
+        kept = {self._world_generation} - {None}
+        self._generation_store = self._stores.open(self._generation, layout.known_ranks(), abort,
+                                                   keep=kept)
         oldest = self._generation - KEPT_GENERATIONS
         self._interruptible = {key: view for key, view in self._interruptible.items()
-                               if key[0] > oldest}
+                               if key[0] > oldest or key[0] in kept}
 
     def _rendezvous_store(self, abort: threading.Event | None) -> Store:
         """Where this generation's groups meet: reads there end as soon as ``abort`` is set."""

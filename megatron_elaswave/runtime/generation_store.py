@@ -10,6 +10,11 @@ store (:func:`~megatron_elaswave.launch.keys.generation_store_key`), as torchrun
 hosts its store on one of the nodes. On a ``TCPStore`` job store (node 0's launcher) the job
 store serves as fast, and is used for every generation.
 
+Only gloo groups rendezvous there: they use their store while they form and never after, so a
+generation's store is closed two generations later (but that of a default group formed on it,
+which ``new_group`` falls back to). NCCL communicators that form on first use would need it
+later, when its host may be gone: device backends keep the job store for every generation.
+
 A host that dies takes its generation with it: the death is recorded in the job store like any
 other, a survivor's request to the dead store fails (:class:`HostedStore`) and the next generation
 has another host. A host that is stopped (SIGSTOP) answers nothing: a request to it waits for the
@@ -118,10 +123,11 @@ class GenerationStores:
         return self._host_address is not None
 
     def open(self, generation: int, members: Iterable[int],
-             failure: threading.Event | None = None) -> Store:
+             failure: threading.Event | None = None, *, keep: Iterable[int] = ()) -> Store:
         """The store of ``generation``, whose members (this rank among them) call this with the
         same ``members``; the same object for every call of a generation. The lowest member
-        hosts it and the others connect. Raises
+        hosts it and the others connect. The stores of the generations before the last
+        :data:`KEPT_GENERATIONS` are closed, but those of ``keep``. Raises
         :class:`~megatron_elaswave.launch.store.WaitInterrupted` as soon as ``failure`` is set
         while this rank waits for the host to publish its address, or after the timeout."""
         if self._host_address is None:
@@ -148,7 +154,7 @@ class GenerationStores:
                                       f"is not reachable ({error})") from None
         opened = self._opened[generation] = HostedStore(store, generation, host, failure,
                                                         self._timeout)
-        for old in sorted(self._opened)[:-KEPT_GENERATIONS]:  # their servers stop
+        for old in sorted(set(self._opened) - set(keep))[:-KEPT_GENERATIONS]:  # servers stop
             del self._opened[old]
             self._servers.pop(old, None)
         return opened

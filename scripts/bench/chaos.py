@@ -1,6 +1,7 @@
 """Chaos soak: one long ``--elastic`` run under ``elaswave-run --rejoin``, hit by random faults.
 
-Two launchers of four workers each (TP2 x PP2 x DP2, a small GPT on mock data) train while the
+Two launchers of four workers each (TP2 x PP2 x DP2, a small GPT on mock data; ``--sizes``
+gives more workers per node, the data-parallel width growing with them) train while the
 soak sends, at random moments (seeded), faults drawn from:
 
 * ``kill``: SIGKILL of one worker;
@@ -27,7 +28,7 @@ soak sends, at random moments (seeded), faults drawn from:
 
 The first faults are every kind once, in a seeded order; the rest are drawn at random. Every
 dead worker is started again (``--rejoin``) and joins at a step boundary. Before the next
-fault the soak waits until the job runs on all eight ranks again, then a random number of
+fault the soak waits until the job runs on all its ranks again, then a random number of
 iterations. After the last fault the job trains a few iterations on every rank and the soak
 stops it; the failure-free run of the same flags, up to the same iteration, is the reference:
 every iteration must be recorded exactly once, with the same samples and a loss on the
@@ -51,7 +52,10 @@ names at the end is not complete.
 
 ``--compare-stores`` runs the same seeded soak on both stores, one after the other (each with its
 references, logs under ``tcp/`` and ``etcd/``), and ends with one table of the MTTR per fault
-kind on each and their ratio; ``--json-out`` then holds both summaries.
+kind on each and their ratio; ``--json-out`` then holds both summaries. ``--sizes 8,16`` does the
+same at two job sizes on one store (logs under ``ranks8/`` and ``ranks16/``):
+
+    python scripts/bench/chaos.py --kinds kill --faults 6 --seed 1 --sizes 8,16
 """
 
 from __future__ import annotations
@@ -78,8 +82,9 @@ from megatron_elaswave.launch.store import WorkerDeath, read_deaths, read_worker
 from megatron_elaswave.metrics import MetricsFollower, read_metrics
 from megatron_elaswave.training.checkpointing.checkpoint import latest_complete
 
-NODES, PER_NODE = 2, 4
-RANKS = NODES * PER_NODE
+NODES = 2
+PER_NODE = 4
+"""Workers per node unless ``--sizes`` says otherwise."""
 KINDS = ("kill", "stop", "recovery-kill", "burst", "node", "join-kill", "grow-kill", "consecutive",
          "save-kill")
 ETCD_KINDS = (*KINDS, "node0")
@@ -147,12 +152,12 @@ class Node:
 
     def __init__(self, node_rank: int, port: int, flags: list[str], workdir: Path,
                  rejoin_delay_s: float, rejoin_node: bool = False,
-                 store: tuple[str, str] | None = None) -> None:
+                 store: tuple[str, str] | None = None, per_node: int = PER_NODE) -> None:
         """``store``: the etcd URL and run id of a job whose store is on etcd."""
         name = f"node{node_rank}{'-replacement' if rejoin_node else ''}"
         self.log = open(workdir / f"{name}.log", "a")
         etcd = [f"--store={store[0]}", f"--run-id={store[1]}"] if store else []
-        command = [sys.executable, "-m", "megatron_elaswave.launch.run", f"--nproc-per-node={PER_NODE}",
+        command = [sys.executable, "-m", "megatron_elaswave.launch.run", f"--nproc-per-node={per_node}",
                    f"--nnodes={NODES}", f"--node-rank={node_rank}", f"--master-port={port}",
                    f"--node-timeout={NODE_TIMEOUT_S:g}", "--rejoin", *etcd,
                    f"--rejoin-delay={rejoin_delay_s:g}", "--max-rejoins=1000",
@@ -191,6 +196,7 @@ class Soak:
     rejoin_delay_s: float
     etcd: tuple[str, str] | None = None
     """The etcd URL and run id, when the job store is on etcd."""
+    per_node: int = PER_NODE
     nodes: list[Node] = field(default_factory=list)
     _store: object = None
     _follower: MetricsFollower = field(init=False)
@@ -218,7 +224,11 @@ class Soak:
 
     def node(self, node_rank: int, rejoin_node: bool = False) -> Node:
         return Node(node_rank, self.port, self.flags, self.workdir, self.rejoin_delay_s,
-                    rejoin_node, self.etcd)
+                    rejoin_node, self.etcd, self.per_node)
+
+    @property
+    def ranks(self) -> int:
+        return NODES * self.per_node
 
     def iterations(self) -> list[dict]:
         return [r for r in self.records() if r["event"] == "iteration"]
@@ -244,7 +254,7 @@ class Soak:
         records = self.records()
         changes = [r["time"] for r in records if r["event"] in ("recovery", "grow")]
         last = next((r for r in reversed(records) if r["event"] == "iteration"), None)
-        return (last is not None and last["world_size"] == RANKS
+        return (last is not None and last["world_size"] == self.ranks
                 and last["time"] > max(changes, default=0.0))
 
     def deaths(self, known: list[WorkerDeath]) -> list[WorkerDeath]:
@@ -266,20 +276,20 @@ class Soak:
         fault's clock starts at its first signal, not at the soak's own look-ups (the first one
         imports torch, seconds on this machine)."""
         node = self.rng.randrange(NODES)
-        ranks = list(range(node * PER_NODE, (node + 1) * PER_NODE))
+        ranks = list(range(node * self.per_node, (node + 1) * self.per_node))
         if kind in ("kill", "stop"):
             victims = [self.rng.choice(ranks)]
         elif kind == "recovery-kill":
             victims = self.rng.sample(ranks, 2)
         elif kind in SECOND_KILL:
-            victims = self.rng.sample(range(RANKS), 2)
+            victims = self.rng.sample(range(self.ranks), 2)
         elif kind == "save-kill":
-            victims = [self.rng.randrange(RANKS)]
+            victims = [self.rng.randrange(self.ranks)]
         elif kind == "burst":
             victims = self.rng.sample(ranks, self.rng.randint(2, 4))
         else:
             lost = 0 if kind == "node0" else 1
-            victims = list(range(lost * PER_NODE, (lost + 1) * PER_NODE))
+            victims = list(range(lost * self.per_node, (lost + 1) * self.per_node))
         pids = [self.pid(rank) for rank in victims] if kind not in ("node", "node0") else []
         deaths = len(read_deaths(self.store())) if kind == "recovery-kill" else 0
         records = len(self.records())
@@ -329,14 +339,14 @@ def percentile(values: list[float], share: float) -> float:
 
 def run_soak(faults: int, seed: int, kinds: tuple[str, ...], workdir: Path,
              rejoin_delay_s: float = REJOIN_DELAY_S, etcd: str | None = None,
-             ) -> tuple[list[Fault], list[dict], list[WorkerDeath], str]:
+             per_node: int = PER_NODE) -> tuple[list[Fault], list[dict], list[WorkerDeath], str]:
     train_iters = ITERATIONS_PER_FAULT * faults + 50
     metrics = workdir / "soak.jsonl"
     port = free_port()
     flags = [*model_flags(train_iters), "--elastic-metrics-file", str(metrics),
              "--save", str(workdir / "checkpoints"), "--save-interval", str(SAVE_INTERVAL)]
     soak = Soak(workdir, metrics, port, flags, random.Random(seed), rejoin_delay_s,
-                None if etcd is None else (etcd, f"chaos-seed{seed}-{os.getpid()}"))
+                None if etcd is None else (etcd, f"chaos-seed{seed}-{os.getpid()}"), per_node)
     soak.nodes = [soak.node(rank) for rank in range(NODES)]
     order = soak.rng.sample(kinds, len(kinds))  # every kind once first, in a seeded order
     injected: list[Fault] = []
@@ -377,11 +387,12 @@ def run_soak(faults: int, seed: int, kinds: tuple[str, ...], workdir: Path,
 
 
 def reference_run(train_iters: int, until: int, workdir: Path, name: str = "reference",
-                  layout: dict[str, str] | None = None) -> list[dict]:
-    """Iterations 1 to ``until`` of the failure-free run of a ``train_iters`` job (on the soak's
-    layout unless ``layout`` changes some of its flags)."""
+                  layout: dict[str, str] | None = None, ranks: int = NODES * PER_NODE
+                  ) -> list[dict]:
+    """Iterations 1 to ``until`` of the failure-free run of a ``train_iters`` job on ``ranks``
+    (on the soak's layout unless ``layout`` changes some of its flags)."""
     metrics = workdir / f"{name}.jsonl"
-    command = [sys.executable, "-m", "megatron_elaswave.launch.run", f"--nproc-per-node={RANKS}",
+    command = [sys.executable, "-m", "megatron_elaswave.launch.run", f"--nproc-per-node={ranks}",
                f"--master-port={free_port()}", str(SCRIPTS / "pretrain_gpt.py"),
                *model_flags(train_iters, layout), "--elastic-metrics-file", str(metrics)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -503,13 +514,14 @@ def summarise(faults: list[Fault], records: list[dict], deaths: list[WorkerDeath
     }
 
 
-def soak(args: argparse.Namespace, kinds: tuple[str, ...], store: str, workdir: Path
-         ) -> tuple[dict, list[str]]:
-    """One soak with the job store ``store`` (``tcp`` or ``etcd``) and its two failure-free
-    references; prints its summary and returns it with what went wrong."""
+def soak(args: argparse.Namespace, kinds: tuple[str, ...], store: str, workdir: Path,
+         ranks: int = NODES * PER_NODE) -> tuple[dict, list[str]]:
+    """One soak on ``ranks`` (over two nodes) with the job store ``store`` (``tcp`` or
+    ``etcd``) and its two failure-free references; prints its summary and returns it with what
+    went wrong."""
     workdir.mkdir(parents=True, exist_ok=True)
-    print(f"soak: {args.faults} faults, seed {args.seed}, store {store}, logs in {workdir}",
-          flush=True)
+    print(f"soak: {args.faults} faults, seed {args.seed}, {ranks} ranks, store {store}, logs in "
+          f"{workdir}", flush=True)
     with contextlib.ExitStack() as stack:
         etcd = None
         if store == "etcd":
@@ -518,13 +530,14 @@ def soak(args: argparse.Namespace, kinds: tuple[str, ...], store: str, workdir: 
 
             etcd = stack.enter_context(EtcdCluster(3)).url
         faults, records, deaths, output = run_soak(args.faults, args.seed, kinds, workdir,
-                                                   args.rejoin_delay, etcd)
+                                                   args.rejoin_delay, etcd, ranks // NODES)
     print("failure-free reference run", flush=True)
     trained = max((r["iteration"] for r in records if r["event"] == "iteration"), default=0)
-    reference = reference_run(ITERATIONS_PER_FAULT * args.faults + 50, trained, workdir)
+    reference = reference_run(ITERATIONS_PER_FAULT * args.faults + 50, trained, workdir,
+                              ranks=ranks)
     print("failure-free run on another layout (summation order)", flush=True)
     other_layout = reference_run(ITERATIONS_PER_FAULT * args.faults + 50, trained, workdir,
-                                 "other-layout", OTHER_LAYOUT)
+                                 "other-layout", OTHER_LAYOUT, ranks)
     summary = summarise(faults, records, deaths, reference, other_layout, output,
                         workdir / "checkpoints")
     print(f"faults injected: {summary['faults']} {summary['faults_per_kind']}")
@@ -532,7 +545,8 @@ def soak(args: argparse.Namespace, kinds: tuple[str, ...], store: str, workdir: 
           f"clean stops: {summary['clean_stops']}")
     print(f"samples lost: {summary['samples_lost']}; largest relative loss difference from the "
           f"failure-free run: {summary['largest_relative_loss_difference']:.2e} over "
-          f"{summary['iterations']} iterations (a failure-free run on TP2 x PP1 x DP4: "
+          f"{summary['iterations']} iterations (a failure-free run on TP2 x PP1 x "
+          f"DP{ranks // 2}: "
           f"{summary['other_layout_largest_relative_loss_difference']:.2e})")
     for kind, figures in summary["mttr"].items():
         print(f"  MTTR {kind:14s} n={figures['count']:3d}  median {figures['median_s']:.2f} s  "
@@ -549,16 +563,18 @@ def soak(args: argparse.Namespace, kinds: tuple[str, ...], store: str, workdir: 
     return summary, problems
 
 
-def store_comparison(tcp: dict, etcd: dict) -> list[str]:
-    """The rows of a table of MTTR per fault kind on both stores (medians), with their ratio;
-    a kind measured on one store only has a row without the ratio."""
-    rows = ["| fault kind | TCPStore median (n) | etcd median (n) | etcd / TCPStore |",
-            "|---|---|---|---|"]
-    for kind in [kind for kind in ETCD_KINDS if kind in tcp or kind in etcd]:
-        cells = [f"{runs[kind]['median_s']:.2f} s ({runs[kind]['count']})" if kind in runs
-                 else "" for runs in (tcp, etcd)]
-        ratio = (f"{etcd[kind]['median_s'] / tcp[kind]['median_s']:.2f}"
-                 if kind in tcp and kind in etcd else "")
+def comparison(first: tuple[str, dict], second: tuple[str, dict]) -> list[str]:
+    """The rows of a table of MTTR per fault kind in two soaks, each ``(name, mttr figures)``:
+    median (n) and p90 of each, and the ratio of the second's median to the first's; a kind
+    measured in one soak only has a row without the ratio."""
+    (name_a, a), (name_b, b) = first, second
+    rows = [f"| fault kind | {name_a} median (n; p90) | {name_b} median (n; p90) | "
+            f"{name_b} / {name_a} |", "|---|---|---|---|"]
+    for kind in [kind for kind in ETCD_KINDS if kind in a or kind in b]:
+        cells = [f"{runs[kind]['median_s']:.2f} s ({runs[kind]['count']}; "
+                 f"{runs[kind]['p90_s']:.2f} s)" if kind in runs else "" for runs in (a, b)]
+        ratio = (f"{b[kind]['median_s'] / a[kind]['median_s']:.2f}"
+                 if kind in a and kind in b else "")
         rows.append(f"| {kind} | {cells[0]} | {cells[1]} | {ratio} |")
     return rows
 
@@ -578,6 +594,10 @@ def main() -> None:
     parser.add_argument("--compare-stores", action="store_true",
                         help="run the soak on both stores with the same seed and faults (node0 "
                         "left out), then print one table of MTTR per kind with their ratio")
+    parser.add_argument("--sizes", default=None, metavar="RANKS,RANKS",
+                        help="run the soak at two job sizes (ranks over two nodes, multiples of "
+                        "eight) with the same seed, then print one table of MTTR per kind at "
+                        "both sizes; default: one soak on eight ranks")
     parser.add_argument("--workdir", default=None,
                         help="keep logs and metrics here (default: runs/chaos-seed<SEED>, emptied "
                              "first)")
@@ -585,6 +605,11 @@ def main() -> None:
                         help="seconds before a dead worker's replacement starts (default: "
                              f"{REJOIN_DELAY_S:g})")
     args = parser.parse_args()
+    sizes = [int(size) for size in args.sizes.split(",")] if args.sizes else [NODES * PER_NODE]
+    if args.sizes and (len(sizes) != 2 or any(size < 8 or size % 8 for size in sizes)
+                       or args.compare_stores):
+        parser.error("--sizes takes two job sizes, multiples of 8 ranks, without "
+                     "--compare-stores")
     stores = ("tcp", "etcd") if args.compare_stores else (args.store,)
     allowed = ETCD_KINDS if stores == ("etcd",) else KINDS
     kinds = tuple(args.kinds.split(",")) if args.kinds else allowed
@@ -600,16 +625,22 @@ def main() -> None:
     workdir = Path(args.workdir) if args.workdir else SCRIPTS.parent / "runs" / f"chaos-seed{args.seed}"
     if not args.workdir:
         shutil.rmtree(workdir, ignore_errors=True)  # the launchers' logs are appended to
+    runs = [(store, size) for store in stores for size in sizes]
     summaries, problems = {}, []
-    for store in stores:
-        summaries[store], found = soak(args, kinds, store,
-                                       workdir / store if len(stores) > 1 else workdir)
+    for store, size in runs:
+        name = store if args.compare_stores else f"{size} ranks" if args.sizes else store
+        place = (workdir / store if args.compare_stores else workdir / f"ranks{size}"
+                 if args.sizes else workdir)
+        summaries[name], found = soak(args, kinds, store, place, size)
         problems += found
-    if args.compare_stores:
-        print("\n".join(store_comparison(summaries["tcp"]["mttr"], summaries["etcd"]["mttr"])))
+    if len(summaries) == 2:
+        (label_a, a), (label_b, b) = summaries.items()
+        labels = {"tcp": "TCPStore", "etcd": "etcd"}
+        print("\n".join(comparison((labels.get(label_a, label_a), a["mttr"]),
+                                    (labels.get(label_b, label_b), b["mttr"]))))
     for problem in problems:
         print(problem, file=sys.stderr)
-    summary = summaries if args.compare_stores else summaries[args.store]
+    summary = summaries if len(summaries) == 2 else summaries[next(iter(summaries))]
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(summary, indent=2))
     if args.json:

@@ -55,7 +55,7 @@ def build_elastic_trainer(args: argparse.Namespace, backend: DeviceBackend, rank
     timeout = timedelta(seconds=config.collective_timeout_s)
     layout = failure_free_layout(args, first_global_batch_size)
     registry = GroupRegistry(layout, rank, store=store, backend=backend.dist_backend, timeout=timeout,
-                             stores=_generation_stores(store, rank, timeout))
+                             stores=_generation_stores(store, rank, timeout, backend))
     model_factory = model_factory or ModelFactory.from_flags(args, vocab_size)
     # Its stage may span several layer groups (virtual stages); the seeds need no DP group.
     model_factory.seed_generators(registry.process_group_collection(registry.layer_groups()[0]))
@@ -107,10 +107,14 @@ def _check_save_is_shared(save: str, group, rank: int, world_size: int) -> None:
                                    first_on_node=os.environ.get("LOCAL_RANK") == "0")
 
 
-def _generation_stores(store, rank: int, timeout: timedelta) -> GenerationStores:
+def _generation_stores(store, rank: int, timeout: timedelta,
+                       backend: DeviceBackend) -> GenerationStores:
     """Where each generation's groups meet and its members exchange holdings: a store hosted
-    by one of them when the job store is on etcd, the job store otherwise."""
-    return GenerationStores(store, rank, host_address=generation_store_address(), timeout=timeout)
+    by one of them when the job store is on etcd and the groups are gloo's, the job store
+    otherwise (:mod:`~megatron_elaswave.runtime.generation_store`)."""
+    hosted = backend.dist_backend == "gloo"
+    return GenerationStores(store, rank, timeout=timeout,
+                            host_address=generation_store_address() if hosted else None)
 
 
 def _abandon_waits_on_failure(monitor: FailureMonitor) -> None:
@@ -176,7 +180,7 @@ def join_elastic_job(args: argparse.Namespace, backend: DeviceBackend, rank: int
                                          backend=backend.dist_backend, timeout=timeout,
                                          generation=plan.decision.generation,
                                          abort=monitor.failure_detected,
-                                         stores=_generation_stores(store, rank, timeout))
+                                         stores=_generation_stores(store, rank, timeout, backend))
         if rank in plan.layout.active_ranks():  # its stage may span several layer groups
             seed_random_generators(
                 args.seed, registry.process_group_collection(registry.layer_groups()[0]))
