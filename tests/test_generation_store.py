@@ -66,27 +66,20 @@ def test_the_lowest_member_hosts_and_the_others_find_it_through_the_job_store():
 
 
 @pytest.mark.timeout(60)
-def test_a_host_stops_serving_a_generation_once_it_is_past_the_kept_ones():
+@pytest.mark.parametrize("keep", [(), (1,)], ids=["closed", "kept"])
+def test_a_host_serves_a_generation_past_the_kept_ones_only_when_asked_to(keep):
     job = job_store()
     (host,) = stores_of(job, 0)
     host.open(1, [0])
     port = int(job.get(generation_store_key(1)).decode().rpartition(":")[2])
     dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT).set("served", "1")
-    for generation in range(2, 2 + KEPT_GENERATIONS):
-        host.open(generation, [0])
-    with pytest.raises(dist.DistError):
-        dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1))
-
-
-@pytest.mark.timeout(60)
-def test_a_generation_asked_to_be_kept_is_served_past_the_kept_ones():
-    job = job_store()
-    (host,) = stores_of(job, 0)
-    host.open(1, [0])
-    port = int(job.get(generation_store_key(1)).decode().rpartition(":")[2])
     for generation in range(2, 3 + KEPT_GENERATIONS):
-        host.open(generation, [0], keep={1})
-    dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT).set("served", "1")
+        host.open(generation, [0], keep=keep)
+    if keep:
+        dist.TCPStore("127.0.0.1", port, is_master=False, timeout=TIMEOUT).set("served", "2")
+    else:
+        with pytest.raises(dist.DistError):
+            dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=1))
 
 
 @pytest.mark.timeout(60)
