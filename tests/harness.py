@@ -64,6 +64,9 @@ project's patches). The others import torch alone: their launchers preload only 
 CPU that no worker uses."""
 
 
+_ONCE: dict[object, object] = {}
+
+
 def once(key: object, compute: Callable[[], object]) -> object:
     """``compute()``, run the first time ``key`` is asked for in the test session: a job or a
     data set that fixtures of several modules need (a module-scoped fixture imported into
@@ -71,9 +74,6 @@ def once(key: object, compute: Callable[[], object]) -> object:
     if key not in _ONCE:
         _ONCE[key] = compute()
     return _ONCE[key]
-
-
-_ONCE: dict[object, object] = {}
 
 
 def worker_script(name: str) -> str:

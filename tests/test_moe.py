@@ -347,17 +347,16 @@ def test_a_replacement_rejoins_an_moe_job_and_its_layout_returns(tmp_path, two_l
                      300, "the recovery")
         hold_while_joining(job, [5])
 
-    reference = two_lockstep_sets
     rejoined = pretrain_gpt(tmp_path, "rejoined", pretrain_gpt_flags(ep=2) + [
         "--elastic", *HELD, "--elastic-inject-failure", "rank=5,iteration=3"],
         launcher_args=("--rejoin", "--rejoin-delay", "1"), during=hold_until_rank_5_asks)
     assert "ranks [5] joined after iteration" in rejoined["output"]
-    assert_on_trajectory(rejoined, reference)
+    assert_on_trajectory(rejoined, two_lockstep_sets)
     [recovery] = rejoined["recoveries"]
     [grow] = rejoined["grows"]
     assert recovery["failed_ranks"] == [5] and grow["joined_ranks"] == [5]
     assert [len(r["stages"]) for r in recovery["layout"]] == [1, 1, 2, 2]
-    assert grow["layout"] == reference["iterations"][0]["layout"]
+    assert grow["layout"] == two_lockstep_sets["iterations"][0]["layout"]
     assert rejoined["iterations"][-1]["world_size"] == 8
 
 

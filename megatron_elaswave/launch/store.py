@@ -353,6 +353,13 @@ class WaitInterrupted(RuntimeError):
     keys did not all appear in time."""
 
 
+def read_when_set(store: Store, keys: list[str], timeout: timedelta,
+                  failure: threading.Event | None = None) -> list[bytes]:
+    """The values of ``keys``, read once every one is set; raises as :func:`wait_for_keys`."""
+    wait_for_keys(store, keys, timeout, failure)
+    return store.multi_get(keys) if len(keys) > 1 else [store.get(keys[0])]
+
+
 def wait_for_keys(store: Store, keys: list[str], timeout: timedelta,
                   failure: threading.Event | None = None) -> None:
     """Return once every key of ``keys`` exists. Raises :class:`WaitInterrupted` as soon as

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from megatron_elaswave.launch.keys import generation_store_key
-from megatron_elaswave.launch.store import WaitInterrupted, wait_for_keys
+from megatron_elaswave.launch.store import WaitInterrupted, read_when_set
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -143,8 +143,8 @@ class GenerationStores:
             self._job_store.set(key, f"{self._host_address}:{server.port}")
             store = server
         else:
-            wait_for_keys(self._job_store, [key], self._timeout, failure)
-            address, _, port = self._job_store.get(key).decode().rpartition(":")
+            [raw] = read_when_set(self._job_store, [key], self._timeout, failure)
+            address, _, port = raw.decode().rpartition(":")
             try:
                 store = dist.TCPStore(address, int(port), is_master=False, timeout=self._timeout)
             except dist.DistError as error:

@@ -628,16 +628,14 @@ def main() -> None:
     runs = [(store, size) for store in stores for size in sizes]
     summaries, problems = {}, []
     for store, size in runs:
-        name = store if args.compare_stores else f"{size} ranks" if args.sizes else store
-        place = (workdir / store if args.compare_stores else workdir / f"ranks{size}"
-                 if args.sizes else workdir)
-        summaries[name], found = soak(args, kinds, store, place, size)
+        name, place = (f"{size} ranks", f"ranks{size}") if args.sizes else (store, store)
+        summaries[name], found = soak(args, kinds, store,
+                                      workdir / place if len(runs) > 1 else workdir, size)
         problems += found
     if len(summaries) == 2:
-        (label_a, a), (label_b, b) = summaries.items()
         labels = {"tcp": "TCPStore", "etcd": "etcd"}
-        print("\n".join(comparison((labels.get(label_a, label_a), a["mttr"]),
-                                    (labels.get(label_b, label_b), b["mttr"]))))
+        print("\n".join(comparison(*((labels.get(name, name), summary["mttr"])
+                                      for name, summary in summaries.items()))))
     for problem in problems:
         print(problem, file=sys.stderr)
     summary = summaries if len(summaries) == 2 else summaries[next(iter(summaries))]

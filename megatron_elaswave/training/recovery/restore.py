@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from megatron_elaswave.launch.keys import ABANDONED, COMMITTED, restore_prefix
-from megatron_elaswave.launch.store import WaitInterrupted, wait_for_keys
+from megatron_elaswave.launch.store import WaitInterrupted, read_when_set
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.runtime import wire
 from megatron_elaswave.runtime.snapshot import SnapshotTag, newest_whole_iteration
@@ -65,15 +65,17 @@ class RestoreRound:
         outcome = f"{self.prefix}/rollback"
         if self.rank == self.members[0]:
             self.exchange.set(outcome, json.dumps(self._rollback(lost)))
-        wait_for_keys(self.exchange, [outcome], self.timeout, self.abort)
-        decided = json.loads(self.exchange.get(outcome))
+        [raw] = read_when_set(self.exchange, [outcome], self.timeout, self.abort)
+        decided = json.loads(raw)
         if "error" in decided:
             raise CannotContinue(decided["error"])
         return decided["iteration"]
 
     def _rollback(self, lost: set[int]) -> dict:
-        everything = [SnapshotTag(*tag) for raw in self._wait_and_get("held")
-                      for tag in json.loads(raw)]
+        holdings = read_when_set(self.exchange, [f"{self.prefix}/held/{member}"
+                                                 for member in self.members],
+                                 self.timeout, self.abort)
+        everything = [SnapshotTag(*tag) for raw in holdings for tag in json.loads(raw)]
         iteration = newest_whole_iteration(everything)
         if iteration is not None:
             return {"iteration": iteration}
@@ -104,8 +106,8 @@ class RestoreRound:
         if self.rank not in newcomers:
             return state, records
         key = f"{self.prefix}/state/tp{new.position(self.rank)[2]}"
-        wait_for_keys(self.exchange, [key], self.timeout, self.abort)
-        shared_state, shared_records = wire.loads(self.exchange.get(key))
+        [raw] = read_when_set(self.exchange, [key], self.timeout, self.abort)
+        shared_state, shared_records = wire.loads(raw)
         return (shared_state if state is None else state), shared_records
 
     def commit(self) -> None:
@@ -129,8 +131,3 @@ class RestoreRound:
             return
         raise WaitInterrupted("the restore was abandoned: a failure was noticed before every "
                               "member had restored")
-
-    def _wait_and_get(self, what: str) -> list[bytes]:
-        keys = [f"{self.prefix}/{what}/{member}" for member in self.members]
-        wait_for_keys(self.exchange, keys, self.timeout, self.abort)
-        return self.exchange.multi_get(keys)

@@ -32,7 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megatron_elaswave.launch.store import wait_for_keys
+from megatron_elaswave.launch.store import read_when_set
 from megatron_elaswave.patches.distrib_optimizer import (
     owns,
     set_shard_state,
@@ -250,17 +250,15 @@ def _exchange_plan(store, prefix: str, rank: int, members: Sequence[int], held: 
               json.dumps([sorted(held), [astuple(p) for p in needs]]))
     if rank == members[0]:
         keys = [f"{prefix}/offer/{member}" for member in members]
-        wait_for_keys(store, keys, timeout, failure)
         offers = {}
-        for member, raw in zip(members, store.multi_get(keys)):
+        for member, raw in zip(members, read_when_set(store, keys, timeout, failure)):
             member_held, member_needs = json.loads(raw)
             offers[member] = (member_held, [Piece(*fields) for fields in member_needs])
         plans = plan_exchanges(offers)
         store.multi_set([f"{prefix}/plan/{member}" for member in members],
                         [json.dumps(plans[member]) for member in members])
-    mine = f"{prefix}/plan/{rank}"
-    wait_for_keys(store, [mine], timeout, failure)
-    plan = json.loads(store.get(mine))
+    [raw] = read_when_set(store, [f"{prefix}/plan/{rank}"], timeout, failure)
+    plan = json.loads(raw)
     if "error" in plan:
         raise StateLost(plan["error"])
     return plan
