@@ -117,6 +117,10 @@ def test_a_capture_from_cuda_is_copied_on_a_side_stream_and_checksummed_when_com
     assert all(torch.equal(tensors[name], tensor) for name, tensor in shard(0, 1).items())
 
 
+SENT = SnapshotConfig(shared_memory=False)
+"""Copies sent through the group, as to buddies on other hosts."""
+
+
 class Loopback:
     """Stand-in for torch.distributed's point-to-point calls within one process: messages
     arrive in the order they were sent, whoever sends them; with ``peer_died`` set, waiting
@@ -144,8 +148,8 @@ class Loopback:
 def test_a_replica_is_kept_as_sent_and_verified_when_read(monkeypatch):
     loopback = Loopback()
     monkeypatch.setattr(snapshot_module, "dist", loopback)
-    sender = SnapshotStore(rank=1, config=SnapshotConfig(chunk_bytes=256))
-    buddy = SnapshotStore(rank=0, config=SnapshotConfig(chunk_bytes=256))
+    sent_config = SnapshotConfig(chunk_bytes=256, shared_memory=False)
+    sender, buddy = SnapshotStore(rank=1, config=sent_config), SnapshotStore(0, sent_config)
     for iteration in (1, 2, 3, 4):
         sender.replicate(sender.capture(iteration, shard(1, iteration), {"cursor": iteration}),
                          send_to=[0], receive_from=[])
@@ -165,7 +169,7 @@ def test_a_replica_is_kept_as_sent_and_verified_when_read(monkeypatch):
 def test_a_copy_that_arrived_is_kept_when_a_send_to_its_dead_sender_fails(monkeypatch):
     loopback = Loopback()
     monkeypatch.setattr(snapshot_module, "dist", loopback)
-    sender, buddy = SnapshotStore(rank=1), SnapshotStore(rank=0)
+    sender, buddy = SnapshotStore(1, SENT), SnapshotStore(0, SENT)
     sender.replicate(sender.capture(5, shard(1, 5), {}), send_to=[0], receive_from=[])
     loopback.peer_died = True
     with pytest.raises(RuntimeError, match="reset by peer"):
@@ -177,7 +181,7 @@ def test_an_exchange_runs_on_a_thread_and_a_failure_that_ends_it_loses_no_arrive
         monkeypatch):
     loopback = Loopback()
     monkeypatch.setattr(snapshot_module, "dist", loopback)
-    sender, buddy = SnapshotStore(rank=1), SnapshotStore(rank=0)
+    sender, buddy = SnapshotStore(1, SENT), SnapshotStore(0, SENT)
     exchanges = []
     replicate = snapshot_module.SnapshotStore.replicate
 
@@ -231,12 +235,15 @@ def test_config_is_validated():
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_buddy_restores_a_killed_ranks_snapshot(tmp_path):
+@pytest.mark.parametrize("transport", ["shared", pytest.param("sent", marks=pytest.mark.sweep),
+                                       "mixed"])
+def test_buddy_restores_a_killed_ranks_snapshot(tmp_path, transport):
     """Four ranks snapshot every step and replicate to the next rank; rank 2 is SIGKILLed after
-    step 3, and rank 3 restores rank 2's step-3 state bit-exactly."""
+    step 3, and rank 3 restores rank 2's step-3 state bit-exactly: from rank 2's shared memory,
+    which outlives it, where both map shared memory; from the copy sent where rank 3 does not."""
     world, victim, steps = 4, 2, 3
-    job = launch([worker_script("snapshot_ring.py"), str(tmp_path), str(steps)], world,
-                 master_port=free_port())
+    job = launch([worker_script("snapshot_ring.py"), str(tmp_path), str(steps), transport],
+                 world, master_port=free_port())
     with job:
         job.wait_for(lambda: all((tmp_path / f"done{r}").exists() for r in range(world)), 90,
                      "every rank to finish its snapshots")
@@ -247,7 +254,8 @@ def test_buddy_restores_a_killed_ranks_snapshot(tmp_path):
     assert returncode == 0, output
     result = json.loads((tmp_path / "restored3.json").read_text())
     assert result == {"rank": victim, "iteration": steps, "bit_exact": True,
-                      "held": [[2, 2], [2, 3], [3, 2], [3, 3]]}
+                      "held": [[2, 2], [2, 3], [3, 2], [3, 3]],
+                      "mapped": transport == "shared"}
 
 
 def test_a_snapshot_sealed_as_its_copies_arrive_has_the_checksums_of_one_sealed_at_once():
@@ -269,3 +277,22 @@ def test_a_snapshot_sealed_as_its_copies_arrive_has_the_checksums_of_one_sealed_
     at_once = SnapshotStore(0, config).capture(1, live, {"iteration": 1})
     assert copy.checksums == at_once.checksums
     copy.verify()
+
+
+def test_a_restore_verifies_the_tensors_it_reads_and_only_those():
+    store = SnapshotStore(rank=0, config=SnapshotConfig(chunk_bytes=256))
+    store.capture(5, shard(0, 5), {"cursor": "own"})
+    peer = SnapshotStore(rank=1, config=SnapshotConfig(chunk_bytes=256)).capture(
+        5, {f"peer_{name}": tensor for name, tensor in shard(1, 5).items()}, {"cursor": "peer"})
+    store._keep(peer)
+    peer.view("peer_main_param")[3] += 1.0  # rank 1's replica, damaged in memory
+    tensors, state = store.restore_iteration(5, rank=0)
+    assert state == {"cursor": "own"} and sorted(tensors) == sorted(
+        [*shard(0, 5), *(f"peer_{name}" for name in shard(1, 5))])
+    assert torch.equal(tensors["main_param"], shard(0, 5)["main_param"])
+    assert torch.equal(tensors["peer_exp_avg"], shard(1, 5)["exp_avg"])
+    with pytest.raises(SnapshotCorrupted, match="rank 1 at iteration 5 .*'peer_main_param'"):
+        tensors["peer_main_param"]
+    assert store.restore_iteration(5, rank=2)[1] == {"cursor": "own"}  # any held, where not its own
+    nothing, no_state = store.restore_iteration(6, rank=0)
+    assert len(nothing) == 0 and no_state is None

@@ -24,6 +24,7 @@ from megatron_elaswave.planner.job import JobSpec
 from megatron_elaswave.planner.profile import SyntheticModel, synthetic_profile
 from megatron_elaswave.planner.replan import PlanError
 from megatron_elaswave.planner.zero import buddy_ranks
+from megatron_elaswave.runtime import wire
 from megatron_elaswave.runtime.snapshot import Snapshot, SnapshotConfig, SnapshotStore, newest_whole_iteration
 from megatron_elaswave.training.recovery.planning import plan_without
 
@@ -83,7 +84,7 @@ class SnapshotModel:
                                                          owners)
             else:
                 sent = made[owner]
-                self.stores[holder]._keep(Snapshot.from_header(sent.header(),
+                self.stores[holder]._keep(Snapshot.from_header(wire.loads(sent.header()),
                                                                sent.payload.clone()))
             done.add((owner, holder))
             self.check()

@@ -59,6 +59,7 @@ import torch.distributed as dist
 from megatron_elaswave.patches.p2p_communication import wait as p2p_wait
 
 from . import wire
+from .shared_payloads import SharedHandle, SharedPayloads
 
 
 class SnapshotCorrupted(RuntimeError):
@@ -113,6 +114,10 @@ class SnapshotConfig:
     """Finish each step's snapshot (wait for its copies, checksum, replicate) just before the
     next optimizer step instead of at once, so that the device-to-host copies run beside the
     next forward and backward. A failure before then rolls back one iteration further."""
+    shared_memory: bool = True
+    """Capture host snapshots into shared memory, which buddies on the same host map instead of
+    receiving a copy (:mod:`~megatron_elaswave.runtime.shared_payloads`); buddies elsewhere, and
+    snapshots captured from a device (pinned for its copies), are sent through the group."""
 
     def __post_init__(self) -> None:
         if self.replicas < 0:
@@ -130,6 +135,9 @@ SNAPSHOT_TAG = 3
 :meth:`SnapshotStore.replicate_when_captured` it may share its group with a pipeline's sends and
 receives (tag 0, when the group's ranks are one pipeline) and never meets them; migrations use
 tags 1 and 2."""
+
+MAPPED_TAG = 4
+"""Tag of a buddy's answer to a payload offered in shared memory: mapped, or send it."""
 
 _STATE = "__state__"
 """Key of the small state's checksums, beside the tensors' names."""
@@ -217,6 +225,9 @@ class Snapshot:
     readers: int = 0
     """Durable checkpoints being written from it (:meth:`SnapshotStore.pin`): while any is, its
     payload is not reused for a later snapshot."""
+    mapped: bool = False
+    """Its payload is its owner's, in shared memory mapped here: never reused here, and its
+    memory counted by its owner."""
 
     @property
     def tag(self) -> SnapshotTag:
@@ -243,12 +254,12 @@ class Snapshot:
     def nbytes(self) -> int:
         return self.payload.numel() + len(self.state)
 
-    def _compute_checksums(self) -> dict[str, tuple[int, ...]]:
-        data = _memory(self.payload)
-        checksums = {name: chunk_checksums(data[start:end], self.chunk_bytes)
-                     for name, start, end in self.extents()}
-        checksums[_STATE] = chunk_checksums(memoryview(self.state), self.chunk_bytes)
-        return checksums
+    def view(self, name: str) -> torch.Tensor:
+        """The tensor ``name`` (a view of the payload)."""
+        for tensor_name, shape, dtype, offset in self.layout:
+            if tensor_name == name:
+                return self.payload[offset:offset + _nbytes(shape, dtype)].view(dtype).reshape(shape)
+        raise KeyError(name)
 
     def seal_as_copied(self, copied: list[Any], pool: ThreadPoolExecutor) -> None:
         """Record the checksums :meth:`verify` checks while the copies into the payload are
@@ -267,28 +278,59 @@ class Snapshot:
         checksums[_STATE] = chunk_checksums(memoryview(self.state), self.chunk_bytes)
         self.checksums = checksums
 
-    def verify(self) -> None:
-        """Raise :class:`SnapshotCorrupted` naming the first part that changed."""
-        for name, checksum in self._compute_checksums().items():
-            if checksum != self.checksums.get(name):
+    def verify(self, names: Iterable[str] | None = None) -> None:
+        """Raise :class:`SnapshotCorrupted` naming the first part that changed, of the tensors
+        ``names`` (default: every tensor and the small state)."""
+        data = _memory(self.payload)
+        extents = {name: (start, end) for name, start, end in self.extents()}
+        for name in [*extents, _STATE] if names is None else names:
+            part = memoryview(self.state) if name == _STATE else data[slice(*extents[name])]
+            if chunk_checksums(part, self.chunk_bytes) != self.checksums.get(name):
                 what = "the small state" if name == _STATE else repr(name)
                 raise SnapshotCorrupted(f"snapshot of rank {self.rank} at iteration "
                                         f"{self.iteration} (layout version {self.version}): "
                                         f"{what} does not match its checksum")
 
-    def header(self) -> bytes:
-        """Everything but the payload: identity, layout, checksums and the small state."""
+    def header(self, shared: SharedHandle | None = None) -> bytes:
+        """Everything but the payload: identity, layout, checksums and the small state, and
+        where the payload is ``shared``."""
         return wire.dumps({
             "rank": self.rank, "iteration": self.iteration, "layout": self.layout,
             "state": self.state, "checksums": self.checksums, "chunk_bytes": self.chunk_bytes,
             "version": self.version, "owners": self.owners,
+            "shared": tuple(shared) if shared is not None else None,
         })
 
     @classmethod
-    def from_header(cls, header: bytes, payload: torch.Tensor) -> "Snapshot":
-        meta = wire.loads(header)
+    def from_header(cls, meta: dict, payload: torch.Tensor, mapped: bool = False) -> "Snapshot":
+        """The snapshot of a :meth:`header` (loaded) and its payload."""
         return cls(meta["rank"], meta["iteration"], meta["layout"], payload, meta["state"],
-                   meta["checksums"], meta["chunk_bytes"], meta["version"], meta["owners"])
+                   meta["checksums"], meta["chunk_bytes"], meta["version"], meta["owners"],
+                   mapped=mapped)
+
+
+class VerifiedOnRead(Mapping[str, torch.Tensor]):
+    """The tensors of some snapshots by name (a later snapshot's over an earlier's of the same
+    name), each verified against its checksums the first time it is read: raises
+    :class:`SnapshotCorrupted` then."""
+
+    def __init__(self, snapshots: Iterable[Snapshot]) -> None:
+        self._sources = {name: snapshot for snapshot in snapshots
+                         for name, _, _ in snapshot.extents()}
+        self._verified: set[str] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        snapshot = self._sources[name]
+        if name not in self._verified:
+            snapshot.verify([name])
+            self._verified.add(name)
+        return snapshot.view(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
 
 
 @dataclass
@@ -330,6 +372,7 @@ class SnapshotStore:
         """Runs :meth:`replicate_when_captured`."""
         self._pinned: dict[int, Snapshot] = {}
         """By ``id``: the snapshots :meth:`pin` keeps, held or not."""
+        self._shared = SharedPayloads() if config.shared_memory else None
 
     def _payload_buffer(self, rank: int, iteration: int, nbytes: int,
                         pinned: bool = False) -> torch.Tensor:
@@ -339,10 +382,14 @@ class SnapshotStore:
         with self._held_lock:
             for key, previous in self._held.items():
                 if (key[0] == rank and key[1] <= iteration - 2 and not previous.readers
-                        and previous.payload.numel() == nbytes
+                        and not previous.mapped and previous.payload.numel() == nbytes
                         and previous.payload.is_pinned() == pinned):
                     del self._held[key]
                     return previous.payload
+        if rank == self.rank and not pinned and self._shared is not None:
+            shared = self._shared.allocate(nbytes)
+            if shared is not None:
+                return shared
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
     # -- capture and restore -------------------------------------------------------------------
@@ -413,6 +460,21 @@ class SnapshotStore:
         snapshot.verify()
         return snapshot.tensors, wire.loads(snapshot.state)
 
+    def restore_iteration(self, iteration: int,
+                          rank: int) -> tuple["VerifiedOnRead", dict | None]:
+        """Every tensor held of ``iteration``, own and replicated, of every layout version (the
+        state of an iteration is the same in each), by name, each verified when first read (a
+        restore reads the pieces it moves or loads, not every replica it holds); and the
+        verified small state of ``rank``'s snapshot, or of any held where ``rank``'s is not
+        (``None`` where none is)."""
+        with self._held_lock:
+            snapshots = [self._held[key] for key in sorted(self._held) if key[1] == iteration]
+        with_state = [s for s in snapshots if s.rank == rank] or snapshots[:1]
+        for snapshot in with_state:
+            snapshot.verify([_STATE])
+        return (VerifiedOnRead(snapshots),
+                wire.loads(with_state[-1].state) if with_state else None)
+
     def own(self, iteration: int, version: int) -> Snapshot | None:
         """This rank's snapshot of ``iteration`` taken in layout ``version``, if held."""
         with self._held_lock:
@@ -448,10 +510,12 @@ class SnapshotStore:
 
     @property
     def bytes_held(self) -> int:
-        """Host bytes of the snapshots held and of those pinned for a checkpoint."""
+        """Host bytes of the snapshots held and of those pinned for a checkpoint; a snapshot
+        mapped from its owner's shared memory counts its small state only."""
         with self._held_lock:
             held = {id(s): s for s in self._held.values()}
-            return sum(s.nbytes for s in {**held, **self._pinned}.values())
+            return sum(len(s.state) if s.mapped else s.nbytes
+                       for s in {**held, **self._pinned}.values())
 
     def _keep(self, snapshot: Snapshot) -> None:
         """Hold ``snapshot``, and drop what no rollback can need any more (module docstring):
@@ -493,34 +557,69 @@ class SnapshotStore:
 
         Collective among the ranks named: every rank passes the ranks it sends to and those that
         send to it, numbered as in ``group`` (the default group when ``None``). A copy goes as
-        three messages: sizes, header, payload.
-        Returns once every copy has arrived and every send has completed. Each copy is kept as
-        soon as it has arrived, before the sends are waited for, so the copy of a peer that dies
-        right after sending it is not lost. Copies keep their sender's checksums and are
-        verified when read.
+        sizes, header and payload; a payload in shared memory (``config.shared_memory``) is
+        offered instead, and sent only to the buddies that cannot map it (on another host), once
+        they have answered.
+        Returns once every copy has arrived (or is mapped) and every send has completed. Each
+        copy is kept as soon as it has arrived, before the sends are waited for, so the copy of
+        a peer that dies right after sending it is not lost. Copies keep their sender's
+        checksums and are verified when read.
         """
-        header = snapshot.header()
+        shared = self._shared.handle(snapshot.payload) if self._shared is not None else None
+        header = snapshot.header(shared)
         header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        sizes = torch.tensor([len(header), snapshot.payload.numel()], dtype=torch.int64)
+        sizes = torch.tensor([len(header), snapshot.payload.numel(), shared is not None],
+                             dtype=torch.int64)
         # Header and payload receives are posted together once the sizes are in, so the payload
         # streams in without this rank waking up after the header: on a busy host every
         # wake-up waits for a core.
-        peer_sizes = {peer: torch.empty(2, dtype=torch.int64) for peer in receive_from}
+        peer_sizes = {peer: torch.empty(3, dtype=torch.int64) for peer in receive_from}
         size_requests = [dist.irecv(size, group=group, tag=SNAPSHOT_TAG, group_src=peer)
                          for peer, size in peer_sizes.items()]
+        messages = (sizes, header_tensor) if shared else (sizes, header_tensor, snapshot.payload)
         sends = [dist.isend(message, group=group, tag=SNAPSHOT_TAG, group_dst=peer)
-                 for peer in send_to for message in (sizes, header_tensor, snapshot.payload)]
+                 for peer in send_to for message in messages]
+        answers = {peer: torch.empty(1, dtype=torch.int64) for peer in send_to} if shared else {}
+        answer_requests = {peer: dist.irecv(answer, group=group, tag=MAPPED_TAG, group_src=peer)
+                           for peer, answer in answers.items()}
         for request in size_requests:
             p2p_wait(request, group)
-        incoming = {peer: (torch.empty(int(size[0]), dtype=torch.uint8),
-                           self._payload_buffer(peer, snapshot.iteration, int(size[1])))
-                    for peer, size in peer_sizes.items()}
-        receives = {peer: [dist.irecv(message, group=group, tag=SNAPSHOT_TAG, group_src=peer)
-                           for message in messages]
-                    for peer, messages in incoming.items()}
-        for peer, (peer_header, peer_payload) in incoming.items():
-            for request in receives[peer]:
-                p2p_wait(request, group)
-            self._keep(Snapshot.from_header(peer_header.numpy().tobytes(), peer_payload))
+        headers = {peer: torch.empty(int(size[0]), dtype=torch.uint8)
+                   for peer, size in peer_sizes.items()}
+        header_requests = {peer: dist.irecv(header, group=group, tag=SNAPSHOT_TAG, group_src=peer)
+                           for peer, header in headers.items()}
+        payloads = {peer: self._payload_buffer(peer, snapshot.iteration, int(size[1]))
+                    for peer, size in peer_sizes.items() if not size[2]}
+        payload_requests = {peer: dist.irecv(payload, group=group, tag=SNAPSHOT_TAG,
+                                              group_src=peer)
+                            for peer, payload in payloads.items()}
+        metas = {}
+        for peer, peer_header in headers.items():
+            p2p_wait(header_requests[peer], group)
+            metas[peer] = meta = wire.loads(peer_header.numpy().tobytes())
+            if peer in payloads:
+                continue
+            nbytes = int(peer_sizes[peer][1])
+            mapped = (self._shared.attach(SharedHandle(*meta["shared"]), nbytes)
+                      if self._shared is not None else None)
+            if mapped is not None:
+                self._keep(Snapshot.from_header(meta, mapped, mapped=True))
+            else:
+                payloads[peer] = self._payload_buffer(peer, snapshot.iteration, nbytes)
+            sends.append(dist.isend(torch.tensor([mapped is not None], dtype=torch.int64),
+                                    group=group, tag=MAPPED_TAG, group_dst=peer))
+        early = {peer: payloads[peer] for peer in payload_requests}
+        late = {peer: payload for peer, payload in payloads.items() if peer not in early}
+        for peer, payload in early.items():
+            p2p_wait(payload_requests[peer], group)
+            self._keep(Snapshot.from_header(metas[peer], payload))
+        for peer, request in answer_requests.items():
+            p2p_wait(request, group)
+            if not answers[peer].item():
+                sends.append(dist.isend(snapshot.payload, group=group, tag=SNAPSHOT_TAG,
+                                        group_dst=peer))
+        for peer, payload in late.items():
+            p2p_wait(dist.irecv(payload, group=group, tag=SNAPSHOT_TAG, group_src=peer), group)
+            self._keep(Snapshot.from_header(metas[peer], payload))
         for request in sends:
             p2p_wait(request, group)

@@ -237,6 +237,10 @@ def add_elastic_args(parser: argparse.ArgumentParser) -> None:
                             "rolls back one iteration further if the snapshot of a rank it took "
                             "had not reached its buddy); off: finish it in its own step "
                             "(default: on)")
+    group.add_argument("--elastic-snapshot-shared-memory", choices=("on", "off"), default="on",
+                       help="on: snapshots live in shared memory, which buddies on the same host "
+                            "map instead of receiving a copy; off: every copy is sent through "
+                            "the process group, as to buddies on other hosts (default: on)")
     group.add_argument("--elastic-policy", choices=("elaswave", "drop-replica", "reroute"),
                        default="elaswave",
                        help="after a failure: elaswave (reshard layers, micro-batches and state), "

@@ -23,7 +23,10 @@ Two measurements:
    included). Per round the ratio of the two windows' medians, per set the median of its rounds',
    and the median over sets (target: at most 1.02), with two 95% intervals: over the sets as the
    other benchmarks give it (``common.median_interval``, the sets' whole range below 6 sets) and a
-   bootstrap over sets and their rounds (``common.bootstrap_ratio_interval``).
+   bootstrap over sets and their rounds (``common.bootstrap_ratio_interval``). With
+   ``--sent-arm`` a third arm, ``--elastic`` with ``--elastic-snapshot-shared-memory off``, sends
+   every snapshot copy through gloo, as to buddies on other hosts (the first arm's buddies, on
+   this one host, map the owners' shared memory).
 2. **MTTR, MoE against dense.** The recipe with ``--elastic`` and ``--elastic-metrics-file``,
    and its dense twin (the same ranks, TP/PP, hidden size, layers, heads and flags, one dense
    SwiGLU FFN per layer instead of the experts and router, as wide as the top-2 experts a token
@@ -70,6 +73,9 @@ STEP_TARGET = 1.02
 MTTR_TARGET = 1.5
 """The most the MoE job's MTTR may be, as a ratio to the dense job's."""
 ELASTIC = ["--elastic", "--elastic-rebalance-window", "0"]
+SENT_ARM = "elastic-sent"
+SENT = ["--elastic-snapshot-shared-memory", "off"]
+"""``--sent-arm``: every snapshot copy sent through gloo, as to buddies on other hosts."""
 PHASES = ("detect_s", "agree_s", "plan_s", "comm_s", "rebuild_s", "migrate_s", "first_step_s")
 CPU = ["--distributed-backend", "gloo", "--transformer-impl", "local",
        "--no-gradient-accumulation-fusion", "--no-persist-layer-norm"]
@@ -153,24 +159,29 @@ def step_time(args: argparse.Namespace, script: Path, say) -> dict:
         return lambda train_iters: MegatronLMJob(script, [*recipe(args, train_iters), *extra],
                                                  args.nproc)
 
-    times = time_sliced({"megatron-lm": arm([]), "elastic": arm(ELASTIC + args.elastic_args)},
-                        args.rounds,
-                        args.window, args.warmup_iters, sets=args.sets, report=say)
-    low, high = times.ratio_interval("elastic", "megatron-lm")
-    boot_low, boot_high = bootstrap_ratio_interval(times, "elastic", "megatron-lm")
-    return {
-        "median_s": {name: times.median(name) for name in ARMS},
-        "iterations_per_arm": len(times.pooled("megatron-lm")),
-        "ratio": times.paired_ratio("elastic", "megatron-lm"),
-        "interval": [low, high],
-        "bootstrap_interval": [boot_low, boot_high],
-        "set_ratios": times.set_ratios("elastic", "megatron-lm"),
-        "round_ratios": times.round_ratios("elastic", "megatron-lm"),
-        "pooled_ratio": times.median("elastic") / times.median("megatron-lm"),
-        "target": STEP_TARGET,
-        "samples_s": {name: [[r["step_time_s"] for r in run] for run in times.runs[name]]
-                      for name in ARMS},
-    }
+    arms = {"megatron-lm": arm([]), "elastic": arm(ELASTIC + args.elastic_args)}
+    if args.sent_arm:
+        arms[SENT_ARM] = arm(ELASTIC + args.elastic_args + SENT)
+    times = time_sliced(arms, args.rounds, args.window, args.warmup_iters, sets=args.sets,
+                        report=say)
+
+    def ratios(name: str) -> dict:
+        low, high = times.ratio_interval(name, "megatron-lm")
+        boot_low, boot_high = bootstrap_ratio_interval(times, name, "megatron-lm")
+        return {"ratio": times.paired_ratio(name, "megatron-lm"), "interval": [low, high],
+                "bootstrap_interval": [boot_low, boot_high],
+                "set_ratios": times.set_ratios(name, "megatron-lm"),
+                "round_ratios": times.round_ratios(name, "megatron-lm"),
+                "pooled_ratio": times.median(name) / times.median("megatron-lm")}
+
+    result = {"median_s": {name: times.median(name) for name in arms},
+              "iterations_per_arm": len(times.pooled("megatron-lm")), "target": STEP_TARGET,
+              **ratios("elastic"),
+              "samples_s": {name: [[r["step_time_s"] for r in run] for run in times.runs[name]]
+                            for name in arms}}
+    if args.sent_arm:
+        result["sent"] = ratios(SENT_ARM)
+    return result
 
 
 # -- 2. MTTR --------------------------------------------------------------------------------------
@@ -328,6 +339,13 @@ def print_table(summary: dict) -> None:
               f"{STEP_TARGET}); 95% interval over sets {low:.4f} to {high:.4f}, bootstrap "
               f"{boot_low:.4f} to {boot_high:.4f}; by set "
               f"{' '.join(f'{r:.4f}' for r in result['set_ratios'])}")
+        if "sent" in result:
+            sent = result["sent"]
+            print(f"  {'copies sent':12s} median {result['median_s'][SENT_ARM] * 1e3:8.1f} ms "
+                  f"(--elastic, every snapshot copy through gloo)")
+            print(f"  ratio copies sent / megatron-lm {sent['ratio']:.4f}; 95% interval over "
+                  f"sets {sent['interval'][0]:.4f} to {sent['interval'][1]:.4f}; by set "
+                  f"{' '.join(f'{r:.4f}' for r in sent['set_ratios'])}")
     if "mttr" in summary:
         result = summary["mttr"]
         print(f"MTTR, SIGKILL of rank {summary['fail_rank']} after iteration "
@@ -387,6 +405,10 @@ def main() -> None:
     parser.add_argument("--elastic-args", type=shlex.split, default=[], metavar="FLAGS",
                         help="more flags of the --elastic jobs, as one word "
                              "(--elastic-args='--elastic-snapshot-replicas 1')")
+    parser.add_argument("--sent-arm", action="store_true",
+                        help="time a third arm, --elastic with every snapshot copy sent through "
+                             "the process group (--elastic-snapshot-shared-memory off), as to "
+                             "buddies on other hosts; one more job held at once")
     parser.add_argument("--skip-step-time", action="store_true")
     parser.add_argument("--skip-mttr", action="store_true")
     parser.add_argument("--output", help="write the figures to this JSON file")

@@ -615,13 +615,7 @@ class ElasticTrainer(Trainer):
         # of others, whatever layout took them. Pieces are named globally and the state of an
         # iteration is the same in every layout, so an older layout's set covers what a newer
         # one, not yet taken or replicated everywhere when a rank failed, lacks.
-        held: dict[str, torch.Tensor] = {}
-        state = None
-        for tag in self.snapshots.store.held():
-            if tag.iteration == iteration:
-                tensors, snapshot_state = self.snapshots.store.restore(*tag[:3])
-                held.update(tensors)
-                state = snapshot_state if tag.rank == self.rank or state is None else state
+        held, state = self.snapshots.store.restore_iteration(iteration, self.rank)
         active = self.rank in layout.active_ranks()
         state, self._unwritten = restore.share_state(state, self._unwritten, self.state_layout,
                                                      layout, self.lost)

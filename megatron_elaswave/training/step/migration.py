@@ -300,7 +300,7 @@ def migrate(held: Mapping[str, torch.Tensor], needs: Sequence[Piece], *, rank: i
 def _send(held: Mapping[str, torch.Tensor], items: list[Transfer], group_peer: int,
           group: dist.ProcessGroup | None) -> None:
     buffer = torch.cat([_slice(held, t).float().reshape(-1) for t in items])
-    checksum = torch.tensor([zlib.crc32(buffer.numpy().tobytes())], dtype=torch.int64)
+    checksum = torch.tensor([zlib.crc32(buffer.numpy())], dtype=torch.int64)
     requests = [dist.isend(buffer, group=group, tag=1, group_dst=group_peer),
                 dist.isend(checksum, group=group, tag=2, group_dst=group_peer)]
     for request in requests:
@@ -315,7 +315,7 @@ def _place_received(results: list[torch.Tensor], needs: Sequence[Piece], items: 
                 dist.irecv(checksum, group=group, tag=2, group_src=group_peer)]
     for request in requests:
         p2p_wait(request, group)
-    if zlib.crc32(buffer.numpy().tobytes()) != int(checksum):
+    if zlib.crc32(buffer.numpy()) != int(checksum):
         raise TransferCorrupted(f"state received from rank {peer} fails its CRC-32")
     offset = 0
     for transfer in items:

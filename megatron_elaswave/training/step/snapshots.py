@@ -91,7 +91,8 @@ def snapshot_config(args: argparse.Namespace, copies: int | None = None) -> Snap
     if replicas is None:
         replicas = copies if copies is not None else 1
     return SnapshotConfig(replicas=replicas, ranks_per_node=ranks_per_node(),
-                          overlap=args.elastic_snapshot_overlap == "on")
+                          overlap=args.elastic_snapshot_overlap == "on",
+                          shared_memory=args.elastic_snapshot_shared_memory == "on")
 
 
 class StepSnapshots:
