@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from common import (  # noqa: E402
     RESUME_DROPPED,
     Alternated,
     SlicedJob,
+    bootstrap_median_ratio,
     median_interval,
     time_sliced,
 )
@@ -123,3 +125,15 @@ def test_paired_ratio_is_the_median_over_sets_of_each_sets_median_round_ratio():
     assert times.set_ratios("arm", "base") == [1.1, 0.6, 1.9]
     assert times.paired_ratio("arm", "base") == 1.1
     assert times.ratio_interval("arm", "base") == (0.6, 1.9)  # 3 sets: their whole range
+
+
+def test_the_bootstrap_interval_of_a_ratio_of_medians_covers_the_true_ratio():
+    draw = random.Random(7)
+    covered = 0
+    for _ in range(40):
+        samples = [draw.lognormvariate(math.log(1.5), 0.2) for _ in range(9)]
+        base = [draw.lognormvariate(0.0, 0.2) for _ in range(9)]
+        low, high = bootstrap_median_ratio(samples, base, draws=400)
+        assert low <= statistics.median(samples) / statistics.median(base) <= high
+        covered += low <= 1.5 <= high
+    assert covered >= 32  # 95% intervals: about 38 of 40

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
+import signal
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -256,6 +257,22 @@ def test_buddy_restores_a_killed_ranks_snapshot(tmp_path, transport):
     assert result == {"rank": victim, "iteration": steps, "bit_exact": True,
                       "held": [[2, 2], [2, 3], [3, 2], [3, 3]],
                       "mapped": transport == "shared"}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_buddy_that_never_answers_an_offer_holds_up_no_other(tmp_path):
+    """Rank 0 offers its snapshot to ranks 1 and 2, neither of which maps it; rank 1 is
+    SIGSTOPped before the exchange, and rank 2 still gets and keeps its copy."""
+    job = launch([worker_script("snapshot_offer.py"), str(tmp_path)], 3, master_port=free_port())
+    with job:
+        job.wait_for(lambda: all((tmp_path / f"ready{r}").exists() for r in range(3)), 90,
+                     "every rank to capture its snapshot")
+        job.kill_worker(1, signal.SIGSTOP)
+        (tmp_path / "go").touch()
+        job.wait_for(lambda: (tmp_path / "kept2.json").exists(), 60, "rank 2's copy")
+    assert json.loads((tmp_path / "kept2.json").read_text()) == {"bit_exact": True,
+                                                                "mapped": False}
 
 
 def test_a_snapshot_sealed_as_its_copies_arrive_has_the_checksums_of_one_sealed_at_once():

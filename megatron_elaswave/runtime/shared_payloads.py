@@ -11,7 +11,9 @@ Guarantees:
 * **Nothing to clean up.** Buffers have no name in any file system: a buffer's memory is freed
   when its owner has dropped it and no other process maps it, whichever processes were killed.
 * **A buddy never writes the owner's bytes.** It maps them copy-on-write: a write there stays in
-  its own pages.
+  its own pages. A buffer's size is sealed, so no process can shrink it under its mappings.
+* **Only the owner's user.** A request from a process of another user is refused (the
+  peer's credentials, ``SO_PEERCRED``).
 * **Same host or nothing.** The owner hands a buffer's descriptor over a Unix socket in the
   abstract namespace of its host (and network namespace), at an address unique to the process:
   :meth:`SharedPayloads.attach` from anywhere else finds no owner and returns ``None``, and the
@@ -27,6 +29,7 @@ mapping while it holds a snapshot in it.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import socket
@@ -45,6 +48,8 @@ _REQUEST = struct.Struct("<q")
 _ANSWER = struct.Struct("<q")
 """The owner's answer: the buffer's size in bytes, or -1 (no such buffer); the descriptor rides
 with it."""
+_CREDENTIALS = struct.Struct("3i")
+"""``SO_PEERCRED``: the peer's pid, uid and gid."""
 
 
 class SharedHandle(NamedTuple):
@@ -66,6 +71,10 @@ class SharedPayloads:
         """By buffer id: the memfd and the size of each buffer this process owns and still uses."""
         self._ids: dict[int, int] = {}
         """Buffer id by the address of the buffer's first byte."""
+        self._released: list[tuple[int, int]] = []
+        """Buffers dropped by the owner, ``(id, address)``, whose descriptors are still to close:
+        a buffer is dropped wherever garbage is collected, perhaps on a thread that holds
+        ``_lock``, so the lock is taken to close them later (:meth:`_close_released`)."""
         self._attached: weakref.WeakValueDictionary[SharedHandle, torch.Tensor] = \
             weakref.WeakValueDictionary()
         self._connections: dict[bytes, socket.socket | None] = {}
@@ -80,17 +89,19 @@ class SharedPayloads:
         if nbytes <= 0:
             return None
         try:
-            fd = os.memfd_create("elaswave-snapshot", os.MFD_CLOEXEC)
+            fd = os.memfd_create("elaswave-snapshot", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         except (AttributeError, OSError):
             return None
         try:
             os.posix_fallocate(fd, 0, nbytes)
             mapping = mmap.mmap(fd, nbytes)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         except OSError:
             os.close(fd)
             return None
         buffer = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
         with self._lock:
+            self._close_released()
             self._ensure_serving()
             buffer_id, self._next_id = self._next_id, self._next_id + 1
             self._buffers[buffer_id] = (fd, nbytes)
@@ -102,18 +113,24 @@ class SharedPayloads:
         """Where other processes find ``payload``, a buffer of :meth:`allocate`; ``None`` for
         any other tensor."""
         with self._lock:
+            self._close_released()
             buffer_id = self._ids.get(payload.data_ptr())
             if buffer_id is None or self._buffers.get(buffer_id, (0, -1))[1] != payload.numel():
                 return None
             return SharedHandle(self._address, buffer_id)
 
     def _release(self, buffer_id: int, data_ptr: int) -> None:
-        """The owner dropped the buffer: its descriptor goes; buddies keep their mappings."""
-        with self._lock:
+        """The owner dropped the buffer: its descriptor goes (buddies keep their mappings)."""
+        self._released.append((buffer_id, data_ptr))  # atomic: takes no lock (``_released``)
+
+    def _close_released(self) -> None:
+        """Under ``_lock``: forget the buffers released so far and close their descriptors."""
+        while self._released:
+            buffer_id, data_ptr = self._released.pop()
             fd, _ = self._buffers.pop(buffer_id)
             if self._ids.get(data_ptr) == buffer_id:
                 del self._ids[data_ptr]
-        os.close(fd)
+            os.close(fd)
 
     def _ensure_serving(self) -> None:
         if self._address is not None:
@@ -134,16 +151,20 @@ class SharedPayloads:
 
     def _answer(self, connection: socket.socket) -> None:
         with connection:
-            while True:
-                request = _receive_exactly(connection, _REQUEST.size)
-                if request is None:
-                    return
+            _, uid, _ = _CREDENTIALS.unpack(connection.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size))
+            if uid != os.getuid():
+                return
+            while (request := _receive_exactly(connection, _REQUEST.size)) is not None:
                 (buffer_id,) = _REQUEST.unpack(request)
                 with self._lock:
+                    self._close_released()
                     fd, nbytes = self._buffers.get(buffer_id, (None, -1))
-                    # Sent under the lock: the descriptor cannot be closed meanwhile.
-                    socket.send_fds(connection, [_ANSWER.pack(nbytes)],
-                                    [fd] if fd is not None else [])
+                    try:  # under the lock: the descriptor cannot be closed meanwhile
+                        socket.send_fds(connection, [_ANSWER.pack(nbytes)],
+                                        [fd] if fd is not None else [])
+                    except OSError:  # the buddy is gone, or gave up waiting
+                        return
 
     # -- a buddy's side ------------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from collections import defaultdict
-from typing import Any, Iterable, Iterator, Mapping, NamedTuple
+from typing import Any, Callable, Iterable, Iterator, Mapping, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -374,11 +374,12 @@ class SnapshotStore:
         """By ``id``: the snapshots :meth:`pin` keeps, held or not."""
         self._shared = SharedPayloads() if config.shared_memory else None
 
-    def _payload_buffer(self, rank: int, iteration: int, nbytes: int,
-                        pinned: bool = False) -> torch.Tensor:
+    def _payload_buffer(self, rank: int, iteration: int, nbytes: int, pinned: bool = False,
+                        shareable: bool = False) -> torch.Tensor:
         """The payload of a snapshot of ``rank`` two or more iterations back (about to be
-        dropped) when it fits, else a new buffer: steady-state steps allocate nothing. A snapshot
-        whose buffer is taken is no longer held."""
+        dropped) when it fits, else a new buffer (in shared memory when ``shareable`` and the
+        store shares): steady-state steps allocate nothing. A snapshot whose buffer is taken is
+        no longer held."""
         with self._held_lock:
             for key, previous in self._held.items():
                 if (key[0] == rank and key[1] <= iteration - 2 and not previous.readers
@@ -386,7 +387,7 @@ class SnapshotStore:
                         and previous.payload.is_pinned() == pinned):
                     del self._held[key]
                     return previous.payload
-        if rank == self.rank and not pinned and self._shared is not None:
+        if shareable and not pinned and self._shared is not None:
             shared = self._shared.allocate(nbytes)
             if shared is not None:
                 return shared
@@ -410,7 +411,7 @@ class SnapshotStore:
         layout = tensor_layout(tensors)
         from_device = any(tensor.is_cuda for tensor in tensors.values())
         payload = self._payload_buffer(self.rank, iteration, _payload_bytes(layout),
-                                       pinned=from_device)
+                                       pinned=from_device, shareable=True)
         snapshot = Snapshot(self.rank, iteration, layout, payload, wire.dumps(dict(state)),
                             chunk_bytes=self.config.chunk_bytes, version=version, owners=owners)
         if not from_device:
@@ -541,7 +542,7 @@ class SnapshotStore:
                                 group: dist.ProcessGroup | None = None) -> Future:
         """:meth:`replicate` the snapshot of ``pending`` once its copies are checksummed, on a
         thread of the store; the future ends with the exchange. Meanwhile the group may carry
-        anything but other messages tagged :data:`SNAPSHOT_TAG`."""
+        anything but other messages tagged :data:`SNAPSHOT_TAG` or :data:`MAPPED_TAG`."""
         if self._exchanger is None:
             self._exchanger = ThreadPoolExecutor(1, thread_name_prefix="elaswave-snapshot-exchange")
 
@@ -568,27 +569,29 @@ class SnapshotStore:
         shared = self._shared.handle(snapshot.payload) if self._shared is not None else None
         header = snapshot.header(shared)
         header_tensor = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        sizes = torch.tensor([len(header), snapshot.payload.numel(), shared is not None],
-                             dtype=torch.int64)
+        sizes = torch.tensor([len(header), snapshot.payload.numel(), shared is not None,
+                              snapshot.rank], dtype=torch.int64)
         # Header and payload receives are posted together once the sizes are in, so the payload
         # streams in without this rank waking up after the header: on a busy host every
         # wake-up waits for a core.
-        peer_sizes = {peer: torch.empty(3, dtype=torch.int64) for peer in receive_from}
+        peer_sizes = {peer: torch.empty(4, dtype=torch.int64) for peer in receive_from}
         size_requests = [dist.irecv(size, group=group, tag=SNAPSHOT_TAG, group_src=peer)
                          for peer, size in peer_sizes.items()]
         messages = (sizes, header_tensor) if shared else (sizes, header_tensor, snapshot.payload)
         sends = [dist.isend(message, group=group, tag=SNAPSHOT_TAG, group_dst=peer)
                  for peer in send_to for message in messages]
-        answers = {peer: torch.empty(1, dtype=torch.int64) for peer in send_to} if shared else {}
-        answer_requests = {peer: dist.irecv(answer, group=group, tag=MAPPED_TAG, group_src=peer)
-                           for peer, answer in answers.items()}
+        # An offered payload goes to each buddy that cannot map it once it has said so, on a
+        # thread of its own: a buddy that never answers holds up neither the others nor the
+        # copies arriving here.
+        offers = [_on_a_thread(_send_unless_mapped, snapshot.payload, peer, group)
+                  for peer in send_to] if shared else []
         for request in size_requests:
             p2p_wait(request, group)
         headers = {peer: torch.empty(int(size[0]), dtype=torch.uint8)
                    for peer, size in peer_sizes.items()}
         header_requests = {peer: dist.irecv(header, group=group, tag=SNAPSHOT_TAG, group_src=peer)
                            for peer, header in headers.items()}
-        payloads = {peer: self._payload_buffer(peer, snapshot.iteration, int(size[1]))
+        payloads = {peer: self._payload_buffer(int(size[3]), snapshot.iteration, int(size[1]))
                     for peer, size in peer_sizes.items() if not size[2]}
         payload_requests = {peer: dist.irecv(payload, group=group, tag=SNAPSHOT_TAG,
                                               group_src=peer)
@@ -604,22 +607,40 @@ class SnapshotStore:
                       if self._shared is not None else None)
             if mapped is not None:
                 self._keep(Snapshot.from_header(meta, mapped, mapped=True))
-            else:
-                payloads[peer] = self._payload_buffer(peer, snapshot.iteration, nbytes)
             sends.append(dist.isend(torch.tensor([mapped is not None], dtype=torch.int64),
                                     group=group, tag=MAPPED_TAG, group_dst=peer))
-        early = {peer: payloads[peer] for peer in payload_requests}
-        late = {peer: payload for peer, payload in payloads.items() if peer not in early}
-        for peer, payload in early.items():
+            if mapped is None:  # its next message of this tag is the payload
+                payloads[peer] = self._payload_buffer(meta["rank"], snapshot.iteration, nbytes)
+                payload_requests[peer] = dist.irecv(payloads[peer], group=group,
+                                                    tag=SNAPSHOT_TAG, group_src=peer)
+        for peer, payload in payloads.items():
             p2p_wait(payload_requests[peer], group)
             self._keep(Snapshot.from_header(metas[peer], payload))
-        for peer, request in answer_requests.items():
-            p2p_wait(request, group)
-            if not answers[peer].item():
-                sends.append(dist.isend(snapshot.payload, group=group, tag=SNAPSHOT_TAG,
-                                        group_dst=peer))
-        for peer, payload in late.items():
-            p2p_wait(dist.irecv(payload, group=group, tag=SNAPSHOT_TAG, group_src=peer), group)
-            self._keep(Snapshot.from_header(metas[peer], payload))
+        for offer in offers:
+            offer.result()
         for request in sends:
             p2p_wait(request, group)
+
+
+def _send_unless_mapped(payload: torch.Tensor, peer: int,
+                        group: dist.ProcessGroup | None) -> None:
+    """Wait for ``peer``'s answer to a payload offered in shared memory, and send the payload
+    when it could not map it."""
+    answer = torch.empty(1, dtype=torch.int64)
+    p2p_wait(dist.irecv(answer, group=group, tag=MAPPED_TAG, group_src=peer), group)
+    if not answer.item():
+        p2p_wait(dist.isend(payload, group=group, tag=SNAPSHOT_TAG, group_dst=peer), group)
+
+
+def _on_a_thread(function: Callable[..., None], *args: Any) -> Future:
+    """``function(*args)`` on a new daemon thread; the future ends with it."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(function(*args))
+        except BaseException as error:  # handed to whoever waits for the future
+            future.set_exception(error)
+
+    threading.Thread(target=run, daemon=True, name="elaswave-snapshot-offer").start()
+    return future

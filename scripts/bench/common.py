@@ -347,6 +347,18 @@ class MegatronLMJob(SlicedJob):
                 self.records.append(record)
 
 
+def bootstrap_median_ratio(samples: Sequence[float], base: Sequence[float],
+                           confidence: float = 0.95, draws: int = 4000,
+                           seed: int = 0) -> tuple[float, float]:
+    """A percentile bootstrap interval for ``median(samples) / median(base)``, two independent
+    samples (each redrawn with replacement)."""
+    draw = random.Random(seed)
+    ratios = sorted(statistics.median(draw.choices(samples, k=len(samples)))
+                    / statistics.median(draw.choices(base, k=len(base))) for _ in range(draws))
+    tail = (1 - confidence) / 2
+    return ratios[int(tail * (draws - 1))], ratios[int(round((1 - tail) * (draws - 1)))]
+
+
 def bootstrap_ratio_interval(times: Alternated, arm: str, base: str, measure: str = STEP_TIME,
                              confidence: float = 0.95, draws: int = 4000,
                              seed: int = 0) -> tuple[float, float]:

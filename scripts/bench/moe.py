@@ -36,7 +36,8 @@ Two measurements:
    iteration), with its phases (detect, agree, plan, comm, rebuild, migrate, first step) and the
    time from the benchmark's own SIGKILL to that record. The job then has to finish its
    iterations. ``--kills`` per arm, arms alternating (MoE dense dense MoE ...); medians and the
-   ratio MoE / dense (target: at most 1.5).
+   ratio MoE / dense (target: at most 1.5), with a bootstrap interval over the kills
+   (``common.bootstrap_median_ratio``).
 
     python scripts/bench/moe.py                          # both, at the default size
     python scripts/bench/moe.py --quick --output moe.json
@@ -60,6 +61,7 @@ from pathlib import Path
 from common import (
     SCRIPTS,
     MegatronLMJob,
+    bootstrap_median_ratio,
     bootstrap_ratio_interval,
     free_port,
     megatron_lm_record,
@@ -305,6 +307,8 @@ def mttr(args: argparse.Namespace, script: Path, say) -> dict:
                 r["step_s"] for r in results if r["step_s"] is not None]) else None,
             "samples": results}
     summary["ratio"] = summary["moe"]["median_total_s"] / summary["dense"]["median_total_s"]
+    summary["interval"] = list(bootstrap_median_ratio([r["total_s"] for r in runs["moe"]],
+                                                      [r["total_s"] for r in runs["dense"]]))
     summary["target"] = MTTR_TARGET
     # The re-run iteration is one step of each job on fewer ranks; without it, what the
     # recovery itself took (detect to migrate), whose ratio the jobs' step times do not set.
@@ -362,7 +366,9 @@ def print_table(summary: dict) -> None:
                 + f" {arm['median_kill_to_record_s']:9.3f} {arm['median_bytes_moved'] / 1e6:9.1f}"
                 + (f" {arm['median_step_s']:8.3f}" if arm["median_step_s"] is not None else ""))
         verdict = "meets" if result["ratio"] <= MTTR_TARGET else "misses"
-        print(f"  ratio MoE / dense {result['ratio']:.3f} ({verdict} target <= {MTTR_TARGET}); "
+        low, high = result["interval"]
+        print(f"  ratio MoE / dense {result['ratio']:.3f} ({verdict} target <= {MTTR_TARGET}; "
+              f"95% bootstrap interval {low:.3f} to {high:.3f}); "
               f"without the re-run iteration (detect to migrate: "
               f"{result['moe']['median_before_first_step_s']:.3f} s against "
               f"{result['dense']['median_before_first_step_s']:.3f} s) "
