@@ -244,11 +244,7 @@ class Snapshot:
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
-        views = {}
-        for name, shape, dtype, offset in self.layout:
-            end = offset + _nbytes(shape, dtype)
-            views[name] = self.payload[offset:end].view(dtype).reshape(shape)
-        return views
+        return {name: self._view(shape, dtype, offset) for name, shape, dtype, offset in self.layout}
 
     @property
     def nbytes(self) -> int:
@@ -258,8 +254,11 @@ class Snapshot:
         """The tensor ``name`` (a view of the payload)."""
         for tensor_name, shape, dtype, offset in self.layout:
             if tensor_name == name:
-                return self.payload[offset:offset + _nbytes(shape, dtype)].view(dtype).reshape(shape)
+                return self._view(shape, dtype, offset)
         raise KeyError(name)
+
+    def _view(self, shape: tuple[int, ...], dtype: torch.dtype, offset: int) -> torch.Tensor:
+        return self.payload[offset:offset + _nbytes(shape, dtype)].view(dtype).reshape(shape)
 
     def seal_as_copied(self, copied: list[Any], pool: ThreadPoolExecutor) -> None:
         """Record the checksums :meth:`verify` checks while the copies into the payload are
