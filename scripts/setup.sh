@@ -61,4 +61,7 @@ if [ "${1:-}" = "--torch-only" ]; then
 fi
 python -m pip install --quiet --disable-pip-version-check -e ".[test,logging]" \
   ${megatron_core:+"megatron-core==$megatron_core"}
+# An editable install leaves the package's bytecode to its first import, which every worker
+# of every job repeats where PYTHONDONTWRITEBYTECODE is set.
+python -m compileall -q megatron_elaswave patches scripts tests >/dev/null
 python -c "import megatron_elaswave.patches as p; p.check_torch(); p.check_megatron_core_version()"

@@ -13,6 +13,13 @@
   the test must be gone within ``LEFTOVER_GRACE_S``; survivors are killed and the test fails.
   The token finds them even when they were orphaned or left the process tree.
 
+* **Reverse lookups bounded.** torch names the peer of every ``TCPStore`` connection by a
+  reverse DNS lookup, on both ends and, on the server, in its event loop. Where the resolver
+  drops bursts of queries (as the CI machines' does), a dropped one stalls that connection,
+  or the whole store, for the resolver's timeout (5 s a try). The tests' processes
+  give the resolver one attempt of 1 s (``RES_OPTIONS``, unless set), which a start-up of eight
+  ranks no longer waits out; what the tests check does not depend on it.
+
 It also provides ``store``: a job store (``TCPStore``) hosted by the test itself, and
 ``etcd_cluster``: a three-member etcd cluster on loopback ports, stopped after the test (skipped,
 with the reason, where etcd or its client is not installed).
@@ -37,6 +44,7 @@ DEFAULT_TIMEOUT_S = 300.0
 TRACEBACK_AFTER_S = 10.0
 LEFTOVER_GRACE_S = 3.0
 TOKEN_ENV = "ELASWAVE_TEST_TOKEN"
+os.environ.setdefault("RES_OPTIONS", "timeout:1 attempts:1")
 
 
 def pytest_configure(config: pytest.Config) -> None:

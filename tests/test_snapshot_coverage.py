@@ -190,12 +190,13 @@ class SnapshotModel:
                     domains.append(on_node)
         if tolerated >= 2:
             domains += [{a, b} for a in ranks for b in ranks if a < b]
+        held_by = {rank: self.stores[rank].held() for rank in ranks}
         for lost in domains:
-            held = [t for r in ranks if r not in lost for t in self.stores[r].held()]
-            newest = newest_whole_iteration(held)
+            newest = newest_whole_iteration(
+                t for r in ranks if r not in lost for t in held_by[r])
             assert newest is not None and newest >= self.settled, (
                 f"losing {sorted(lost)} loses state: layout {self.layout.to_json()}, "
-                f"held {[t for r in ranks for t in self.stores[r].held()]}")
+                f"held {[t for r in ranks for t in held_by[r]]}")
         self.checked += 1
 
 
