@@ -1,10 +1,11 @@
-"""The job store's load from failure detection, and how soon a stopped rank is found, against
-the number of ranks: the design of this tree (each rank watches two neighbours, an alert is one
-counter that each node's launcher reads and relays to its workers) beside the one it replaced
-(each rank read every peer's heartbeat, an alert set two keys per rank), side by side.
+"""The job store's load from failure detection and from a recovery, and how soon a stopped rank
+is found, against the number of ranks: the design of this tree (each rank watches two
+neighbours, an alert is one counter that each node's launcher reads and relays to its workers)
+beside the one it replaced (each rank read every peer's heartbeat, an alert set two keys per
+rank), side by side.
 
-Three parts, all against a real ``torch.distributed.TCPStore`` on this machine (part 1 also
-counts the store traffic of one recovery, :func:`count_recovery`):
+Four parts, against real stores on this machine (part 1 also counts the store traffic of one
+recovery, :func:`count_recovery`):
 
 1. **Counted.** Real ``FailureMonitor`` objects (``--ranks-counted`` of them, threads of this
    process) watch a quiet job for a few heartbeat periods through a wrapper that counts every
@@ -22,6 +23,15 @@ counts the store traffic of one recovery, :func:`count_recovery`):
    store time that one heartbeat period of the whole job needs; where that exceeds the period,
    heartbeats fall behind, and detection of a stopped rank is estimated as the heartbeat timeout
    stretched by that factor, plus one period of the store.
+4. **A recovery, measured.** Lightweight clients play, one simulated survivor after another,
+   the calls that one real survivor of part 1's counted recovery made (its agreement, its
+   meeting, its monitor's beats meanwhile, in order: :func:`time_recovery`), against a job
+   store that holds an N-rank job's keys: a ``TCPStore`` process, or a three-member etcd
+   cluster with the meeting in a generation's ``TCPStore``, as a job on etcd has it
+   (``--recovery-stores``). The stores' CPU time per survivor times the survivors is the store
+   time one recovery needs; requests per recovery are the model, the survivors times what one
+   made as counted. Torch's own rendezvous of the new groups comes after, on the generation's
+   store (gloo: one set and one get per peer and rank).
 
     python scripts/bench/store_load.py --old-tree /tmp/elaswave-main
 
@@ -33,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -59,16 +70,25 @@ SCALES = (1024, 2048, 4096, 8192, 16384)
 
 class CountingStore:
     """A store that counts, per method, the requests made and the keys they touch. Its clones
-    count into the same tallies."""
+    count into the same tallies. With ``calls``, every call is also appended there as
+    ``(thread name, role, method, args)``: ``role`` tells the job store's traffic from that of
+    a generation's store (:meth:`as_role`)."""
 
-    def __init__(self, store, requests: Counter | None = None, keys: Counter | None = None):
+    def __init__(self, store, requests: Counter | None = None, keys: Counter | None = None,
+                 calls: list | None = None, role: str = "job"):
         self._store = store
         self.requests = Counter() if requests is None else requests
         self.keys = Counter() if keys is None else keys
+        self.calls = calls
+        self.role = role
         self._lock = threading.Lock()
 
     def clone(self) -> CountingStore:
-        return CountingStore(self._store.clone(), self.requests, self.keys)
+        return CountingStore(self._store.clone(), self.requests, self.keys, self.calls, self.role)
+
+    def as_role(self, role: str) -> CountingStore:
+        """The same store and tallies, its calls recorded under ``role``."""
+        return CountingStore(self._store, self.requests, self.keys, self.calls, role)
 
     def __getattr__(self, name: str):
         method = getattr(self._store, name)
@@ -78,6 +98,8 @@ class CountingStore:
             with self._lock:
                 self.requests[name] += 1
                 self.keys[name] += touched
+                if self.calls is not None:
+                    self.calls.append((threading.current_thread().name, self.role, name, args))
             return method(*args)
         return call
 
@@ -150,19 +172,24 @@ def count_recovery(ranks: int) -> dict:
     from megatron_elaswave.runtime.world import _meet_survivors
 
     _, counting, relayed, monitors = quiet_job(ranks)
+    # On etcd the survivors meet (and their groups form) in a generation's store, not the job
+    # store (runtime/generation_store.py): those calls are recorded apart.
+    generation = counting.as_role("generation")
     met: dict[int, float] = {}
 
     def survive(monitor) -> None:
         if not monitor.failure_detected.wait(30):
             return
         decision = agree(counting, monitor)
-        _meet_survivors(decision, counting, timedelta(seconds=60), None)
+        _meet_survivors(decision, generation, timedelta(seconds=60), None)
         met[monitor.rank] = time.perf_counter()
 
-    threads = [threading.Thread(target=survive, args=(monitor,)) for monitor in monitors
-               if monitor.rank != 1]
+    threads = [threading.Thread(target=survive, args=(monitor,), name=f"survivor-{monitor.rank}")
+               for monitor in monitors if monitor.rank != 1]
     counting.requests.clear()
     counting.keys.clear()
+    calls: list = []
+    counting.calls = generation.calls = calls
     started = time.perf_counter()
     record_death(counting, WorkerDeath(rank=1, local_rank=1, node_rank=0, pid=None,
                                        exit_code=None, signal="SIGKILL", cause="signal",
@@ -173,15 +200,24 @@ def count_recovery(ranks: int) -> dict:
         thread.start()
     for thread in threads:
         thread.join(120)
+    counting.calls = generation.calls = None
     requests, keys = sum(counting.requests.values()), sum(counting.keys.values())
     by_call = dict(counting.requests)
     for monitor in monitors:
         monitor.stop()
     survivors = ranks - 1
+    # One survivor's own calls in order (its agreement and meeting, and its monitor's), for
+    # the simulated ranks of measure_recoveries to play.
+    template = ranks // 2
+    own = {f"survivor-{template}", f"elaswave-monitor-{template}"}
     return {"ranks": ranks, "survivors_met": len(met),
             "seconds": max(met.values(), default=started) - started,
             "requests_per_survivor": requests / survivors, "keys_per_survivor": keys / survivors,
-            "calls_per_survivor": {name: count / survivors for name, count in by_call.items()}}
+            "calls_per_survivor": {name: count / survivors for name, count in by_call.items()},
+            "by_role_per_survivor": {role: n / survivors for role, n in
+                                     Counter(role for _, role, _, _ in calls).items()},
+            "sequence": [(role, name, args) for thread, role, name, args in calls
+                         if thread in own]}
 
 
 def per_rank_period(design: str, ranks: int) -> tuple[float, float]:
@@ -311,6 +347,95 @@ def measure(scales: tuple[int, ...], clients: int, budget_s: float) -> list[dict
     return rows
 
 
+READS = ("get", "multi_get", "wait")
+"""Calls that block on a key that is not set: the simulated store holds every key they read."""
+
+
+def _read_keys(sequence: list) -> dict[str, set[str]]:
+    keys: dict[str, set[str]] = {"job": set(), "generation": set()}
+    for role, name, args in sequence:
+        if name in READS:
+            keys[role].update([args[0]] if name == "get" else args[0])
+    return keys
+
+
+def time_recovery(store: str, ranks: int, sequence: list, samples: int, clients: int) -> dict:
+    """Store CPU seconds that one survivor's part of a recovery costs in an N-rank job:
+    ``clients`` threads play, ``samples`` times in all, the calls one real survivor made in a
+    counted recovery (:func:`count_recovery`: its agreement, its meeting, its monitor's beats
+    meanwhile), in order, against stores that hold an N-rank job's heartbeat keys and every key
+    the calls read. ``store`` ``tcp``: the job store is a ``TCPStore`` process, and serves the
+    meeting too; ``etcd``: the job store is a three-member etcd cluster and the meeting goes to
+    a ``TCPStore`` process, as a generation's store."""
+    import contextlib
+
+    from megatron_elaswave.launch.etcd_store import EtcdAddress, EtcdStore
+
+    with contextlib.ExitStack() as stack:
+        process = subprocess.Popen([sys.executable, "-c", STORE_SERVER], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
+        stack.callback(lambda: (process.kill(), process.wait()))
+        tcp = dist.TCPStore("127.0.0.1", int(process.stdout.readline()), is_master=False,
+                            timeout=timedelta(seconds=60))
+        pids = {"generation" if store == "etcd" else "job": [process.pid]}
+        job = tcp
+        if store == "etcd":
+            sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            from etcd_cluster import EtcdCluster
+
+            cluster = stack.enter_context(EtcdCluster(3))
+            job = EtcdStore(EtcdAddress.parse(cluster.url, f"store-load-{ranks}"),
+                            timedelta(seconds=60))
+            pids["job"] = [member.pid for member in cluster.processes if member is not None]
+        stores = {"job": job, "generation": tcp}
+        heartbeats = [f"rt/heartbeat/{rank}" for rank in range(ranks)]
+        for at in range(0, ranks, 1024):
+            job.multi_set(heartbeats[at:at + 1024], ["1"] * len(heartbeats[at:at + 1024]))
+        for role, keys in _read_keys(sequence).items():
+            if keys:
+                stores[role].multi_set(sorted(keys), ["0"] * len(keys))
+        clones = [{role: store_.clone() for role, store_ in stores.items()}
+                  for _ in range(clients)]
+
+        def client(index: int) -> None:
+            for _ in range(index, samples, clients):
+                for role, name, args in sequence:
+                    getattr(clones[index][role], name)(*args)
+
+        def cpu() -> dict[str, float]:
+            return {role: sum(cpu_seconds(pid) for pid in role_pids)
+                    for role, role_pids in pids.items()}
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        before, started = cpu(), time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - started
+        after = cpu()
+    return {role: (after[role] - before[role]) / samples for role in pids} | {
+        "client_wall_s": wall / samples}
+
+
+def measure_recoveries(scales: tuple[int, ...], sequence: list, stores: tuple[str, ...],
+                       clients: int, budget_s: float) -> list[dict]:
+    """:func:`time_recovery` at each scale and store; a recovery's store time is that of one
+    survivor times the survivors, as the store serves one request at a time."""
+    rows = []
+    for ranks in scales:
+        row = {"ranks": ranks}
+        for store in stores:
+            probe = time_recovery(store, ranks, sequence, 2, 1)["client_wall_s"]
+            samples = max(20, min(2000, int(budget_s / max(probe, 1e-6))))
+            per_survivor = time_recovery(store, ranks, sequence, samples, clients)
+            row[store] = {"samples": samples, **{
+                f"{role}_s_per_recovery": per_survivor[role] * (ranks - 1)
+                for role in ("job", "generation") if role in per_survivor}}
+        rows.append(row)
+    return rows
+
+
 def count_old(old_tree: str, ranks: int, periods: int) -> dict:
     """:func:`count_design` run on the package at ``old_tree``, in a subprocess."""
     code = (f"import sys, json; sys.path.insert(0, {old_tree!r}); "
@@ -335,8 +460,12 @@ def main() -> int:
                         help="seconds of measurement per design and scale")
     parser.add_argument("--ranks-recovering", type=int, nargs="+", default=[16, 64],
                         help="job sizes whose store traffic of one recovery is counted")
+    parser.add_argument("--recovery-stores", nargs="+", choices=("tcp", "etcd"),
+                        default=None, help="job stores whose time per recovery part 4 measures "
+                        "(default: both, etcd where it is installed)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    stores = tuple(args.recovery_stores or (("tcp", "etcd") if shutil.which("etcd") else ("tcp",)))
 
     counted = []
     for ranks in args.ranks_counted:
@@ -347,9 +476,14 @@ def main() -> int:
     recoveries = [count_recovery(ranks) for ranks in args.ranks_recovering]
     modelled = [model(ranks) for ranks in args.scales]
     measured = measure(tuple(args.scales), args.clients, args.budget_s)
+    template = recoveries[-1]
+    recovering = measure_recoveries(tuple(args.scales), template.pop("sequence"), stores,
+                                    args.clients, args.budget_s)
+    for row in recoveries[:-1]:
+        del row["sequence"]
     if args.json:
         print(json.dumps({"counted": counted, "recoveries": recoveries, "model": modelled,
-                          "measured": measured}))
+                          "measured": measured, "recovering": recovering}))
         return 0
 
     print("1. Counted: store calls of real monitors per rank and heartbeat period "
@@ -396,6 +530,24 @@ def main() -> int:
               f"{old['store_s_per_period']:>12.3f} {new['store_s_per_period']:>12.3f} "
               f"{old['store_s_per_period'] / new['store_s_per_period']:>8.1f} "
               f"{old['detection_s']:>12.1f} {new['detection_s']:>12.1f}")
+    print()
+    per_survivor = template["requests_per_survivor"]
+    print(f"4. Measured: store time of one recovery (simulated survivors, {args.clients} client "
+          f"threads, each playing the calls of survivor {template['ranks'] // 2} of the "
+          f"{template['ranks']}-rank recovery counted in 1b); on etcd the survivors meet in a "
+          "generation's TCPStore. Requests per recovery: the model, "
+          f"{per_survivor:.1f} per survivor as counted")
+    header = f"{'ranks':>6} {'requests':>9}"
+    for store in stores:
+        header += f" {store + ' job s':>11}" + (f" {'gen s':>7}" if store == "etcd" else "")
+    print(header)
+    for row in recovering:
+        line = f"{row['ranks']:>6} {per_survivor * (row['ranks'] - 1):>9.0f}"
+        for store in stores:
+            line += f" {row[store]['job_s_per_recovery']:>11.3f}"
+            if store == "etcd":
+                line += f" {row[store]['generation_s_per_recovery']:>7.3f}"
+        print(line)
     return 0
 
 

@@ -1,6 +1,6 @@
 """A gloo all-reduce that rank 1 never joins, two reduce-scatters coalesced into one work as
 megatron-core's bucket groups issue them, or a receive from rank 1 that it never sends (it stays
-alive 8 s, then exits); rank 0's wait is given up 1 s in by setting the event the wait was armed
+alive 8 s, or until rank 0 has given the operation up, then exits); rank 0's wait is given up 1 s in by setting the event the wait was armed
 with.
 
 Usage: collective_abandon.py OUT_DIR all_reduce|coalesced|recv [--patched]; rank 0 writes
@@ -46,8 +46,12 @@ if __name__ == "__main__":
     group = dist.new_group([0, 1], timeout=timeout)
     tensor = torch.ones(4)
     dist.all_reduce(tensor, group=group)
+    gave_up = os.path.join(out_dir, "rank0-gave-up")
     if dist.get_rank() == 1:
-        time.sleep(8)
+        # Alive 8 s, or until rank 0 has given its operation up and destroyed the group.
+        deadline = time.monotonic() + 8
+        while not os.path.exists(gave_up) and time.monotonic() < deadline:
+            time.sleep(0.05)
         os._exit(0)
     report = {"first": tensor.tolist()}
     threading.Timer(1.0, abandon.set).start()
@@ -70,11 +74,12 @@ if __name__ == "__main__":
     dist.destroy_process_group(group)
     del group
     report["destroyed_in_s"] = time.monotonic() - started
+    open(gave_up, "w").close()
     if patched:
         report["loops_before"] = loops_before
         report["loops_retired"] = gloo_event_loops()
         report["pending_retired"] = distributed_work.abandoned_work_pending()
-        deadline = time.monotonic() + 20  # rank 1 exits 8 s in, which ends the operation
+        deadline = time.monotonic() + 20  # rank 1 exits now, which ends the operation
         while distributed_work.abandoned_work_pending() and time.monotonic() < deadline:
             time.sleep(0.1)
         started = time.monotonic()
