@@ -214,8 +214,6 @@ def count_recovery(ranks: int) -> dict:
             "seconds": max(met.values(), default=started) - started,
             "requests_per_survivor": requests / survivors, "keys_per_survivor": keys / survivors,
             "calls_per_survivor": {name: count / survivors for name, count in by_call.items()},
-            "by_role_per_survivor": {role: n / survivors for role, n in
-                                     Counter(role for _, role, _, _ in calls).items()},
             "sequence": [(role, name, args) for thread, role, name, args in calls
                          if thread in own]}
 

@@ -1,7 +1,7 @@
 """A gloo all-reduce that rank 1 never joins, two reduce-scatters coalesced into one work as
 megatron-core's bucket groups issue them, or a receive from rank 1 that it never sends (it stays
-alive 8 s, or until rank 0 has given the operation up, then exits); rank 0's wait is given up 1 s in by setting the event the wait was armed
-with.
+alive 8 s, or until rank 0 has given the operation up, then exits); rank 0's wait is given up 1 s
+in by setting the event the wait was armed with.
 
 Usage: collective_abandon.py OUT_DIR all_reduce|coalesced|recv [--patched]; rank 0 writes
 ``OUT_DIR/rank0.json`` with the first (completed) all-reduce's result, how long the operation
@@ -40,6 +40,7 @@ if __name__ == "__main__":
         install(resolve_device_backend("cpu"))
         distributed_work.abandon_waits_when(abandon)
     from megatron_elaswave.runtime.world import release_retired, retire
+    from megatron_elaswave.waiting import wait_until
 
     timeout = timedelta(seconds=30)
     dist.init_process_group("gloo", init_method="env://", timeout=timeout)
@@ -48,10 +49,8 @@ if __name__ == "__main__":
     dist.all_reduce(tensor, group=group)
     gave_up = os.path.join(out_dir, "rank0-gave-up")
     if dist.get_rank() == 1:
-        # Alive 8 s, or until rank 0 has given its operation up and destroyed the group.
-        deadline = time.monotonic() + 8
-        while not os.path.exists(gave_up) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        # Alive 8 s, or until rank 0 has given its operation up and counted what is pending.
+        wait_until(lambda: os.path.exists(gave_up), 8)
         os._exit(0)
     report = {"first": tensor.tolist()}
     threading.Timer(1.0, abandon.set).start()
@@ -74,14 +73,12 @@ if __name__ == "__main__":
     dist.destroy_process_group(group)
     del group
     report["destroyed_in_s"] = time.monotonic() - started
-    open(gave_up, "w").close()
     if patched:
         report["loops_before"] = loops_before
         report["loops_retired"] = gloo_event_loops()
         report["pending_retired"] = distributed_work.abandoned_work_pending()
-        deadline = time.monotonic() + 20  # rank 1 exits now, which ends the operation
-        while distributed_work.abandoned_work_pending() and time.monotonic() < deadline:
-            time.sleep(0.1)
+        open(gave_up, "w").close()  # rank 1 may leave: that ends the abandoned operation
+        wait_until(lambda: not distributed_work.abandoned_work_pending(), 20)
         started = time.monotonic()
         release_retired()
         report["released_in_s"] = time.monotonic() - started
