@@ -35,7 +35,7 @@ import psutil
 import pytest
 from torch.distributed import Store, TCPStore
 
-from megatron_elaswave.launch.etcd_store import EtcdAddress
+from megatron_elaswave.launch.etcd_address import EtcdAddress
 from megatron_elaswave.launch.rendezvous import accepts_connections
 from megatron_elaswave.launch.store import WorkerDeath, read_deaths, read_worker
 

@@ -25,7 +25,8 @@ from test_pretrain_gpt import PRETRAIN, text_data  # noqa: F401  (fixture)
 from torch.distributed import DistStoreError
 
 from etcd_cluster import EtcdCluster, etcd_missing, make_tls_files
-from megatron_elaswave.launch.etcd_store import EtcdAddress, HistoryCompaction, StoreRefused
+from megatron_elaswave.launch.etcd_address import EtcdAddress
+from megatron_elaswave.launch.etcd_store import HistoryCompaction, StoreRefused
 from megatron_elaswave.launch.silence import Heartbeat
 from megatron_elaswave.metrics import read_metrics
 
@@ -201,7 +202,8 @@ def test_the_store_answers_alike_on_a_cluster_with_tls_client_certificates_and_u
     variables; a wrong password, and a client without a certificate, are refused in one line."""
     from dataclasses import replace
 
-    from megatron_elaswave.launch.etcd_store import EtcdSecurity, EtcdStore
+    from megatron_elaswave.launch.etcd_address import EtcdSecurity
+    from megatron_elaswave.launch.etcd_store import EtcdStore
 
     missing = etcd_missing()
     if missing:
@@ -229,7 +231,8 @@ def test_the_store_answers_alike_on_a_cluster_with_tls_client_certificates_and_u
 GLOO_WORKER = """
 import sys, torch, torch.distributed as dist
 from datetime import timedelta
-from megatron_elaswave.launch.etcd_store import EtcdAddress, EtcdStore
+from megatron_elaswave.launch.etcd_address import EtcdAddress
+from megatron_elaswave.launch.etcd_store import EtcdStore
 rank, url = int(sys.argv[1]), sys.argv[2]
 store = EtcdStore(EtcdAddress.parse(url, "gloo"), timeout=timedelta(seconds=60))
 dist.init_process_group("gloo", store=dist.PrefixStore("gen0/", store), rank=rank, world_size=3,

@@ -23,7 +23,8 @@ import pytest
 from harness import free_port, launch, launch_nodes
 from megatron_elaswave.launch.decisions import Decision
 from megatron_elaswave.launch.keys import FINISHED_KEY, accepted_key, decision_key, join_key
-from megatron_elaswave.launch.store import REJOIN_ENV, WorkerDeath, record_death
+from megatron_elaswave.launch.config import REJOIN_ENV
+from megatron_elaswave.launch.store import WorkerDeath, record_death
 from megatron_elaswave.layout import Layout, Replica
 from megatron_elaswave.metrics import read_metrics
 from megatron_elaswave.planner.frequency import ClockPlan

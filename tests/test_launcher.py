@@ -204,6 +204,36 @@ def test_workers_get_the_launch_environment(tmp_path, preload):
 
 @multiprocess
 @pytest.mark.timeout(60)
+def test_forked_workers_end_with_the_interpreter_not_with_the_preloads_c_exit_handlers(tmp_path):
+    """A preloaded library's C exit handlers (libtorch's static destructors, here ``abort()``)
+    do not run in the workers or the server; the interpreter's own exit still does."""
+    with launch(
+        [worker_script("dump_env.py"), str(tmp_path)],
+        nproc_per_node=2,
+        master_port=free_port(),
+        launcher_args=["--preload=torch,aborts_at_exit"],
+        env={"PYTHONPATH": os.path.dirname(worker_script("dump_env.py"))},
+    ) as job:
+        returncode, output = job.wait(timeout=60)
+    assert returncode == 0, output
+    reports = read_reports(tmp_path)
+    assert [seen["preloaded"] for seen in reports.values()] == [True, True], output
+    assert all((tmp_path / f"rank{rank}.atexit").exists() for rank in reports)
+    assert "SIGABRT" not in output and "without preloading" not in output, output
+
+
+def test_the_launcher_reads_its_command_line_without_importing_torch():
+    """The fork server's preload starts before the launcher imports torch, so the two imports
+    run side by side."""
+    check = ("import sys, megatron_elaswave.launch.run; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True,
+                            timeout=60, check=True)
+    assert result.stdout.strip() == "[]", result.stdout
+
+
+@multiprocess
+@pytest.mark.timeout(60)
 def test_a_preload_that_fails_starts_the_workers_afresh(tmp_path):
     with launch(
         [worker_script("dump_env.py"), str(tmp_path)],

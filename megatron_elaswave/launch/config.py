@@ -9,11 +9,16 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from megatron_elaswave.launch.etcd_store import EtcdAddress, StoreURLError
+from megatron_elaswave.launch.etcd_address import EtcdAddress, StoreURLError
 from megatron_elaswave.launch.proctitle import MEGATRON_LM_RUNNER
 from megatron_elaswave.launch.spawn import DEFAULT_PRELOAD
-from megatron_elaswave.launch.store import REJOIN_ENV, STORE_ADDR_ENV, STORE_PORT_ENV
 
+STORE_ADDR_ENV = "ELASWAVE_STORE_ADDR"
+"""The host of the job's ``TCPStore``, or the etcd URL of its namespace (``etcd://...``)."""
+STORE_PORT_ENV = "ELASWAVE_STORE_PORT"
+REJOIN_ENV = "ELASWAVE_REJOIN"
+"""Set to ``1`` in a worker that replaces a dead one in a running job: it joins the job at a step
+boundary instead of forming generation 0 with the others."""
 
 DEFAULT_SHUTDOWN_GRACE_S = 10.0
 """How long workers may take to exit after a forwarded signal, unless told (``--shutdown-grace``)."""
@@ -191,7 +196,7 @@ class LaunchConfig:
     def worker_env(self, local_rank: int, base: Mapping[str, str], *,
                    restart_count: int = 0, rejoining: bool = False) -> dict[str, str]:
         """``base`` plus what torchrun sets, plus where the job store is and, for a replacement
-        worker, :data:`~megatron_elaswave.launch.store.REJOIN_ENV`.
+        worker, :data:`~REJOIN_ENV`.
 
         ``TORCHELASTIC_USE_AGENT_STORE=True`` makes ``init_process_group(init_method="env://")``
         connect to the agent's store as a client instead of hosting a store in rank 0. With the

@@ -65,14 +65,13 @@ Exit status of an agent, judged on its own node's workers:
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from megatron_elaswave.launch.alerts import AlertRelay
-from megatron_elaswave.launch.config import LaunchConfig, UsageError
+from megatron_elaswave.launch.config import LaunchConfig
 from megatron_elaswave.launch.console import log, plural, signal_name
 from megatron_elaswave.launch.etcd_store import HistoryCompaction
 from megatron_elaswave.launch.fence import ExclusionFence
@@ -82,11 +81,11 @@ from megatron_elaswave.launch.liveness import LivenessListener
 from megatron_elaswave.launch.node_watch import NodeWatch
 from megatron_elaswave.launch.rendezvous import connect, host_store, join, take_node_rank
 from megatron_elaswave.launch.signals import Interrupted, SignalLatch
-from megatron_elaswave.launch.spawn import ForkServer, ForkServerError, can_fork_workers
 from megatron_elaswave.launch.store import change_node_state
 from megatron_elaswave.launch.workers import POLL_INTERVAL_S, WorkerPool
 
 if TYPE_CHECKING:
+    from megatron_elaswave.launch.spawn import ForkServer
     from torch.distributed import Store
 
 
@@ -111,35 +110,24 @@ def job_exit_status(returncodes: Sequence[int]) -> int:
     return 128 - first_failure if first_failure < 0 else first_failure
 
 
-def run(config: LaunchConfig) -> int:
-    """Run this node's part of the job to its end; returns the agent's exit status."""
-    if config.log_dir is not None:
+def run(config: LaunchConfig, worker_base_env: Mapping[str, str],
+        fork_server: ForkServer | None) -> int:
+    """Run this node's part of the job to its end, its workers started with
+    ``worker_base_env`` and forked from ``fork_server`` (``None``: executed); returns the
+    agent's exit status."""
+    with SignalLatch() as signals:
         try:
-            os.makedirs(config.log_dir, exist_ok=True)
-        except OSError as error:
-            raise UsageError(f"cannot create --log-dir {config.log_dir}: {error.strerror}")
-    worker_base_env = dict(os.environ)
-    # c10d logs a warning with a stack trace when a store connection drops; the agent reports
-    # that itself, in one line. Takes effect where torch is imported, below.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    fork_server = _start_fork_server(config, worker_base_env)  # preloads while the job forms
-    try:
-        with SignalLatch() as signals:
-            try:
-                if config.node_rank is None:
-                    config, store = take_node_rank(config, signals)
-                else:
-                    store = (host_store(config) if config.is_store_host
-                             else connect(config, signals))
-                replaces_lost_node = join(store, config, signals, _listen_for_watchers(config))
-            except Interrupted as interrupt:
-                log(f"received {signal_name(interrupt.signum)} before the workers started")
-                return 128 + interrupt.signum
-            return _NodeAgent(config, store, signals, worker_base_env, fork_server,
-                              rejoining=replaces_lost_node).run()
-    finally:
-        if fork_server is not None:
-            fork_server.close()
+            if config.node_rank is None:
+                config, store = take_node_rank(config, signals)
+            else:
+                store = (host_store(config) if config.is_store_host
+                         else connect(config, signals))
+            replaces_lost_node = join(store, config, signals, _listen_for_watchers(config))
+        except Interrupted as interrupt:
+            log(f"received {signal_name(interrupt.signum)} before the workers started")
+            return 128 + interrupt.signum
+        return _NodeAgent(config, store, signals, worker_base_env, fork_server,
+                          rejoining=replaces_lost_node).run()
 
 
 def _listen_for_watchers(config: LaunchConfig) -> str:
@@ -151,18 +139,6 @@ def _listen_for_watchers(config: LaunchConfig) -> str:
     except OSError as error:
         log(f"no liveness port ({error}): a loss of this node is found by its heartbeat alone")
         return ""
-
-
-def _start_fork_server(config: LaunchConfig, worker_base_env: Mapping[str, str]
-                       ) -> ForkServer | None:
-    """The fork server that starts this node's workers, or ``None`` to execute them."""
-    if not config.preload or not can_fork_workers():
-        return None
-    try:
-        return ForkServer(config.preload, config.shared_worker_env(worker_base_env))
-    except (ForkServerError, OSError) as error:
-        log(f"starting workers without preloading: {error}")
-        return None
 
 
 class _NodeAgent:

@@ -32,7 +32,8 @@ from megatron_elaswave.launch.environment import (
     resolve,
 )
 from megatron_elaswave.launch.config import LaunchConfig, LaunchError, UsageError
-from megatron_elaswave.launch.launcher import run
+from megatron_elaswave.launch.console import log
+from megatron_elaswave.launch.spawn import ForkServer, ForkServerError, can_fork_workers
 
 PROG = "elaswave-run"
 
@@ -293,6 +294,42 @@ def export_store_security(args: argparse.Namespace, environ: MutableMapping[str,
         environ[variable] = os.path.abspath(path)
 
 
+def launch(config: LaunchConfig) -> int:
+    """Run this node's part of the job (:func:`megatron_elaswave.launch.launcher.run`), its fork
+    server started first; returns the agent's exit status."""
+    if config.log_dir is not None:
+        try:
+            os.makedirs(config.log_dir, exist_ok=True)
+        except OSError as error:
+            raise UsageError(f"cannot create --log-dir {config.log_dir}: {error.strerror}")
+    worker_base_env = dict(os.environ)
+    fork_server = _start_fork_server(config, worker_base_env)  # preloads while the job forms
+    try:
+        # c10d logs a warning with a stack trace when a store connection drops; the agent
+        # reports that itself, in one line. Takes effect where torch is imported, next.
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        # Imported once the fork server runs, beside its preload: the agent's own import of
+        # torch takes about a second, which workers no longer wait for.
+        from megatron_elaswave.launch.launcher import run
+
+        return run(config, worker_base_env, fork_server)
+    finally:
+        if fork_server is not None:
+            fork_server.close()
+
+
+def _start_fork_server(config: LaunchConfig, worker_base_env: Mapping[str, str]
+                       ) -> ForkServer | None:
+    """The fork server that starts this node's workers, or ``None`` to execute them."""
+    if not config.preload or not can_fork_workers():
+        return None
+    try:
+        return ForkServer(config.preload, config.shared_worker_env(worker_base_env))
+    except (ForkServerError, OSError) as error:
+        log(f"starting workers without preloading: {error}")
+        return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``elaswave-run``; returns the exit status."""
     try:
@@ -301,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args, os.environ)
         for notice in ignored_flag_notices(args):
             print(f"[{PROG}] {notice}", file=sys.stderr, flush=True)
-        return run(config)
+        return launch(config)
     except LaunchError as error:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return error.exit_status

@@ -27,7 +27,9 @@ from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from megatron_elaswave.launch.etcd_store import ETCD_URL_SCHEME, EtcdAddress, EtcdStore
+from megatron_elaswave.launch.config import STORE_ADDR_ENV, STORE_PORT_ENV
+from megatron_elaswave.launch.etcd_address import ETCD_URL_SCHEME, EtcdAddress
+from megatron_elaswave.launch.etcd_store import EtcdStore
 from megatron_elaswave.launch.keys import (
     ALERT_COUNT_KEY,
     COLLECTED_KEY,
@@ -47,13 +49,6 @@ from megatron_elaswave.waiting import wait_until
 
 if TYPE_CHECKING:
     from torch.distributed import Store
-
-STORE_ADDR_ENV = "ELASWAVE_STORE_ADDR"
-"""The host of the job's ``TCPStore``, or the etcd URL of its namespace (``etcd://...``)."""
-STORE_PORT_ENV = "ELASWAVE_STORE_PORT"
-REJOIN_ENV = "ELASWAVE_REJOIN"
-"""Set to ``1`` in a worker that replaces a dead one in a running job: it joins the job at a step
-boundary instead of forming generation 0 with the others."""
 
 # Causes of a WorkerDeath.
 EXITED = "exit"

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, NoReturn
 import torch.distributed as dist
 
 from megatron_elaswave.device import DeviceBackend
-from megatron_elaswave.launch.store import REJOIN_ENV
+from megatron_elaswave.launch.config import REJOIN_ENV
 from megatron_elaswave.patches import PatchRegistry, register_layout_invariant_rng
 from megatron_elaswave.patches.megatron_lm_elastic import DefaultGroupRedirect
 from megatron_elaswave.runtime import dropout_rng

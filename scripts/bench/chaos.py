@@ -214,7 +214,8 @@ class Soak:
         from torch.distributed import TCPStore
 
         if self._store is None and self.etcd is not None:
-            from megatron_elaswave.launch.etcd_store import EtcdAddress, EtcdStore
+            from megatron_elaswave.launch.etcd_address import EtcdAddress
+            from megatron_elaswave.launch.etcd_store import EtcdStore
 
             self._store = EtcdStore(EtcdAddress.parse(*self.etcd), timedelta(seconds=30))
         if self._store is None:

@@ -40,7 +40,7 @@ from etcd_cluster import EtcdCluster, etcd_missing  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_elaswave.launch.etcd_store import EtcdStore  # noqa: E402
-from megatron_elaswave.launch.etcd_store import EtcdAddress  # noqa: E402
+from megatron_elaswave.launch.etcd_address import EtcdAddress  # noqa: E402
 from megatron_elaswave.launch.store import read_worker  # noqa: E402
 
 NODES, WORKERS_PER_NODE = 2, 4

@@ -367,7 +367,8 @@ def time_recovery(store: str, ranks: int, sequence: list, samples: int, clients:
     a ``TCPStore`` process, as a generation's store."""
     import contextlib
 
-    from megatron_elaswave.launch.etcd_store import EtcdAddress, EtcdStore
+    from megatron_elaswave.launch.etcd_address import EtcdAddress
+    from megatron_elaswave.launch.etcd_store import EtcdStore
 
     with contextlib.ExitStack() as stack:
         process = subprocess.Popen([sys.executable, "-c", STORE_SERVER], stdin=subprocess.PIPE,

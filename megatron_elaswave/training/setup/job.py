@@ -13,7 +13,8 @@ import torch.distributed as dist
 from megatron_elaswave import patches
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.launch.keys import FINISHED_KEY
-from megatron_elaswave.launch.store import REJOIN_ENV, STORE_ADDR_ENV, connect_store
+from megatron_elaswave.launch.config import REJOIN_ENV, STORE_ADDR_ENV
+from megatron_elaswave.launch.store import connect_store
 from megatron_elaswave.metrics import MetricsWriter
 from megatron_elaswave.patches.dist_checkpointing import background_saves
 from megatron_elaswave.runtime import dropout_rng
