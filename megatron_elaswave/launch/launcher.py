@@ -19,8 +19,10 @@ decide what to do. It guarantees:
   any worker starts. An agent given no node rank (``--rdzv-backend c10d``) takes one as it
   reaches the store, the agent that hosts it being node 0 (:func:`~megatron_elaswave.launch.rendezvous.take_node_rank`).
 * **Deaths are reported at once.** A worker that exits with a non-zero code or is killed by a
-  signal is recorded as a :class:`~megatron_elaswave.launch.store.WorkerDeath` within
-  :data:`~megatron_elaswave.launch.workers.POLL_INTERVAL_S`; a worker that exits with 0 is recorded as a normal exit.
+  signal is recorded as a :class:`~megatron_elaswave.launch.store.WorkerDeath` as soon as it
+  ends (its pidfd wakes the agent, on Linux), elsewhere within
+  :data:`~megatron_elaswave.launch.workers.POLL_INTERVAL_S`; a worker that exits with 0 is
+  recorded as a normal exit.
 * **A node fails as a whole.** Workers are started with ``PR_SET_PDEATHSIG`` (Linux), so killing
   an agent kills its workers. Every agent heartbeats through the store and watches the
   :data:`~megatron_elaswave.launch.node_watch.WATCHED_NODES` running nodes that follow it in node-rank order, wrapping around (so every
@@ -219,7 +221,7 @@ class _NodeAgent:
                 self._fence.kill_excluded()
                 if self._store.lost is not None:
                     return self._stop_without_store()
-            time.sleep(POLL_INTERVAL_S)
+            self._workers.wait(POLL_INTERVAL_S)
         if not self._config.is_store_host:
             # Workers that lost the store may all have left before a heartbeat found it gone:
             # one more look, so that this agent says so too. Node 0 keeps the store up until

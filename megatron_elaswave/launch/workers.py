@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -36,7 +37,9 @@ from megatron_elaswave.launch.store import (
 
 
 POLL_INTERVAL_S = 0.05
-"""How often the agent polls its workers: the bound on the delay before a death is recorded."""
+"""How often the agent looks at its workers, the job store and the other nodes. A worker's end
+wakes it at once where the platform can watch a process (Linux's pidfds); elsewhere this bounds
+the delay before a death is recorded."""
 
 
 JOB_OVER_STATUSES = frozenset({0, 2, 3})
@@ -52,6 +55,9 @@ class Worker:
     member: bool
     """Whether the job counts it among its members: a first worker of a node that formed the
     job; a replacement once a decision takes it in (:class:`~megatron_elaswave.launch.fence.ExclusionFence` marks it then)."""
+    end_watch: int | None = None
+    """A descriptor that becomes readable when the process ends (its pidfd), closed once it is
+    reaped; ``None`` where the platform has none."""
 
 
 class WorkerPool:
@@ -144,6 +150,7 @@ class WorkerPool:
             returncode = worker.process.poll()
             if returncode is not None:
                 del self._running[rank]
+                _close_watch(worker)
                 if worker.record.pid not in self._fenced:  # the job went on without it
                     self._returncodes.append(returncode)
                 self._report_end(worker.record, returncode)
@@ -165,6 +172,14 @@ class WorkerPool:
             known.add(self._fork_server.process.pid)
         reap_orphans(known)
 
+    def wait(self, timeout_s: float) -> None:
+        """Return as soon as a worker ends, or after ``timeout_s``."""
+        watches = [w.end_watch for w in self._running.values() if w.end_watch is not None]
+        if watches:
+            select.select(watches, [], [], timeout_s)
+        else:
+            time.sleep(timeout_s)
+
     def fence(self, worker: Worker) -> None:
         """SIGKILL ``worker``, which the job excluded; its end does not count in
         :attr:`returncodes`."""
@@ -182,7 +197,7 @@ class WorkerPool:
         while self._running and time.monotonic() < deadline:
             if len(signals.received) > 1:
                 break  # a second signal: stop waiting
-            time.sleep(POLL_INTERVAL_S)
+            self.wait(POLL_INTERVAL_S)
             self.reap()
         if self._running:
             log(f"killing the workers still running: {rank_list(list(self._running))}")
@@ -196,10 +211,12 @@ class WorkerPool:
         self.signal(signal.SIGKILL)
         for worker in self._running.values():
             worker.process.wait()
+            _close_watch(worker)
         self._running.clear()
 
     def _start(self, local_rank: int) -> None:
         worker = self._spawn(local_rank)
+        worker.end_watch = _watch_end(worker.process.pid)
         self._running[worker.record.rank] = worker
         self._store.call(lambda store: publish_worker(store, worker.record))
 
@@ -307,3 +324,18 @@ class WorkerPool:
         how = f"killed by {killed_by}" if killed_by else f"exited with code {returncode}"
         still = plural(len(self._running), "worker")
         log(f"worker rank {worker.rank} (pid {worker.pid}) {how}; {still} still running")
+
+
+def _watch_end(pid: int) -> int | None:
+    """A pidfd of ``pid`` (the process is this agent's child, so the pid is not reused before
+    it is reaped), or ``None`` where the platform has none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux, or a kernel before 5.3
+        return None
+
+
+def _close_watch(worker: Worker) -> None:
+    if worker.end_watch is not None:
+        os.close(worker.end_watch)
+        worker.end_watch = None
