@@ -202,19 +202,25 @@ def test_workers_get_the_launch_environment(tmp_path, preload):
     assert "hello" not in output
 
 
+def _run_dump_env(tmp_path: Path, preload: str) -> tuple[int, str]:
+    """Two workers of ``dump_env.py`` launched with ``--preload=preload``, which may name the
+    modules of ``tests/workers``: the launcher's exit status and output."""
+    with launch(
+        [worker_script("dump_env.py"), str(tmp_path)],
+        nproc_per_node=2,
+        master_port=free_port(),
+        launcher_args=[f"--preload={preload}"],
+        env={"PYTHONPATH": os.path.dirname(worker_script("dump_env.py"))},
+    ) as job:
+        return job.wait(timeout=60)
+
+
 @multiprocess
 @pytest.mark.timeout(60)
 def test_forked_workers_end_with_the_interpreter_not_with_the_preloads_c_exit_handlers(tmp_path):
     """A preloaded library's C exit handlers (libtorch's static destructors, here ``abort()``)
     do not run in the workers or the server; the interpreter's own exit still does."""
-    with launch(
-        [worker_script("dump_env.py"), str(tmp_path)],
-        nproc_per_node=2,
-        master_port=free_port(),
-        launcher_args=["--preload=torch,aborts_at_exit"],
-        env={"PYTHONPATH": os.path.dirname(worker_script("dump_env.py"))},
-    ) as job:
-        returncode, output = job.wait(timeout=60)
+    returncode, output = _run_dump_env(tmp_path, preload="torch,aborts_at_exit")
     assert returncode == 0, output
     reports = read_reports(tmp_path)
     assert [seen["preloaded"] for seen in reports.values()] == [True, True], output
@@ -235,14 +241,7 @@ def test_the_launcher_reads_its_command_line_without_importing_torch():
 @multiprocess
 @pytest.mark.timeout(60)
 def test_a_preload_that_fails_starts_the_workers_afresh(tmp_path):
-    with launch(
-        [worker_script("dump_env.py"), str(tmp_path)],
-        nproc_per_node=2,
-        master_port=free_port(),
-        launcher_args=["--preload=raises_on_import"],
-        env={"PYTHONPATH": os.path.dirname(worker_script("dump_env.py"))},
-    ) as job:
-        returncode, output = job.wait(timeout=60)
+    returncode, output = _run_dump_env(tmp_path, preload="raises_on_import")
     assert returncode == 0, output
     assert ("starting workers without preloading: preloading raises_on_import failed: "
             "RuntimeError: this module refuses to be imported") in output
