@@ -308,8 +308,8 @@ def launch(config: LaunchConfig) -> int:
         # c10d logs a warning with a stack trace when a store connection drops; the agent
         # reports that itself, in one line. Takes effect where torch is imported, next.
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        # Imported once the fork server runs, beside its preload: the agent's own import of
-        # torch takes about a second, which workers no longer wait for.
+        # Imported once the fork server runs: the agent's own import of torch, about a second,
+        # runs beside the preload rather than before it.
         from megatron_elaswave.launch.launcher import run
 
         return run(config, worker_base_env, fork_server)
