@@ -104,8 +104,12 @@ def test_a_script_of_a_megatron_lm_checkout_runs_through_the_adaptor(tmp_path):
     megatron_lm = parse_config([str(tmp_path / "pretrain_gpt.py"), "--elastic"]).worker_command()
     assert megatron_lm[2:] == ["-m", "megatron_elaswave.run_megatron_lm",
                                str(tmp_path / "pretrain_gpt.py"), "--elastic"]
-    plain = parse_config([str(tmp_path / "elsewhere/train.py"), "--lr", "1"]).worker_command()
-    assert plain[2:] == [str(tmp_path / "elsewhere/train.py"), "--lr", "1"]
+    plain = parse_config([str(tmp_path / "elsewhere/train.py"), "--lr", "1"])
+    assert plain.worker_command()[2:] == [str(tmp_path / "elsewhere/train.py"), "--lr", "1"]
+    assert parse_config([str(tmp_path / "pretrain_gpt.py")]).runs_megatron_lm
+    assert parse_config(["-m", "megatron_elaswave.run_megatron_lm", "pretrain_gpt.py"]
+                        ).runs_megatron_lm
+    assert not plain.runs_megatron_lm
 
 
 def test_read_deaths_stops_at_a_numbered_but_unwritten_record():
@@ -226,6 +230,32 @@ def test_forked_workers_end_with_the_interpreter_not_with_the_preloads_c_exit_ha
     assert [seen["preloaded"] for seen in reports.values()] == [True, True], output
     assert all((tmp_path / f"rank{rank}.atexit").exists() for rank in reports)
     assert "SIGABRT" not in output and "without preloading" not in output, output
+
+
+@multiprocess
+@pytest.mark.timeout(120)
+def test_workers_of_a_server_that_warmed_torch_compile_find_its_cpu_probes_done(tmp_path):
+    """Asked to warm the compile caches (Megatron-LM's loop), the server probes the CPU's
+    vector instruction sets once and its workers inherit the answer; otherwise each worker
+    would probe for itself."""
+    found = {}
+    for warm in (True, False):
+        report = tmp_path / f"warm-{warm}.json"
+        driver = (
+            "import os, sys\n"
+            "from megatron_elaswave.launch.spawn import ForkServer\n"
+            f"server = ForkServer(['torch'], dict(os.environ), warm_compile_caches={warm})\n"
+            "while not server.ready():\n"
+            "    import time; time.sleep(0.05)\n"
+            f"worker = server.spawn([{worker_script('compile_caches.py')!r}, {str(report)!r}],"
+            " dict(os.environ), None, False)\n"
+            "sys.exit(worker.wait())\n")
+        result = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True,
+                                timeout=100)
+        assert result.returncode == 0, result.stderr
+        found[warm] = json.loads(report.read_text())
+    assert found == {True: {"preloaded": True, "vector_isa_probed": True},
+                     False: {"preloaded": True, "vector_isa_probed": False}}
 
 
 def test_the_launcher_reads_its_command_line_without_importing_torch():

@@ -186,6 +186,11 @@ class LaunchConfig:
             entry = [self.script]
         return [*entry, *self.script_args]
 
+    @property
+    def runs_megatron_lm(self) -> bool:
+        """Whether the workers run Megatron-LM's loop (through the adaptor's runner)."""
+        return self.worker_argv()[:2] == ["-m", MEGATRON_LM_RUNNER]
+
     @staticmethod
     def shared_worker_env(base: Mapping[str, str]) -> dict[str, str]:
         """The part of :meth:`worker_env` that is the same for every worker of the node."""

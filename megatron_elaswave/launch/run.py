@@ -324,7 +324,8 @@ def _start_fork_server(config: LaunchConfig, worker_base_env: Mapping[str, str]
     if not config.preload or not can_fork_workers():
         return None
     try:
-        return ForkServer(config.preload, config.shared_worker_env(worker_base_env))
+        return ForkServer(config.preload, config.shared_worker_env(worker_base_env),
+                          warm_compile_caches=config.runs_megatron_lm)
     except (ForkServerError, OSError) as error:
         log(f"starting workers without preloading: {error}")
         return None

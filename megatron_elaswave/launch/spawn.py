@@ -69,6 +69,9 @@ itself filters them as well)."""
 PRELOAD_TIMEOUT_S = 120.0
 """How long the agent waits for the server's preload before executing workers afresh."""
 
+WARM_COMPILE_CACHES = "--warm-compile-caches"
+"""The server's flag (before the modules) for ``ForkServer(warm_compile_caches=True)``."""
+
 SPAWN_TIMEOUT_S = 10.0
 """How long one fork may take before the server is given up."""
 
@@ -155,7 +158,12 @@ class _Request:
 class ForkServer:
     """The agent's side of one fork server: starts it, and asks it for workers."""
 
-    def __init__(self, preload: Sequence[str], env: Mapping[str, str]) -> None:
+    def __init__(self, preload: Sequence[str], env: Mapping[str, str], *,
+                 warm_compile_caches: bool = False) -> None:
+        """Start the server, importing ``preload``; ``warm_compile_caches`` when every worker
+        will call ``torch.compile`` first thing (Megatron-LM's loop compiles megatron-core's fused
+        kernels before its first step): on a CPU their first compilation then costs about 2 s
+        less each, and the preload as much more, once (:mod:`megatron_elaswave.patches.inductor_caches`)."""
         if not can_fork_workers():
             raise ForkServerError("workers can be forked on Linux only")
         _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1)
@@ -164,7 +172,8 @@ class ForkServer:
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-u", "-m", __name__, str(os.getpid()), str(request_read),
-                 str(response_write), *preload],
+                 str(response_write), *([WARM_COMPILE_CACHES] if warm_compile_caches else []),
+                 *preload],
                 env=dict(env),
                 stdin=subprocess.DEVNULL,
                 pass_fds=(request_read, response_write),
@@ -239,8 +248,10 @@ class ForkServer:
 # ---- the server process -----------------------------------------------------------------------
 
 
-def _preload(modules: Sequence[str]) -> str | None:
-    """Import ``modules``; returns why forked workers would not work, or ``None``."""
+def _preload(modules: Sequence[str], warm_compile_caches: bool) -> str | None:
+    """Import ``modules`` (and with ``warm_compile_caches``, on a host without CUDA, fill the
+    caches of a first ``torch.compile``); returns why forked workers would not work, or
+    ``None``."""
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # ask NVML, not the CUDA driver
     with warnings.catch_warnings():
         for notice in IMPORT_NOTICES:
@@ -255,6 +266,10 @@ def _preload(modules: Sequence[str]) -> str | None:
             except Exception as error:  # noqa: BLE001 - any failure means: execute workers instead
                 return f"preloading {name} failed: {type(error).__name__}: {error}"
     torch = sys.modules.get("torch")
+    if warm_compile_caches and torch is not None and not torch.cuda.is_available():
+        from megatron_elaswave.patches.inductor_caches import warm_cpu_compile_caches
+
+        warm_cpu_compile_caches()
     if torch is not None and torch.cuda.is_initialized():
         return "preloading initialized CUDA, which forked workers could not use"
     return None
@@ -336,10 +351,14 @@ def _become_worker(request: _Request, agent_pid: int, server_fds: Sequence[int])
 
 def _main(argv: Sequence[str]) -> None:
     agent_pid, requests, responses = (int(value) for value in argv[:3])
+    modules = list(argv[3:])
+    warm_compile_caches = bool(modules) and modules[0] == WARM_COMPILE_CACHES
+    if warm_compile_caches:
+        modules.pop(0)
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)  # the agent forwards them to the workers
     prepare_titles()
-    failure = _preload(argv[3:])
+    failure = _preload(modules, warm_compile_caches)
     answer = {"error": failure} if failure else {"ready": True}
     os.write(responses, (json.dumps(answer) + "\n").encode())
     if failure:
