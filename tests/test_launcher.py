@@ -33,6 +33,7 @@ from megatron_elaswave.launch.store import (
     read_exit,
     read_node_states,
     record_death,
+    store_listener,
 )
 
 multiprocess = pytest.mark.multiprocess
@@ -614,6 +615,28 @@ def test_a_missing_store_host_times_out_with_one_line():
         worker_script("exit_plan.py"),
     )
     assert_one_line_error(result, 1, "timed out after 0.5 s waiting for the job store")
+
+
+def test_a_store_reached_at_an_ipv4_address_sees_its_clients_as_ipv4_peers():
+    """torch names each peer that a store accepts by a reverse lookup, in the store's event
+    loop: ``/etc/hosts`` answers it for the IPv4 loopback, but the IPv4-mapped IPv6 form that a
+    dual-stack socket reports goes to the resolver. A store reached at a host name stays
+    dual-stack, as its clients may connect over IPv6."""
+    from torch.distributed import TCPStore
+
+    listener = store_listener("127.0.0.1", 0)
+    port = listener.getsockname()[1]
+    server = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                      master_listen_fd=listener.detach())
+    client = TCPStore("127.0.0.1", port, is_master=False)
+    client.set("key", "value")
+    assert server.get("key") == b"value"
+    accepted = [c for c in psutil.Process().net_connections(kind="tcp")
+                if c.laddr.port == port and c.status == psutil.CONN_ESTABLISHED]
+    assert accepted and all(c.family == socket.AF_INET for c in accepted), accepted
+    if socket.has_dualstack_ipv6():
+        with store_listener("localhost", 0) as by_name:
+            assert by_name.family == socket.AF_INET6
 
 
 def _listens_on(pid: int, port: int) -> bool:

@@ -16,7 +16,13 @@ from megatron_elaswave.launch.config import LaunchConfig, LaunchError, UsageErro
 from megatron_elaswave.launch.console import log
 from megatron_elaswave.launch.keys import NODE_ARRIVALS_KEY, node_key, node_lost_key
 from megatron_elaswave.launch.signals import SignalLatch
-from megatron_elaswave.launch.store import NodeRecord, change_node_state, from_json, to_json
+from megatron_elaswave.launch.store import (
+    NodeRecord,
+    change_node_state,
+    from_json,
+    store_listener,
+    to_json,
+)
 from megatron_elaswave.waiting import wait_until
 
 if TYPE_CHECKING:
@@ -49,10 +55,13 @@ def wait_for(
 
 
 def host_store(config: LaunchConfig, listener: socket.socket | None = None) -> TCPStore:
-    """Node 0's ``TCPStore``, on ``listener`` if given (the store takes the socket over), else on
-    the master port once it is found free."""
+    """Node 0's ``TCPStore``, on ``listener`` if given, else on the master port once it is found
+    free (:func:`_listen`); the store takes the socket over."""
     if listener is None:
-        _check_port_free(config.master_port)
+        listener = _listen(config)
+        if listener is None:
+            raise UsageError(f"cannot host the job store on --master-port {config.master_port}: "
+                             f"{os.strerror(errno.EADDRINUSE)}")
     from torch.distributed import TCPStore
 
     try:
@@ -62,7 +71,7 @@ def host_store(config: LaunchConfig, listener: socket.socket | None = None) -> T
             is_master=True,
             wait_for_workers=False,
             timeout=STORE_TIMEOUT,
-            master_listen_fd=None if listener is None else listener.detach(),
+            master_listen_fd=listener.detach(),
         )
     except RuntimeError as error:
         raise LaunchError(f"cannot host the job store: {first_line(error)}") from None
@@ -78,7 +87,7 @@ def take_node_rank(config: LaunchConfig, signals: SignalLatch) -> tuple[LaunchCo
     replaced with ``--rejoin`` and its node rank.
     """
     if config.store is None and is_this_machine(config.master_addr):
-        listener = _listen(config.master_port)
+        listener = _listen(config)
         if listener is not None:
             placed = dataclasses.replace(config, node_rank=0)
             return placed, host_store(placed, listener)
@@ -107,29 +116,17 @@ def is_this_machine(host: str) -> bool:
     return False
 
 
-def _listen(port: int) -> socket.socket | None:
-    """A socket listening on ``port`` of every address of this machine, for the job store to
-    take over; ``None`` if another process listens there (another agent hosts the store)."""
+def _listen(config: LaunchConfig) -> socket.socket | None:
+    """A socket listening on the master port, for the job store to take over (found before
+    torch is imported: a port in use fails in milliseconds); ``None`` if another process
+    listens there (another agent hosts the store)."""
     try:
-        if socket.has_dualstack_ipv6():
-            return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
-        return socket.create_server(("", port))
+        return store_listener(config.master_addr, config.master_port)
     except OSError as error:
         if error.errno == errno.EADDRINUSE:
             return None
-        raise UsageError(f"cannot host the job store on port {port}: {error.strerror}") from None
-
-
-def _check_port_free(port: int) -> None:
-    """Fail fast on a port in use, before importing torch (TCPStore still reports a race)."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore binds
-        try:
-            probe.bind(("", port))
-        except OSError as error:
-            raise UsageError(
-                f"cannot host the job store on --master-port {port}: {error.strerror}"
-            ) from None
+        raise UsageError(f"cannot host the job store on --master-port {config.master_port}: "
+                         f"{error.strerror}") from None
 
 
 def connect(config: LaunchConfig, signals: SignalLatch) -> Store:

@@ -20,8 +20,10 @@ Deaths are numbered in the order they were recorded, so a reader polls with a cu
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import socket
 import threading
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
@@ -182,6 +184,26 @@ def default_group_store(timeout: timedelta) -> Store | None:
 
     _default_group_stores.append(connect_store(timeout))
     return PrefixStore("default_pg/", _default_group_stores[-1])
+
+
+def store_listener(host: str, port: int) -> socket.socket:
+    """A socket listening on ``port`` (0: a free one) of every address of this machine, for a
+    ``TCPStore`` whose clients reach it at ``host`` to take over (``master_listen_fd``). Raises
+    ``OSError`` (``EADDRINUSE`` where another process listens there).
+
+    IPv4 only where ``host`` is an IPv4 address. torch names each peer that a store accepts by a
+    reverse lookup, in the store's event loop: ``/etc/hosts`` answers it for an IPv4 address it
+    lists (the loopback, often a cluster's nodes), but a dual-stack socket reports its IPv4
+    peers as IPv4-mapped IPv6 addresses, which go to the resolver, and a resolver that drops the
+    query stalls every request to the store for its timeout (docs/launcher.md, "Connections
+    that take 5 seconds")."""
+    try:
+        ipv4 = ipaddress.ip_address(host).version == 4
+    except ValueError:
+        ipv4 = False
+    if not ipv4 and socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+    return socket.create_server(("", port))
 
 
 def generation_store_address() -> str | None:

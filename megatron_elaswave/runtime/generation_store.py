@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from megatron_elaswave.launch.keys import generation_store_key
-from megatron_elaswave.launch.store import WaitInterrupted, read_when_set
+from megatron_elaswave.launch.store import WaitInterrupted, read_when_set, store_listener
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -137,8 +137,10 @@ class GenerationStores:
         host = min(members)
         key = generation_store_key(generation)
         if host == self._rank:
-            server = dist.TCPStore(self._host_address, 0, is_master=True,
-                                   wait_for_workers=False, timeout=self._timeout)
+            listener = store_listener(self._host_address, 0)
+            server = dist.TCPStore(self._host_address, listener.getsockname()[1], is_master=True,
+                                   wait_for_workers=False, timeout=self._timeout,
+                                   master_listen_fd=listener.detach())
             self._servers[generation] = server
             self._job_store.set(key, f"{self._host_address}:{server.port}")
             store = server
