@@ -237,8 +237,8 @@ def test_forked_workers_end_with_the_interpreter_not_with_the_preloads_c_exit_ha
 @pytest.mark.timeout(120)
 def test_workers_of_a_server_that_warmed_torch_compile_find_its_cpu_probes_done(tmp_path):
     """Asked to warm the compile caches (Megatron-LM's loop), the server probes the CPU's
-    vector instruction sets once and its workers inherit the answer; otherwise each worker
-    would probe for itself."""
+    vector instruction sets and registers Inductor's passes once, under the key a CPU
+    compilation asks for, and its workers inherit them; otherwise each worker would do both."""
     found = {}
     for warm in (True, False):
         report = tmp_path / f"warm-{warm}.json"
@@ -255,8 +255,10 @@ def test_workers_of_a_server_that_warmed_torch_compile_find_its_cpu_probes_done(
                                 timeout=100)
         assert result.returncode == 0, result.stderr
         found[warm] = json.loads(report.read_text())
-    assert found == {True: {"preloaded": True, "vector_isa_probed": True},
-                     False: {"preloaded": True, "vector_isa_probed": False}}
+    assert found == {
+        True: {"preloaded": True, "vector_isa_probed": True, "joint_graph_passes_registered": True},
+        False: {"preloaded": True, "vector_isa_probed": False,
+                "joint_graph_passes_registered": False}}
 
 
 def test_the_launcher_reads_its_command_line_without_importing_torch():

@@ -65,16 +65,19 @@ def host_store(config: LaunchConfig, listener: socket.socket | None = None) -> T
     from torch.distributed import TCPStore
 
     try:
-        return TCPStore(
+        store = TCPStore(
             config.master_addr,
             config.master_port,
             is_master=True,
             wait_for_workers=False,
             timeout=STORE_TIMEOUT,
-            master_listen_fd=listener.detach(),
+            master_listen_fd=listener.fileno(),
         )
     except RuntimeError as error:
+        listener.close()
         raise LaunchError(f"cannot host the job store: {first_line(error)}") from None
+    listener.detach()  # the store owns the socket now
+    return store
 
 
 def take_node_rank(config: LaunchConfig, signals: SignalLatch) -> tuple[LaunchConfig, Store]:

@@ -33,7 +33,12 @@ from megatron_elaswave.launch.environment import (
 )
 from megatron_elaswave.launch.config import LaunchConfig, LaunchError, UsageError
 from megatron_elaswave.launch.console import log
-from megatron_elaswave.launch.spawn import ForkServer, ForkServerError, can_fork_workers
+from megatron_elaswave.launch.spawn import (
+    ForkServer,
+    ForkServerError,
+    can_fork_workers,
+    host_has_gpus,
+)
 
 PROG = "elaswave-run"
 
@@ -325,7 +330,7 @@ def _start_fork_server(config: LaunchConfig, worker_base_env: Mapping[str, str]
         return None
     try:
         return ForkServer(config.preload, config.shared_worker_env(worker_base_env),
-                          warm_compile_caches=config.runs_megatron_lm)
+                          warm_compile_caches=config.runs_megatron_lm and not host_has_gpus())
     except (ForkServerError, OSError) as error:
         log(f"starting workers without preloading: {error}")
         return None

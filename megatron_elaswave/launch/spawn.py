@@ -91,6 +91,12 @@ def die_with_parent(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def host_has_gpus() -> bool:
+    """Whether an NVIDIA or AMD GPU driver exposes devices here (``/dev/nvidiactl``,
+    ``/dev/kfd``), told without loading a GPU runtime, which forked workers could not use."""
+    return any(os.path.exists(node) for node in ("/dev/nvidiactl", "/dev/kfd"))
+
+
 def can_fork_workers() -> bool:
     """Whether this platform lets an agent adopt the workers its fork server starts."""
     return _LIBC is not None
@@ -160,10 +166,11 @@ class ForkServer:
 
     def __init__(self, preload: Sequence[str], env: Mapping[str, str], *,
                  warm_compile_caches: bool = False) -> None:
-        """Start the server, importing ``preload``; ``warm_compile_caches`` when every worker
-        will call ``torch.compile`` first thing (Megatron-LM's loop compiles megatron-core's fused
-        kernels before its first step): on a CPU their first compilation then costs about 2 s
-        less each, and the preload as much more, once (:mod:`megatron_elaswave.patches.inductor_caches`)."""
+        """Start the server, importing ``preload``; ``warm_compile_caches`` where every worker
+        will call ``torch.compile`` on the CPU first thing (Megatron-LM's loop compiles
+        megatron-core's fused kernels before its first step) on a host without a GPU: their
+        first compilation then costs about 2 s less each, and the preload as much more, once
+        (:mod:`megatron_elaswave.patches.inductor_caches`)."""
         if not can_fork_workers():
             raise ForkServerError("workers can be forked on Linux only")
         _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1)
@@ -249,9 +256,8 @@ class ForkServer:
 
 
 def _preload(modules: Sequence[str], warm_compile_caches: bool) -> str | None:
-    """Import ``modules`` (and with ``warm_compile_caches``, on a host without CUDA, fill the
-    caches of a first ``torch.compile``); returns why forked workers would not work, or
-    ``None``."""
+    """Import ``modules`` (and with ``warm_compile_caches`` fill the caches of a first
+    ``torch.compile`` on the CPU); returns why forked workers would not work, or ``None``."""
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # ask NVML, not the CUDA driver
     with warnings.catch_warnings():
         for notice in IMPORT_NOTICES:
@@ -266,10 +272,13 @@ def _preload(modules: Sequence[str], warm_compile_caches: bool) -> str | None:
             except Exception as error:  # noqa: BLE001 - any failure means: execute workers instead
                 return f"preloading {name} failed: {type(error).__name__}: {error}"
     torch = sys.modules.get("torch")
-    if warm_compile_caches and torch is not None and not torch.cuda.is_available():
-        from megatron_elaswave.patches.inductor_caches import warm_cpu_compile_caches
-
-        warm_cpu_compile_caches()
+    if warm_compile_caches and torch is not None:
+        try:
+            from megatron_elaswave.patches.inductor_caches import warm_cpu_compile_caches
+        except Exception:  # noqa: BLE001 - the workers fill the caches themselves
+            pass
+        else:
+            warm_cpu_compile_caches()
     if torch is not None and torch.cuda.is_initialized():
         return "preloading initialized CUDA, which forked workers could not use"
     return None
@@ -304,8 +313,9 @@ def _end_with_the_interpreter() -> None:
     """Make this process, and the workers it forks, end once the interpreter has finalized,
     without the C exit handlers of the libraries preloaded so far: libtorch's static
     destructors deregister its operators one at a time, which a node's workers all do at once
-    as the job ends (8 workers on 2 cores: about 0.5 s of the job's end). What Python does at exit (threads joined,
-    ``atexit`` handlers, files flushed and closed, the exit status) still happens, as do the
+    as the job ends (8 workers on 2 cores: about 0.5 s of the job's end). What Python does at
+    exit (threads joined, ``atexit`` handlers, files flushed and closed, the exit status) still
+    happens, as do the
     handlers of libraries loaded later: glibc runs exit handlers in the reverse order of
     registration, so ``_exit(status)`` registered here runs before the preloaded ones."""
     if _LIBC is not None:

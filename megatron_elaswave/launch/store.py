@@ -198,12 +198,15 @@ def store_listener(host: str, port: int) -> socket.socket:
     query stalls every request to the store for its timeout (docs/launcher.md, "Connections
     that take 5 seconds")."""
     try:
-        ipv4 = ipaddress.ip_address(host).version == 4
+        version = ipaddress.ip_address(host).version
     except ValueError:
-        ipv4 = False
-    if not ipv4 and socket.has_dualstack_ipv6():
+        version = None  # a host name: its clients may resolve it to either family
+    if version == 4:
+        return socket.create_server(("", port))
+    if socket.has_dualstack_ipv6():
         return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
-    return socket.create_server(("", port))
+    return socket.create_server(("", port), family=socket.AF_INET6 if version == 6
+                                else socket.AF_INET)
 
 
 def generation_store_address() -> str | None:

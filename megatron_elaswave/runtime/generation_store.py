@@ -117,6 +117,21 @@ class GenerationStores:
         self._servers: dict[int, Store] = {}
         """The stores this rank hosts; they serve as long as the objects live."""
 
+    def _host(self, generation: int) -> dist.TCPStore:
+        """A new store of ``generation`` on a free port, hosted here; raises ``DistError`` when
+        it cannot be."""
+        try:
+            listener = store_listener(self._host_address, 0)
+        except OSError as error:
+            raise dist.DistError(f"cannot host the store of generation {generation}: "
+                                 f"{error.strerror}") from None
+        with listener:
+            server = dist.TCPStore(self._host_address, listener.getsockname()[1], is_master=True,
+                                   wait_for_workers=False, timeout=self._timeout,
+                                   master_listen_fd=listener.fileno())
+            listener.detach()  # the store owns the socket now
+        return server
+
     @property
     def hosted(self) -> bool:
         """Whether each generation has a store of its own, hosted by one of its members."""
@@ -137,10 +152,7 @@ class GenerationStores:
         host = min(members)
         key = generation_store_key(generation)
         if host == self._rank:
-            listener = store_listener(self._host_address, 0)
-            server = dist.TCPStore(self._host_address, listener.getsockname()[1], is_master=True,
-                                   wait_for_workers=False, timeout=self._timeout,
-                                   master_listen_fd=listener.detach())
+            server = self._host(generation)
             self._servers[generation] = server
             self._job_store.set(key, f"{self._host_address}:{server.port}")
             store = server
