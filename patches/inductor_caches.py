@@ -15,6 +15,8 @@ at their first step. Filled in the fork server, they are inherited by every work
 
 from __future__ import annotations
 
+import functools
+
 
 def warm_cpu_compile_caches() -> None:
     """Fill the per-process caches of ``torch.compile``'s first CPU compilation in this process.
@@ -30,15 +32,15 @@ def warm_cpu_compile_caches() -> None:
         from torch._inductor.fx_passes import joint_graph, post_grad, pre_grad
     except Exception:  # noqa: BLE001 - no Inductor here: the workers do without it too
         return
-    warmers = [
-        lambda: cpu_vec_isa.valid_vec_isa_list(),
-        lambda: codecache.torch_key(),
-        lambda: codecache.triton_key(),
-        lambda: pre_grad.lazy_init(),
+    warmers = (
+        cpu_vec_isa.valid_vec_isa_list,
+        codecache.torch_key,
+        codecache.triton_key,
+        pre_grad.lazy_init,
         # compile_fx passes the first input's device, positionally: the same cache key.
-        lambda: joint_graph.lazy_init(torch.device("cpu")),
-        lambda: post_grad.lazy_init(),
-    ]
+        functools.partial(joint_graph.lazy_init, torch.device("cpu")),
+        post_grad.lazy_init,
+    )
     for warm in warmers:
         try:
             warm()

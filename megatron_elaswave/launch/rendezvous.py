@@ -20,6 +20,7 @@ from megatron_elaswave.launch.store import (
     NodeRecord,
     change_node_state,
     from_json,
+    serve_store,
     store_listener,
     to_json,
 )
@@ -62,22 +63,10 @@ def host_store(config: LaunchConfig, listener: socket.socket | None = None) -> T
         if listener is None:
             raise UsageError(f"cannot host the job store on --master-port {config.master_port}: "
                              f"{os.strerror(errno.EADDRINUSE)}")
-    from torch.distributed import TCPStore
-
     try:
-        store = TCPStore(
-            config.master_addr,
-            config.master_port,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=STORE_TIMEOUT,
-            master_listen_fd=listener.fileno(),
-        )
+        return serve_store(listener, config.master_addr, STORE_TIMEOUT)
     except RuntimeError as error:
-        listener.close()
         raise LaunchError(f"cannot host the job store: {first_line(error)}") from None
-    listener.detach()  # the store owns the socket now
-    return store
 
 
 def take_node_rank(config: LaunchConfig, signals: SignalLatch) -> tuple[LaunchConfig, Store]:

@@ -315,9 +315,9 @@ def _end_with_the_interpreter() -> None:
     destructors deregister its operators one at a time, which a node's workers all do at once
     as the job ends (8 workers on 2 cores: about 0.5 s of the job's end). What Python does at
     exit (threads joined, ``atexit`` handlers, files flushed and closed, the exit status) still
-    happens, as do the
-    handlers of libraries loaded later: glibc runs exit handlers in the reverse order of
-    registration, so ``_exit(status)`` registered here runs before the preloaded ones."""
+    happens, as do the handlers of libraries loaded later: glibc runs exit handlers in the
+    reverse order of registration, so ``_exit(status)`` registered here runs before the
+    preloaded ones."""
     if _LIBC is not None:
         _LIBC.on_exit(ctypes.cast(_LIBC._exit, ctypes.c_void_p), None)
 

@@ -50,7 +50,7 @@ from megatron_elaswave.launch.liveness import address_toward
 from megatron_elaswave.waiting import wait_until
 
 if TYPE_CHECKING:
-    from torch.distributed import Store
+    from torch.distributed import Store, TCPStore
 
 # Causes of a WorkerDeath.
 EXITED = "exit"
@@ -207,6 +207,18 @@ def store_listener(host: str, port: int) -> socket.socket:
         return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
     return socket.create_server(("", port), family=socket.AF_INET6 if version == 6
                                 else socket.AF_INET)
+
+
+def serve_store(listener: socket.socket, host: str, timeout: timedelta) -> TCPStore:
+    """A ``TCPStore`` hosted on ``listener`` (:func:`store_listener`), which it takes over; the
+    listener is closed if the store cannot start (torch's ``RuntimeError``)."""
+    from torch.distributed import TCPStore
+
+    with listener:
+        store = TCPStore(host, listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                         timeout=timeout, master_listen_fd=listener.fileno())
+        listener.detach()  # the store owns the socket now
+    return store
 
 
 def generation_store_address() -> str | None:

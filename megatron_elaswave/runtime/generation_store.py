@@ -31,7 +31,12 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from megatron_elaswave.launch.keys import generation_store_key
-from megatron_elaswave.launch.store import WaitInterrupted, read_when_set, store_listener
+from megatron_elaswave.launch.store import (
+    WaitInterrupted,
+    read_when_set,
+    serve_store,
+    store_listener,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import Store
@@ -125,12 +130,7 @@ class GenerationStores:
         except OSError as error:
             raise dist.DistError(f"cannot host the store of generation {generation}: "
                                  f"{error.strerror}") from None
-        with listener:
-            server = dist.TCPStore(self._host_address, listener.getsockname()[1], is_master=True,
-                                   wait_for_workers=False, timeout=self._timeout,
-                                   master_listen_fd=listener.fileno())
-            listener.detach()  # the store owns the socket now
-        return server
+        return serve_store(listener, self._host_address, self._timeout)
 
     @property
     def hosted(self) -> bool:
