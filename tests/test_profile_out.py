@@ -47,3 +47,19 @@ def test_profile_of_a_pipeline_run_calibrates_the_planner(tmp_path):
         capture_output=True, text=True, timeout=60)
     assert plan.returncode == 0, plan.stderr
     assert json.loads(plan.stdout)["global_batch_size"] == 8
+
+
+def test_a_lagging_peer_leaves_an_moe_layers_backward_its_forwards_compute():
+    from megatron_elaswave.training.setup.profiling import _PartSamples
+
+    # The forward's exchanges waited 6 ms on a lagging peer; the backward's did not.
+    moe = _PartSamples(forward_s=[0.010], backward_s=[0.005], all_to_all_s=[0.006],
+                       param_bytes=96, expert_param_bytes=64)
+    cost = moe.cost(all_to_all_bytes=128)
+    assert cost.forward_s == pytest.approx(0.004) and cost.backward_s == pytest.approx(0.004)
+    # Unlagged, the exchanges come out of both.
+    moe.backward_s = [0.020]
+    assert moe.cost(all_to_all_bytes=128).backward_s == pytest.approx(0.014)
+    # A dense part's backward is its own measurement, even when shorter than its forward.
+    dense = _PartSamples(forward_s=[0.010], backward_s=[0.005])
+    assert dense.cost(all_to_all_bytes=0).backward_s == pytest.approx(0.005)

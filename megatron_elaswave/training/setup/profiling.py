@@ -20,7 +20,10 @@ experts' parameters on the rank, and what its dispatch sends per micro-batch (to
 tokens x hidden size x bytes per element). Its forward's two exchanges, the dispatcher's dispatch
 and combine (all-to-alls, or the all-gather and reduce-scatter of the allgather dispatcher), are
 timed apart, and their median is taken out of the layer's forward time and, as the backward runs
-the same exchanges in reverse (not timed: they run inside autograd), out of its backward time.
+the same exchanges in reverse (not timed: they run inside autograd), out of its backward time. A
+peer that lags makes a forward's exchange wait longer than the backward's; where that leaves the
+backward less than the forward's compute, it is taken to cost the forward's compute, a lower bound
+(a layer's backward does at least its forward's arithmetic), never nothing.
 The profile's ``expert_bandwidth_bytes_per_s`` is the bandwidth at which the cost model's
 all-to-all (two exchanges of latency + bytes sent / bandwidth) takes that median, so the planner
 puts back what was taken out at the measured expert-parallel size.
@@ -77,8 +80,11 @@ class _PartSamples:
         exchanges = _median(self.all_to_all_s)
         moe = None if self.expert_param_bytes is None else ExpertCost(self.expert_param_bytes,
                                                                       all_to_all_bytes)
-        return OpCost(forward_s=max(0.0, _median(self.forward_s) - exchanges),
-                      backward_s=max(0.0, _median(self.backward_s) - exchanges),
+        forward_s = max(0.0, _median(self.forward_s) - exchanges)
+        backward_s = _median(self.backward_s)
+        if exchanges:
+            backward_s = max(forward_s, backward_s - exchanges)
+        return OpCost(forward_s=forward_s, backward_s=backward_s,
                       param_bytes=self.param_bytes,
                       activation_bytes=int(_median(self.activation_bytes)), moe=moe)
 
