@@ -17,6 +17,7 @@ from . import (
     finalize_model_grads,
     language_model_embedding,
     moe_utils,
+    multi_token_prediction,
     optimizer,
     p2p_communication,
     tensor_parallel_random,
@@ -80,9 +81,11 @@ def compatibility_registry(backend: DeviceBackend, *, dropout_seeds: DropoutSeed
 def register_layout_invariant_rng(registry: PatchRegistry, backend: DeviceBackend,
                                   dropout_seeds: DropoutSeeds) -> None:
     """Register the layout-invariant dropout RNG (:mod:`.transformer_layer`,
-    :mod:`.language_model_embedding`), seeded from ``dropout_seeds``."""
+    :mod:`.language_model_embedding`, :mod:`.multi_token_prediction`), seeded from
+    ``dropout_seeds``."""
     transformer_layer.register(registry, backend, dropout_seeds)
     language_model_embedding.register(registry, backend, dropout_seeds)
+    multi_token_prediction.register_keyed_lookups(registry)
 
 
 def install(backend: DeviceBackend, *, dropout_seeds: DropoutSeeds | None = None) -> PatchRegistry:

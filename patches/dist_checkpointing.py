@@ -143,7 +143,10 @@ def chunk_placements(chunk: torch.nn.Module) -> ChunkPlacements:
 
     segments: dict[int, list[Segment]] = {}
     objects: dict[str, Any] = {}
-    for item in nested_values(chunk.sharded_state_dict()):
+    # The metadata is given as a dict that megatron-core fills in place: ``GPTModel`` reads its
+    # data-parallel group for a multi-token prediction stage's embedding copy, which a ``None``
+    # it only replaces in the parent's frame would leave it without.
+    for item in nested_values(chunk.sharded_state_dict(metadata=dict(SHARDED_METADATA))):
         if isinstance(item, ShardedObject):
             if _main_but_for_data_parallel(item.replica_id):
                 objects[item.unique_key] = item.data

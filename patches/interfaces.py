@@ -57,6 +57,7 @@ class DropoutSeeds(Protocol):
     EMBEDDING_LAYER: int
     """The layer number :meth:`stream_seeds` takes for the embedding."""
 
-    def stream_seeds(self, layer: int, tp_rank: int) -> StreamSeeds:
+    def stream_seeds(self, layer: int, tp_rank: int, *, embedding: bool = False) -> StreamSeeds:
         """The seeds of global layer ``layer`` (0-based, or :attr:`EMBEDDING_LAYER`) on
-        tensor-parallel rank ``tp_rank``."""
+        tensor-parallel rank ``tp_rank``; with ``embedding``, of the embedding lookup that layer
+        makes (a multi-token prediction layer's)."""

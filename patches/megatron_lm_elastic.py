@@ -63,7 +63,8 @@ Megatron-LM has.
    size, which after a failure no rank matches. After each
    ``train_step`` the TensorBoard and W&B writers move to the rank that logs
    (:func:`keep_writers_on_logging_rank`). The MoE load-balancing losses of its log line are
-   summed over the job's active ranks (:func:`.moe_utils.register_job_wide_reduction`).
+   summed over the job's active ranks (:func:`.moe_utils.register_job_wide_reduction`), and so
+   are its multi-token prediction losses (:func:`.multi_token_prediction.register_job_wide_reduction`).
 7. ``training_log``: core_v0.19's ``train()`` reads the model-parallel groups of its first chunk
    once, before the loop, and ``training_log`` reduces the learning rate over them each
    iteration; after a recovery those groups are destroyed. With ``--elastic`` it gets none and
@@ -93,7 +94,7 @@ from typing import Any, Callable, NoReturn, Protocol
 import torch
 import torch.distributed as dist
 
-from . import moe_utils
+from . import moe_utils, multi_token_prediction
 from .interfaces import DeviceBackend
 from .megatron_lm import training_utils_modules
 from .registry import PatchRegistry
@@ -228,8 +229,6 @@ _UNSUPPORTED = (
     ("use_legacy_models", "--use-legacy-models (it trains megatron-core's GPTModel: drop it)"),
     ("sft", "--sft (it trains GPT pretraining data)"),
     ("fim_data", "--fim-data (it trains GPT pretraining data)"),
-    ("mtp_num_layers", "--mtp-num-layers (multi-token prediction layers would share the "
-                       "layout-invariant dropout seeds of layer 0)"),
     # A hybrid model (HybridModel, MambaModel): the layer groups know GPTModel's layers.
     ("hybrid_override_pattern", "--hybrid-override-pattern (it trains GPTModel)"),
     ("hybrid_layer_pattern", "--hybrid-layer-pattern (it trains GPTModel)"),
@@ -551,6 +550,9 @@ class _ElasticLoop:
         for name, flag in _UNSUPPORTED + _UNSUPPORTED_CHECKPOINTING:
             if getattr(args, name, None):
                 self.runtime.refuse(f"--elastic in Megatron-LM's loop does not support {flag}")
+        unsupported_mtp = multi_token_prediction.unsupported_mtp_model(args)
+        if unsupported_mtp is not None:
+            self.runtime.refuse(f"--elastic in Megatron-LM's loop does not support {unsupported_mtp}")
         if args.save and getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
             self.runtime.refuse(f"--elastic saves in the torch_dist format, not --ckpt-format "
                                 f"{args.ckpt_format}")
@@ -805,6 +807,11 @@ def register(registry: PatchRegistry, backend: DeviceBackend, runtime: ElasticRu
     moe_utils.register_job_wide_reduction(
         registry, active=_elastic_run, sum_over_job=lambda values: distributed.all_reduce(values),
         parallel_sizes=_launch_parallel_sizes)
+    multi_token_prediction.register_job_wide_reduction(
+        registry, active=_elastic_run, sum_over_job=lambda values: distributed.all_reduce(values),
+        parallel_sizes=_launch_parallel_sizes,
+        num_layers=lambda: sys.modules[GLOBAL_VARS].get_args().mtp_num_layers,
+        device=backend.device)
     if backend.name == "cuda":
         for module in loop_modules():
             registry.register(f"{module}.torch", torch_with_distributed(torch, distributed))

@@ -9,7 +9,9 @@ layer's forward runs in training, the default device generator and the RNG track
 ``'model-parallel-rng'`` state are reseeded from ``dropout_seeds.stream_seeds`` of
 
 * the global layer number, ``self.layer_number - 1`` (Megatron sets ``layer_number`` to the
-  1-based local index plus ``get_transformer_layer_offset``, transformer_layer.py:280), and
+  1-based local index plus ``get_transformer_layer_offset``, transformer_layer.py:280); a
+  multi-token prediction layer's is counted after the decoder's ``num_layers`` (0.16.1 numbers
+  it so, 0.19.2 numbers it from 1 and marks it ``is_mtp_layer``), and
 * the layer's tensor-parallel rank, ``self.tp_group.rank()`` (transformer_layer.py:278),
 
 plus the iteration and micro-batch the training loop has set. Both streams are put back when the
@@ -52,11 +54,20 @@ def _keyed_forward(forward, backend: DeviceBackend, dropout_seeds: DropoutSeeds)
             raise NotImplementedError(
                 "layout-invariant dropout RNG does not support full activation recompute "
                 "(the recomputed forward would draw other masks); use --elastic-rng megatron")
-        seeds = dropout_seeds.stream_seeds(self.layer_number - 1, self.tp_group.rank())
+        seeds = dropout_seeds.stream_seeds(model_layer_index(self), self.tp_group.rank())
         with keyed_streams(backend, seeds.default, seeds.model_parallel, seeds.expert):
             return forward(self, *args, **kwargs)
 
     return forward_with_keyed_rng
+
+
+def model_layer_index(layer) -> int:
+    """``layer``'s 0-based place in the whole model: a multi-token prediction layer's after the
+    decoder's layers."""
+    index = layer.layer_number - 1
+    if getattr(layer, "is_mtp_layer", False):
+        index += layer.config.num_layers
+    return index
 
 
 def draws_randomly(config) -> bool:

@@ -4,9 +4,10 @@ is at hand.
 
 It does what core_r0.19.0's ``pretrain_gpt.py`` does on the path the tests take (mock data or
 Megatron's indexed data, blended by ``--data-path`` weights; no packed sequences, context
-parallelism, multi-token prediction or ModelOpt): arguments parsed
+parallelism or ModelOpt): arguments parsed
 by ``parse_and_validate_args``, the model built by ``pretrain`` from the config container, each
-micro-batch read on tensor-parallel rank 0 of a first or last stage and broadcast to the others,
+micro-batch read on tensor-parallel rank 0 of a first or last stage (or one that holds
+multi-token prediction layers) and broadcast to the others,
 the loss summed over unmasked tokens and reported with their count.
 """
 
@@ -18,19 +19,25 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 from megatron.core.enums import ModelType
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+from megatron.core.transformer.multi_token_prediction import mtp_on_this_rank as holds_mtp
 from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_tp_rank
 from megatron.training import get_args, pretrain, print_rank_0
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
-from megatron.training.arguments import parse_and_validate_args
+from megatron.training.arguments import core_transformer_config_from_args, parse_and_validate_args
 from megatron.training.utils import get_blend_and_blend_per_split, is_first_or_last_pipeline_stage
 
 MODEL_INPUTS = ("tokens", "position_ids", "attention_mask", "labels", "loss_mask")
 
 
 def get_batch(data_iterator, vp_stage=None):
-    """This rank's micro-batch: nothing on a middle stage, else what tensor-parallel rank 0 read."""
+    """This rank's micro-batch: nothing on a middle stage without multi-token prediction layers,
+    else what tensor-parallel rank 0 read."""
     args = get_args()
-    if not is_first_or_last_pipeline_stage(vp_stage):
+    config = core_transformer_config_from_args(args)
+    mtp_on_this_rank = holds_mtp(layout=config.pipeline_model_parallel_layout,
+                                 mtp_num_layers=config.mtp_num_layers, ignore_virtual=False,
+                                 vp_stage=vp_stage)
+    if not is_first_or_last_pipeline_stage(vp_stage) and not mtp_on_this_rank:
         return {name: None for name in MODEL_INPUTS}
     tp_rank = mpu.get_tensor_model_parallel_rank()
     batch = next(data_iterator) if tp_rank == 0 else {}
@@ -45,7 +52,7 @@ def get_batch(data_iterator, vp_stage=None):
         tp_rank=tp_rank,
         micro_batch_size=args.micro_batch_size,
         seq_length=args.seq_length,
-        mtp_on_this_rank=False,
+        mtp_on_this_rank=mtp_on_this_rank,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
         is_pipeline_last_stage=mpu.is_pipeline_last_stage(),

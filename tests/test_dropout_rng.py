@@ -320,6 +320,36 @@ def test_the_embedding_draws_its_keyed_mask(keyed_cpu):
     assert torch.equal(got, torch.rand(4, generator=torch.Generator().manual_seed(seed)))
 
 
+def test_a_multi_token_prediction_layer_draws_after_the_decoders_layers(keyed_cpu):
+    """Its transformer layer is keyed by its place after the decoder's ``num_layers`` (0.19.2
+    numbers it from 1 and marks it, 0.16.1 numbers it so), and its embedding lookup of the
+    shifted tokens by the same place with the embedding's site: neither mask is another's."""
+    from megatron_elaswave.patches import language_model_embedding, transformer_layer
+
+    layer = transformer_layer._keyed_forward(lambda self: torch.rand(4), CPU, dropout_rng)
+    positioned()
+    marked = fake_layer(1, tp_rank=1, num_layers=4)
+    marked.is_mtp_layer = True
+    numbered_after = fake_layer(5, tp_rank=1, num_layers=4)
+    assert torch.equal(layer(marked), layer(numbered_after))
+    assert not torch.equal(layer(marked), layer(fake_layer(1, tp_rank=1, num_layers=4)))
+    seeds = dropout_rng.stream_seeds(4, 1)
+    assert torch.equal(layer(marked), torch.rand(4, generator=torch.Generator().manual_seed(
+        seeds.default)))
+
+    lookup = language_model_embedding._keyed_forward(lambda self: torch.rand(4), CPU, dropout_rng)
+    embedding = SimpleNamespace(training=True, embedding_dropout=torch.nn.Dropout(0.1),
+                                tp_group=_Group(1))
+    model_lookup = lookup(embedding)
+    with language_model_embedding.looked_up_by(4):
+        mtp_lookup = lookup(embedding)
+    assert torch.equal(lookup(embedding), model_lookup)
+    keyed = dropout_rng.stream_seeds(4, 1, embedding=True).default
+    assert torch.equal(mtp_lookup, torch.rand(4, generator=torch.Generator().manual_seed(keyed)))
+    assert len({keyed, seeds.default,
+                dropout_rng.stream_seeds(dropout_rng.EMBEDDING_LAYER, 1).default}) == 3
+
+
 # -- the property, end to end -------------------------------------------------------------------
 
 TRAIN_ITERS = 4
@@ -336,6 +366,10 @@ def run_flags(**overrides) -> list[str]:
         "lr-warmup-iters": 1, "hidden-dropout": 0.1, "attention-dropout": 0.1, "seed": 7,
         "mock-data": None, "vocab-size": 256, "make-vocab-size-divisible-by": 128,
         "log-interval": 1, "eval-interval": 1000, "tensor-model-parallel-size": 2,
+        # A multi-token prediction layer: its transformer layer and its lookup of the shifted
+        # tokens draw masks too (in the last stage's copy of the embedding).
+        "mtp-num-layers": 1, "untie-embeddings-and-output-weights": None,
+        "position-embedding-type": "rope",
     }
     flags.update({key.replace("_", "-"): value for key, value in overrides.items()})
     return [item for key, value in flags.items()

@@ -254,7 +254,7 @@ def test_megatron_lm_with_elastic_survives_a_sigkilled_rank_on_the_trajectory(tm
 @needs_megatron_lm
 @pytest.mark.parametrize("tp, extra, message", [
     (1, ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--no-rope-fusion"],
-     "does not support --mtp-num-layers"),
+     "does not support --mtp-num-layers with tied embeddings"),
     (1, ["--hybrid-override-pattern", "*-*-"], "does not support --hybrid-override-pattern"),
     (1, ["--num-experts", "2", "--moe-grouped-gemm"], "does not support --moe-grouped-gemm "
      "without Transformer Engine (the legacy GroupedMLP keeps a rank's experts in one tensor"),

@@ -76,9 +76,10 @@ def mixtral_recipe(*, tp: int = 1, pp: int = 2, ep: int = 4) -> list[str]:
 def deepseek_v3_style() -> list[str]:
     """The Mixtral model with DeepSeek-V3's routing: a dense first layer (``--moe-layer-freq``),
     a shared expert, a sigmoid router with an expert bias (aux-loss-free balancing), top-2 of 8
-    experts in 4 groups limited to 2, the sequence-level aux loss, an fp32 router; expert
-    parallelism 2 over eight ranks at TP1 x PP2: two lockstep sets of two replicas, expert data
-    parallelism 2."""
+    experts in 4 groups limited to 2, the sequence-level aux loss, an fp32 router, and its
+    multi-token prediction layer (an MoE layer with its own copy of the embedding, on the last
+    stage); expert parallelism 2 over eight ranks at TP1 x PP2: two lockstep sets of two
+    replicas, expert data parallelism 2."""
     flags = mixtral_recipe(ep=2)
     at = flags.index("--moe-router-load-balancing-type")
     flags[at + 1] = "seq_aux_loss"
@@ -89,6 +90,7 @@ def deepseek_v3_style() -> list[str]:
         "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-3",
         "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
         "--moe-router-topk-scaling-factor", "2.5", "--moe-router-dtype", "fp32",
+        "--mtp-num-layers", "1",
     ]
 
 
@@ -142,7 +144,8 @@ def assert_lines_agree(got: dict, reference: dict, tolerance: float) -> None:
     """Every iteration logged once, each field of the reference's line within ``tolerance``."""
     assert sorted(got["lines"]) == list(range(1, ITERATIONS + 1)), got["output"][-4000:]
     for iteration, fields in reference["lines"].items():
-        for name in ("lm loss", "load_balancing_loss", "seq_load_balancing_loss", "grad norm"):
+        for name in ("lm loss", "load_balancing_loss", "seq_load_balancing_loss", "mtp_1 loss",
+                     "grad norm"):
             if name in fields:
                 value = got["lines"][iteration][name]
                 assert value == pytest.approx(fields[name], rel=tolerance, abs=1e-6), \
@@ -240,6 +243,31 @@ def test_deepseek_v3_style_survives_a_kill_between_all_to_alls_and_one_in_the_re
         [(2, 2, 8), (3, 2, 8)]
 
 
+@needs_megatron_lm
+@pytest.mark.timeout(900)
+def test_multi_token_prediction_follows_megatron_lms_own_loop_and_moves_with_the_last_stage(
+        tmp_path):
+    """The DeepSeek-V3-style model with its multi-token prediction layer (``--mtp-num-layers 1``:
+    an MoE layer of its own, with its own embedding copy, on the last stage) on four ranks: one
+    lockstep set of two replicas of two stages. Without a failure, ``--elastic`` logs Megatron-LM's
+    lines (lm loss, the MTP loss, the load-balancing losses, grad norm). Rank 3 (replica 1's last
+    stage) is SIGKILLed after iteration 3: both replicas run on one stage each, the MTP layer, its
+    experts and the embedding copy moved onto ranks 0 and 1 from the snapshots, on the
+    trajectory."""
+    flags = deepseek_v3_style()
+    reference = run(tmp_path, "megatron-lm", flags, elastic=False, nproc=4)
+    failure_free = run(tmp_path, "elastic", flags, nproc=4)
+    assert "mtp_1 loss" in reference["lines"][1]
+    assert_lines_agree(failure_free, reference, PARITY_TOLERANCE)
+    killed = run(tmp_path, "killed", flags, kill=(3, 3), nproc=4)
+    assert_on_trajectory(killed, failure_free)
+    assert_lines_agree(killed, reference, LOSS_TOLERANCE)
+    [recovery] = killed["recoveries"]
+    assert recovery["failed_ranks"] == [3]
+    assert [[stage["ranks"] for stage in replica["stages"]]
+            for replica in killed["iterations"][-1]["layout"]] == [[[0]], [[1]]]
+
+
 # -- the project's pretrain_gpt.py ---------------------------------------------------------------
 
 PRETRAIN = str(Path(__file__).resolve().parents[1] / "scripts" / "pretrain_gpt.py")
@@ -247,8 +275,9 @@ PRETRAIN = str(Path(__file__).resolve().parents[1] / "scripts" / "pretrain_gpt.p
 
 def pretrain_gpt_flags(*, ep: int, etp: int = 1, iterations: int = ITERATIONS,
                        dispatcher: str = "alltoall") -> list[str]:
-    """``pretrain_gpt.py`` with the DeepSeek-V3-style MoE layers of :func:`deepseek_v3_style`,
-    TP1 x PP2 on eight ranks, no dropout."""
+    """``pretrain_gpt.py`` with the DeepSeek-V3-style MoE layers and multi-token prediction
+    layer of :func:`deepseek_v3_style` (untied embeddings, RoPE), TP1 x PP2 on eight ranks, no
+    dropout."""
     return [
         "--num-layers", "4", "--hidden-size", "64", "--ffn-hidden-size", "128",
         "--num-attention-heads", "4", "--seq-length", "32", "--disable-bias-linear",
@@ -262,7 +291,8 @@ def pretrain_gpt_flags(*, ep: int, etp: int = 1, iterations: int = ITERATIONS,
         "--moe-ffn-hidden-size", "32", "--moe-shared-expert-intermediate-size", "32",
         "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
         "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-4",
-        "--moe-router-num-groups", "4", "--moe-router-group-topk", "2",
+        "--moe-router-num-groups", "4", "--moe-router-group-topk", "2", "--mtp-num-layers", "1",
+        "--untie-embeddings-and-output-weights", "--position-embedding-type", "rope",
     ]
 
 
@@ -285,10 +315,12 @@ def pretrain_gpt(tmp_path: Path, name: str, flags: list[str], *,
 
 
 def assert_moe_losses_agree(got: dict, reference: dict, tolerance: float) -> None:
+    """The MoE losses and the multi-token prediction losses of every iteration."""
     for ref, record in zip(reference["iterations"], got["iterations"], strict=True):
-        for name, value in ref["moe_losses"].items():
-            assert record["moe_losses"][name] == pytest.approx(value, rel=tolerance), \
-                (record["iteration"], name)
+        for kind in ("moe_losses", "mtp_losses"):
+            for name, value in ref[kind].items():
+                assert record[kind][name] == pytest.approx(value, rel=tolerance), \
+                    (record["iteration"], name)
 
 
 @pytest.mark.timeout(900)
@@ -302,7 +334,7 @@ def test_pretrain_gpt_with_elastic_follows_its_plain_path_with_expert_tensor_par
     elastic = pretrain_gpt(tmp_path, "elastic", flags + ["--elastic"])
     assert_on_trajectory(elastic, plain)
     assert_moe_losses_agree(elastic, plain, PARITY_TOLERANCE)
-    assert "seq_load_balancing_loss: " in elastic["output"]
+    assert "seq_load_balancing_loss: " in elastic["output"] and "mtp_1 loss: " in elastic["output"]
 
 
 @pytest.fixture(scope="module")

@@ -171,6 +171,13 @@ MOE = ["--mock-data", "--vocab-size", "64", "--num-experts", "8", "--disable-bia
     ([*MOE[:-1]], 1, "MoE layers have no bias: add --disable-bias-linear"),
     (MOE + ["--tensor-model-parallel-size", "2"], 2, "MoE with --tensor-model-parallel-size > 1 "
      "needs sequence parallelism"),
+    (["--mock-data", "--vocab-size", "64", "--mtp-num-layers", "1"], 1,
+     "--mtp-num-layers with tied embeddings (megatron-core cannot checkpoint"),
+    (["--mock-data", "--vocab-size", "64", "--mtp-num-layers", "1",
+      "--untie-embeddings-and-output-weights"], 1,
+     "--mtp-num-layers with --position-embedding-type learned_absolute"),
+    (["--mock-data", "--vocab-size", "64", "--mtp-num-layers", "0"], 1,
+     "--mtp-num-layers must be positive, got 0"),
 ])
 def test_bad_input_is_a_one_line_error(flags, world_size, message):
     result = run_single(BASE + flags, env={"WORLD_SIZE": str(world_size), "RANK": "0"})

@@ -99,8 +99,8 @@ def test_the_first_layout_and_the_planners_job_start_from_the_users_split():
      "has 4 stages: one per pipeline stage (2) is supported, without virtual pipeline "
      "stages"),
     (["--num-layers", "4", "--pipeline-model-parallel-size", "2",
-      "--pipeline-model-parallel-layout", "Ett|ttmL"], 2,
-     "places multi-token prediction layers"),
+      "--pipeline-model-parallel-layout", "Etmt|ttL"], 2,
+     "places multi-token prediction layers before the last stage"),
     (["--num-layers", "4", "--pipeline-model-parallel-size", "2",
       "--pipeline-model-parallel-layout", "tt|EttL"], 2,
      "must begin with the embedding (E) and end with the loss (L), once each"),

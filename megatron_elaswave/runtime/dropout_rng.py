@@ -29,7 +29,9 @@ The streams of Megatron-Core, and what each is keyed by (:func:`stream_seeds`):
   the default stream.
 
 ``op_seed`` is :func:`megatron_elaswave.planner.rng.op_seed` (pure, stable across processes and
-machines). The layer number is the global 0-based one; the embedding uses ``EMBEDDING_LAYER``.
+machines). The layer number is the global 0-based one (multi-token prediction layers after
+the decoder's); the embedding uses ``EMBEDDING_LAYER``, and the embedding lookup of a multi-token
+prediction layer its layer number with the embedding's site.
 Site names only name a stream: the default stream of layer ``l`` serves its two hidden dropouts
 in the order Megatron calls them, so it is keyed by the first. The embedding draws from exactly
 one of its two streams (the model-parallel one only with sequence parallelism), so its two seeds
@@ -103,8 +105,10 @@ class DropoutPosition:
     iteration: int | None = None
     microbatch: int | None = None
 
-    def stream_seeds(self, layer: int, tp_rank: int) -> StreamSeeds:
-        """Seeds for global layer ``layer`` (0-based, or ``EMBEDDING_LAYER``) on ``tp_rank``."""
+    def stream_seeds(self, layer: int, tp_rank: int, *, embedding: bool = False) -> StreamSeeds:
+        """Seeds for global layer ``layer`` (0-based, or ``EMBEDDING_LAYER``) on ``tp_rank``;
+        with ``embedding``, those of an embedding lookup that layer makes (a multi-token
+        prediction layer's, of the shifted tokens)."""
         missing = [name for name in ("seed", "iteration", "microbatch") if getattr(self, name) is None]
         if missing:
             raise NotPositioned(
@@ -112,7 +116,7 @@ class DropoutPosition:
                 "call megatron_elaswave.runtime.dropout_rng.set_seed / set_iteration / set_microbatch "
                 "before the forward pass (or train with --elastic-rng megatron)")
         coordinates = (self.seed, self.iteration, self.microbatch, layer)
-        if layer == EMBEDDING_LAYER:
+        if layer == EMBEDDING_LAYER or embedding:
             default_site = model_parallel_site = EMBEDDING_DROPOUT
         else:
             default_site, model_parallel_site = HIDDEN_DROPOUT_ATTN, ATTENTION_DROPOUT
@@ -169,6 +173,6 @@ def reset() -> None:
     _POSITION.seed = _POSITION.iteration = _POSITION.microbatch = None
 
 
-def stream_seeds(layer: int, tp_rank: int) -> StreamSeeds:
+def stream_seeds(layer: int, tp_rank: int, *, embedding: bool = False) -> StreamSeeds:
     """:meth:`DropoutPosition.stream_seeds` of the current position."""
-    return _POSITION.stream_seeds(layer, tp_rank)
+    return _POSITION.stream_seeds(layer, tp_rank, embedding=embedding)

@@ -43,6 +43,11 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     group.add_argument("--disable-bias-linear", action="store_true",
                        help="no bias in the linear layers (MoE layers have none)")
+    group.add_argument("--mtp-num-layers", type=int, default=None,
+                       help="multi-token prediction layers, on the last pipeline stage, each of "
+                            "the kind of the model's last layer")
+    group.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                       help="the multi-token prediction losses' weight, shared among them")
 
 
 def moe_layer_pattern(text: str) -> int | list[int]:
@@ -375,6 +380,7 @@ def validate(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
                  f"--seq-length {args.seq_length} exceeds --max-position-embeddings "
                  f"{args.max_position_embeddings}")
     _validate_pipeline(args)
+    _validate_mtp(args)
     _validate_moe(args)
     _validate_batch(args)
     _validate_data(args)
@@ -562,7 +568,7 @@ def pipeline_stage_layers(args: argparse.Namespace) -> tuple[int, ...] | None:
 
     Raises ``ValueError`` for a split the elastic layout cannot start from: one Megatron
     refuses, a stage without a transformer layer, virtual pipeline stages in a layout string or
-    multi-token prediction layers in it."""
+    multi-token prediction layers in it before its last stage."""
     pp = args.pipeline_model_parallel_size
     layout = getattr(args, "pipeline_model_parallel_layout", None)
     first = getattr(args, "decoder_first_pipeline_num_layers", None)
@@ -596,9 +602,10 @@ def _layout_string_stage_layers(layout: str, pp: int, num_layers: int) -> tuple[
                          f"one per pipeline stage ({pp}) is supported, without virtual "
                          "pipeline stages")
     flat = [kind for stage in stages for kind in stage]
-    if LayerType.mtp in flat:
+    if any(LayerType.mtp in stage for stage in stages[:-1]):
         raise ValueError(f"--pipeline-model-parallel-layout {layout} places multi-token "
-                         "prediction layers, which are not supported")
+                         "prediction layers before the last stage: --elastic keeps them on the "
+                         "last stage, with the loss; place them there (m before the final L)")
     if (flat.count(LayerType.embedding) != 1 or flat[:1] != [LayerType.embedding]
             or flat.count(LayerType.loss) != 1 or flat[-1:] != [LayerType.loss]):
         raise ValueError(f"--pipeline-model-parallel-layout {layout} must begin with the "
@@ -619,6 +626,19 @@ def _uneven_stage_layers(args: argparse.Namespace) -> tuple[int, ...] | None:
         return pipeline_stage_layers(args)
     except ValueError as error:
         raise ArgumentError(str(error)) from None
+
+
+def _validate_mtp(args: argparse.Namespace) -> None:
+    """Multi-token prediction layers only where megatron-core keeps the last stage's copies of
+    the embedding right (:func:`~megatron_elaswave.patches.multi_token_prediction.unsupported_mtp_model`)."""
+    if args.mtp_num_layers is None:
+        return
+    _fail_unless(args.mtp_num_layers > 0,
+                 f"--mtp-num-layers must be positive, got {args.mtp_num_layers}")
+    from megatron_elaswave.patches.multi_token_prediction import unsupported_mtp_model
+
+    unsupported = unsupported_mtp_model(args)
+    _fail_unless(unsupported is None, str(unsupported))
 
 
 def _validate_moe(args: argparse.Namespace) -> None:

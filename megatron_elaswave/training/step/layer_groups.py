@@ -60,6 +60,7 @@ from megatron_elaswave.patches.distributed_data_parallel import (
     distributed_data_parallel,
     share_bucket_groups,
 )
+from megatron_elaswave.patches.gpt_model import compute_mtp_loss_as_built
 from megatron_elaswave.patches.optimizer import agree_grad_norm_groups, param_groups_aligned_on
 from megatron_elaswave.patches.parallel_state import install_process_groups, pipeline_position
 from megatron_elaswave.patches.process_groups_config import process_group_collection
@@ -71,6 +72,7 @@ from .model import (
     build_scheduler,
     layer_spec,
     layout_invariant_init,
+    mtp_block_spec,
     optimizer_config,
     place_chunk,
     seed_random_generators,
@@ -109,6 +111,7 @@ class ChunkSequence(torch.nn.Module):
         self.model_type = ModelType.encoder_or_decoder
         self.pre_process = chunks[0].module.pre_process
         self.post_process = chunks[-1].module.post_process
+        self.mtp_process = getattr(chunks[-1].module, "mtp_process", False)
         self.vp_stage = vp_stage
         """This stage's index among the rank's virtual stages; ``None`` in a plain pipeline."""
 
@@ -138,15 +141,16 @@ def interleaved_schedule_config(config: TransformerConfig,
     return schedule_config
 
 
-def pipeline_layout_string(groups: list[tuple[int, int]]) -> str:
-    """Megatron's ``pipeline_model_parallel_layout`` with one pipeline stage per model chunk."""
+def pipeline_layout_string(groups: list[tuple[int, int]], mtp_num_layers: int = 0) -> str:
+    """Megatron's ``pipeline_model_parallel_layout`` with one pipeline stage per model chunk, the
+    multi-token prediction layers on the last, with the loss."""
     stages = []
     for index, (first, last) in enumerate(groups):
         stage = "t" * (last - first + 1)
         if index == 0:
             stage = "E" + stage
         if index == len(groups) - 1:
-            stage += "L"
+            stage += "m" * mtp_num_layers + "L"
         stages.append(stage)
     return "|".join(stages)
 
@@ -223,6 +227,7 @@ class ModelFactory:
             return GPTModel(
                 config=config,
                 transformer_layer_spec=layer_spec(config, pg_collection.pp.rank()),
+                mtp_block_spec=mtp_block_spec(config, pg_collection.pp.rank()),
                 vocab_size=vocab_size,
                 max_sequence_length=args.max_position_embeddings,
                 pre_process=pre_process,
@@ -257,7 +262,7 @@ def _chunk_config(factory: ModelFactory, ranges: list[ChunkRange]) -> Transforme
         )
 
         config.pipeline_model_parallel_layout = PipelineParallelLayerLayout.from_str(
-            pipeline_layout_string(groups), len(groups))
+            pipeline_layout_string(groups, config.mtp_num_layers or 0), len(groups))
     else:
         config.pipeline_model_parallel_layout = None
     return config
@@ -321,16 +326,22 @@ def forward_pre_hooks_on(chunks: list[DistributedDataParallel]):
 
 
 def tied_embedding_copies(chunks: list[DistributedDataParallel]) -> list[torch.nn.Parameter]:
-    """The copies of a tied embedding that this rank's chunks hold as parameters of their own:
-    the first chunk's word embedding and the last chunk's output weight, when the model ties
-    them and they are in different chunks (in one chunk they are one parameter)."""
+    """The copies of the word embedding that this rank's chunks hold as parameters of their own
+    (:func:`holds_tied_copy`)."""
     return [ddp.module.shared_embedding_or_output_weight() for ddp in chunks
             if holds_tied_copy(ddp.module)]
 
 
 def holds_tied_copy(chunk: GPTModel) -> bool:
-    """Whether ``chunk`` holds one of the two copies of a tied embedding."""
-    return chunk.share_embeddings_and_output_weights and chunk.pre_process != chunk.post_process
+    """Whether ``chunk`` holds one of the two copies of the word embedding that Megatron keeps
+    equal: the first chunk's embedding and, when the model ties it to the output layer, the last
+    chunk's output weight, or, with multi-token prediction, the embedding of the chunk with those
+    layers (in one chunk they are one parameter)."""
+    if chunk.share_embeddings_and_output_weights:
+        return chunk.pre_process != chunk.post_process
+    if chunk.config.mtp_num_layers:
+        return chunk.pre_process != getattr(chunk, "mtp_process", False)
+    return False
 
 
 @torch.no_grad()
@@ -378,8 +389,9 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
     install_process_groups(registry.process_group_collection(ranges[held[0]].layer_group))
     opt_config, param_overrides = factory.optimizer_config()
     # Megatron's routers scale their aux losses by the config's per-token flag as built, the
-    # schedules and DDP by its value when they run: the job's flag for the first, the global
-    # token count (every split of the batch alike) for the others.
+    # schedules and DDP by its value when they run: the job's flag for the first (and for the
+    # multi-token prediction loss), the global token count (every split of the batch alike) for
+    # the others.
     routers_per_token = config.calculate_per_token_loss
     chunks, chunk_groups, optimizers = [], [], []
     for c in held:
@@ -393,6 +405,7 @@ def build_stage_objects(args: argparse.Namespace, layout: Layout, registry: Grou
         config.calculate_per_token_loss = routers_per_token
         with pipeline_position(c, len(ranges)):
             chunk = factory.build_chunk(config, c == 0, c == len(ranges) - 1, model_groups)
+        compute_mtp_loss_as_built(chunk)
         config.calculate_per_token_loss = True
         ddp_config = chunk_ddp_config(args, holds_tied_copy=holds_tied_copy(chunk))
         place_chunk(chunk, config, device)

@@ -24,6 +24,7 @@ from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter, samples_digest
 from megatron_elaswave.patches.moe_utils import MOE_LOSSES, discard_aux_losses, recorded_losses
+from megatron_elaswave.patches.multi_token_prediction import discard_mtp_losses, recorded_mtp_losses
 from megatron_elaswave.patches.schedules import forward_backward_on
 from megatron_elaswave.runtime import dropout_rng
 from megatron_elaswave.simulator.schedule import microbatch_group_size
@@ -59,8 +60,10 @@ def forward_step(data_iterator, model):
     batch = next(data_iterator) if data_iterator is not None else None
     if batch is not None:  # layout-invariant dropout: every stage knows the global micro-batch
         dropout_rng.set_microbatch(batch["microbatch_id"])
-    tokens = batch["tokens"] if stage.pre_process else None
-    position_ids = batch["position_ids"] if stage.pre_process else None
+    # Multi-token prediction layers embed the tokens again, on the last stage.
+    embeds = stage.pre_process or getattr(stage, "mtp_process", False)
+    tokens = batch["tokens"] if embeds else None
+    position_ids = batch["position_ids"] if embeds else None
     labels = batch["labels"] if stage.post_process else None
     output = model(tokens, position_ids, None, labels=labels)
     loss_mask = batch["loss_mask"] if stage.post_process else None
@@ -81,6 +84,9 @@ class StepResult:
     """The sum over ranks of :meth:`Trainer.step_report`, if any."""
     moe_losses: dict[str, float] = field(default_factory=dict)
     """An MoE model's load-balancing (and z-) losses, as Megatron-LM's log line gives them."""
+    mtp_losses: dict[str, float] = field(default_factory=dict)
+    """The multi-token prediction layers' losses (``mtp_1 loss``, ...), as Megatron-LM's log line
+    gives them."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,9 @@ class Reduced:
     """The sum of every rank's :meth:`Trainer.step_report`."""
     moe_sums: torch.Tensor | None
     """The sums of the MoE loss metrics (:func:`recorded_losses`), in an MoE model."""
+    mtp_sums: torch.Tensor | None
+    """The sums of the multi-token prediction losses (:func:`recorded_mtp_losses`), one per
+    layer, in a model with such layers."""
 
 
 @dataclass(frozen=True)
@@ -179,6 +188,11 @@ class Trainer:
         """The MoE loss metrics the model records (``None`` for a dense model)."""
         return MoeLosses.of(self.args)
 
+    @property
+    def mtp_num_layers(self) -> int:
+        """The model's multi-token prediction layers (0: none)."""
+        return getattr(self.args, "mtp_num_layers", None) or 0
+
     def _bind(self) -> None:
         """Derive what the loop uses from the layout, the objects and the groups; called again
         whenever they change."""
@@ -234,12 +248,16 @@ class Trainer:
     def _reduce(self, data: list[StepData | MicrobatchIds], losses: list[dict], gbs: int,
                 report: torch.Tensor | None = None):
         """One world all-reduce: loss sum, token count, which sample filled each slot, the sum
-        of every rank's ``report`` and, in an MoE model, of its MoE loss metrics."""
+        of every rank's ``report`` and of its MoE loss metrics and multi-token prediction
+        losses, where the model has them."""
         mbs = self.args.micro_batch_size
-        if self.moe_losses is not None:
-            moe, _ = recorded_losses(self.moe_losses.num_layers)
-            report = torch.cat([report.double(), moe.flatten()]) if report is not None \
-                else moe.flatten()
+        tails = [t for t in (
+            recorded_losses(self.moe_losses.num_layers)[0].flatten()
+            if self.moe_losses is not None else None,
+            recorded_mtp_losses(self.mtp_num_layers) if self.mtp_num_layers else None)
+            if t is not None]
+        if tails:
+            report = torch.cat(([report.double()] if report is not None else []) + tails)
         extra = 0 if report is None else report.numel()
         vector = torch.zeros(2 + 2 * gbs + extra, dtype=torch.float64)
         if report is not None:
@@ -260,12 +278,16 @@ class Trainer:
         counts = vector[2 + gbs:2 + 2 * gbs]
         ids = [int(v) - 1 if c == 1 else -1 for v, c in zip(vector[2:2 + gbs].tolist(), counts.tolist())]
         reported = vector[2 + 2 * gbs:] if extra else None
-        moe_sums = None
+        moe_sums = mtp_sums = None
+        if self.mtp_num_layers:
+            mtp_sums, reported = reported[-self.mtp_num_layers:], reported[:-self.mtp_num_layers]
         if self.moe_losses is not None:
             moe_size = len(MOE_LOSSES) * self.moe_losses.num_layers
             moe_sums = reported[-moe_size:].view(len(MOE_LOSSES), -1)
-            reported = reported[:-moe_size] if reported.numel() > moe_size else None
-        return Reduced(float(vector[0]), int(vector[1]), ids, reported, moe_sums)
+            reported = reported[:-moe_size]
+        if reported is not None and reported.numel() == 0:
+            reported = None
+        return Reduced(float(vector[0]), int(vector[1]), ids, reported, moe_sums, mtp_sums)
 
     def train_step(self) -> StepResult:
         # Every holder of a chunk gathers its parameters alike in the forward pre-hooks, whatever
@@ -277,6 +299,7 @@ class Trainer:
         gbs = self.layout.global_num_microbatches * self.args.micro_batch_size
         start = time.perf_counter()
         discard_aux_losses()  # what a broken attempt at this iteration recorded
+        discard_mtp_losses()
         for chunk in self.objects.model:
             chunk.zero_grad_buffer()
         self.objects.optimizer.zero_grad()
@@ -292,6 +315,11 @@ class Trainer:
         lm_loss = reduced.loss_sum / max(reduced.num_tokens, 1)
         moe_losses = ({} if reduced.moe_sums is None else self.moe_losses.values(
             reduced.moe_sums, self.layout.global_num_microbatches))
+        # Every tensor-parallel rank of the last stage records each micro-batch's mean.
+        mtp_losses = ({} if reduced.mtp_sums is None else {
+            f"mtp_{layer + 1} loss": float(total) / (self.args.tensor_model_parallel_size
+                                                     * self.layout.global_num_microbatches)
+            for layer, total in enumerate(reduced.mtp_sums)})
         # A step whose loss is not finite leaves no snapshot: a rollback goes to the one before.
         if self.snapshots is not None and math.isfinite(lm_loss):
             self.take_snapshot(self.iteration + 1, self.consumed_samples + gbs)
@@ -307,6 +335,7 @@ class Trainer:
             skipped=not succeeded,
             reported=reduced.reported,
             moe_losses=moe_losses,
+            mtp_losses=mtp_losses,
         )
 
     def before_optimizer_step(self) -> None:
@@ -346,6 +375,7 @@ class Trainer:
             cpu_time_s=self._cpu_time_since_last_record(),
             grad_norm=result.grad_norm,
             **({"moe_losses": result.moe_losses} if result.moe_losses else {}),
+            **({"mtp_losses": result.mtp_losses} if result.mtp_losses else {}),
             **({"snapshot_bytes": self.snapshots.bytes_held} if self.snapshots else {}),
             **extra,
         )
@@ -353,7 +383,7 @@ class Trainer:
         lr = self.objects.optimizer.param_groups[0]["lr"]
         if self.writers is not None and self.is_logger:
             scalars = {"lm loss": result.lm_loss, "learning-rate": lr, "batch-size": gbs,
-                       **result.moe_losses}
+                       **result.moe_losses, **result.mtp_losses}
             if result.grad_norm is not None:
                 scalars["grad-norm"] = result.grad_norm
             if self.args.log_throughput:
@@ -372,7 +402,8 @@ class Trainer:
                 f"elapsed time per iteration (ms): {elapsed_ms:.1f} | {throughput}"
                 f"throughput (tokens/s): {tokens_per_s:.0f} | learning rate: {lr:.6E} | "
                 f"global batch size: {gbs:5d} | lm loss: {result.lm_loss:.6E} | "
-                + "".join(f"{name}: {value:.6E} | " for name, value in result.moe_losses.items())
+                + "".join(f"{name}: {value:.6E} | " for name, value
+                          in (result.moe_losses | result.mtp_losses).items())
                 + f"grad norm: {grad_norm} | number of skipped iterations: "
                 f"{int(result.skipped):3d} |"
             )

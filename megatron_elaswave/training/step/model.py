@@ -29,7 +29,9 @@ from megatron.core.distributed import (
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_decoder_block_spec,
+    get_gpt_decoder_layer_specs,
     get_gpt_layer_local_spec,
+    get_gpt_mtp_block_spec,
 )
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -96,6 +98,8 @@ def transformer_config(args: argparse.Namespace, batch_p2p_comm: bool) -> Transf
         calculate_per_token_loss=True,
         batch_p2p_comm=batch_p2p_comm,
         add_bias_linear=not args.disable_bias_linear,
+        mtp_num_layers=args.mtp_num_layers,
+        mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
         **moe_config(args),
     )
 
@@ -134,6 +138,19 @@ def layer_spec(config: TransformerConfig, pp_rank: int, vp_stage: int | None = N
         return get_gpt_layer_local_spec()
     return get_gpt_decoder_block_spec(config, use_transformer_engine=False, vp_stage=vp_stage,
                                       pp_rank=pp_rank)
+
+
+def mtp_block_spec(config: TransformerConfig, pp_rank: int, vp_stage: int | None = None):
+    """The spec of the multi-token prediction layers of the chunk at ``pp_rank`` (``None`` where
+    it holds none): each of the kind of the model's last layer, as Megatron-LM builds them."""
+    if not config.mtp_num_layers:
+        return None
+    if config.num_moe_experts is None:
+        last_layer = get_gpt_layer_local_spec()
+    else:
+        last_layer = get_gpt_decoder_layer_specs(config, use_transformer_engine=False)[-1]
+    return get_gpt_mtp_block_spec(config, last_layer, use_transformer_engine=False,
+                                  vp_stage=vp_stage, pp_rank=pp_rank)
 
 
 def seed_random_generators(seed: int, pg_collection: ProcessGroupCollection) -> None:
@@ -217,6 +234,7 @@ def build_model_chunks(args: argparse.Namespace, config: TransformerConfig, voca
         chunk = GPTModel(
             config=config,
             transformer_layer_spec=layer_spec(config, pp_rank, vp_stage if vpp > 1 else None),
+            mtp_block_spec=mtp_block_spec(config, pp_rank, vp_stage if vpp > 1 else None),
             vocab_size=vocab_size,
             max_sequence_length=args.max_position_embeddings,
             pre_process=pp_rank == 0 and vp_stage == 0,
