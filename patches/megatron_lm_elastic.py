@@ -553,6 +553,12 @@ class _ElasticLoop:
         unsupported_mtp = multi_token_prediction.unsupported_mtp_model(args)
         if unsupported_mtp is not None:
             self.runtime.refuse(f"--elastic in Megatron-LM's loop does not support {unsupported_mtp}")
+        if args.mtp_num_layers and args.pipeline_model_parallel_layout:
+            self.runtime.refuse(
+                "--elastic in Megatron-LM's loop does not support --mtp-num-layers with "
+                "--pipeline-model-parallel-layout: the script's get_batch finds the prediction "
+                "layers' stage in that layout by pipeline rank, which a re-partition changes; "
+                "give the split with --decoder-first/last-pipeline-num-layers instead")
         if args.save and getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
             self.runtime.refuse(f"--elastic saves in the torch_dist format, not --ckpt-format "
                                 f"{args.ckpt_format}")
@@ -735,10 +741,15 @@ def _elastic_run() -> bool:
     return bool(getattr(args, "elastic", False))
 
 
+def _args() -> argparse.Namespace:
+    """Megatron-LM's parsed arguments."""
+    return sys.modules[GLOBAL_VARS].get_args()
+
+
 def _launch_parallel_sizes() -> tuple[int, int]:
     """Megatron-LM's tensor and data-parallel sizes of the launch, which its micro-batch
     calculator keeps whatever the job's layout."""
-    args = sys.modules[GLOBAL_VARS].get_args()
+    args = _args()
     return args.tensor_model_parallel_size, args.data_parallel_size
 
 
@@ -806,11 +817,11 @@ def register(registry: PatchRegistry, backend: DeviceBackend, runtime: ElasticRu
     registry.register(f"{training_utils_modules()[0]}.is_last_rank", distributed.is_last_rank)
     moe_utils.register_job_wide_reduction(
         registry, active=_elastic_run, sum_over_job=lambda values: distributed.all_reduce(values),
-        parallel_sizes=_launch_parallel_sizes)
+        parallel_sizes=_launch_parallel_sizes,
+        num_layers=lambda: _args().num_layers + (_args().mtp_num_layers or 0))
     multi_token_prediction.register_job_wide_reduction(
         registry, active=_elastic_run, sum_over_job=lambda values: distributed.all_reduce(values),
-        parallel_sizes=_launch_parallel_sizes,
-        num_layers=lambda: sys.modules[GLOBAL_VARS].get_args().mtp_num_layers,
+        parallel_sizes=_launch_parallel_sizes, num_layers=lambda: _args().mtp_num_layers,
         device=backend.device)
     if backend.name == "cuda":
         for module in loop_modules():

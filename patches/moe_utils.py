@@ -56,11 +56,13 @@ def _sum_over_job(values: torch.Tensor, divisor: int,
 
 def register_job_wide_reduction(registry: PatchRegistry, *, active: Callable[[], bool],
                                 sum_over_job: Callable[[torch.Tensor], None],
-                                parallel_sizes: Callable[[], tuple[int, int]]) -> None:
+                                parallel_sizes: Callable[[], tuple[int, int]],
+                                num_layers: Callable[[], int]) -> None:
     """While ``active()``, reduce the MoE metrics Megatron logs (the load-balancing and z-losses)
     by ``sum_over_job`` (a sum over every rank that trains) instead of over ``parallel_state``'s
     pipeline, tensor and data-parallel groups; ``parallel_sizes()`` gives the job's launch
-    ``(tensor, data)`` parallel sizes, which Megatron-LM's calculator keeps.
+    ``(tensor, data)`` parallel sizes, which Megatron-LM's calculator keeps, and ``num_layers()``
+    the layers a metric has a value for, multi-token prediction layers included.
 
     Megatron's value of a metric is the sum over the ranks of its micro-batches' values, over
     the data-parallel size where it averages over data-parallel ranks, and over the tensor
@@ -73,7 +75,9 @@ def register_job_wide_reduction(registry: PatchRegistry, *, active: Callable[[],
 
     megatron-core 0.16.1 reduces in ``reduce_aux_losses_tracker_across_ranks`` (a dict per
     metric, ``reduce_group_has_dp``); 0.19 in ``MoEMetricsTracker._sync_metrics`` (``MetricEntry``,
-    ``needs_dp_avg``)."""
+    ``needs_dp_avg``). 0.16.1's routers record a metric over the decoder's and the multi-token
+    prediction layers, while Megatron-LM's log line starts it, on a rank that recorded none, over
+    the decoder's alone: such a record is padded with zeros to one length on every rank."""
 
     def divisor(summed_over_tp: bool, averaged_over_dp: bool) -> int:
         tp, dp = parallel_sizes()
@@ -112,6 +116,10 @@ def register_job_wide_reduction(registry: PatchRegistry, *, active: Callable[[],
             tracker = get_moe_layer_wise_logging_tracker()
             for name in list(tracker) if track_names is None else track_names:
                 entry = tracker[name]
+                missing = num_layers() - entry["values"].numel()
+                if missing > 0:
+                    entry["values"] = torch.cat([entry["values"],
+                                                 entry["values"].new_zeros(missing)])
                 grouped = entry.get("reduce_group") is not None
                 _sum_over_job(entry["values"],
                               divisor(grouped, grouped and not entry.get("reduce_group_has_dp")),

@@ -260,10 +260,12 @@ def test_megatron_lm_with_elastic_survives_a_sigkilled_rank_on_the_trajectory(tm
         1, ["--num-experts", "2", "--moe-grouped-gemm"], "does not support --moe-grouped-gemm "
         "without Transformer Engine (the legacy GroupedMLP keeps a rank's experts in one tensor",
         marks=pytest.mark.skipif(
-            not torch.cuda.is_available() and TRAINING_SCRIPT is not None
-            and TRAINING_SCRIPT.name == "megatron_lm_pretrain_gpt.py",
-            reason="Megatron-LM 0.19's own argument check reads the GPU's compute capability "
-                   "for --moe-grouped-gemm, before --elastic sees the flags")),
+            not torch.cuda.is_available(),
+            reason="Megatron-LM's own argument check reads the GPU's compute capability for "
+                   "--moe-grouped-gemm, before --elastic sees the flags")),
+    (1, ["--mtp-num-layers", "1", "--position-embedding-type", "rope", "--no-rope-fusion",
+         "--untie-embeddings-and-output-weights", "--pipeline-model-parallel-layout", "Ett|ttmL"],
+     "does not support --mtp-num-layers with --pipeline-model-parallel-layout"),
     (1, ["--context-parallel-size", "2"], "does not support --context-parallel-size > 1: a "
      "failed rank's sequence shards are not resharded"),
 ])

@@ -10,7 +10,8 @@ Hooks time each part of the model for every micro-batch after the first iteratio
 * parameter bytes: the part's parameters on this rank.
 
 Parts are the transformer layers (by global layer number), the embedding and the "loss" part
-(final norm, output layer and cross entropy). Each is measured on replica 0's tensor-parallel
+(final norm, output layer and cross entropy; with ``--mtp-num-layers``, the multi-token
+prediction layers and the last stage's copy of the embedding too). Each is measured on replica 0's tensor-parallel
 rank 0 that holds it; medians over micro-batches go into the profile. Link speeds come from a
 ping-pong between pipeline neighbours and an all-reduce over the data-parallel group. On an
 accelerator every timestamp is taken after a device synchronisation.
@@ -23,7 +24,7 @@ timed apart, and their median is taken out of the layer's forward time and, as t
 the same exchanges in reverse (not timed: they run inside autograd), out of its backward time. A
 peer that lags makes a forward's exchange wait longer than the backward's; where that leaves the
 backward less than the forward's compute, it is taken to cost the forward's compute, a lower bound
-(a layer's backward does at least its forward's arithmetic), never nothing.
+(a layer's backward does at least its forward's arithmetic).
 The profile's ``expert_bandwidth_bytes_per_s`` is the bandwidth at which the cost model's
 all-to-all (two exchanges of latency + bytes sent / bandwidth) takes that median, so the planner
 puts back what was taken out at the measured expert-parallel size.
@@ -205,8 +206,13 @@ class CostProfiler:
             PartTimer(self, self.embedding, chunk.embedding, chunk.embedding,
                       input_free_weight=chunk.embedding.word_embeddings.weight)
         if chunk.post_process:
+            # The loss part runs from the final norm to the end of the chunk: multi-token
+            # prediction layers (and their copy of the embedding) included.
             norm = chunk.decoder.final_layernorm
-            self.loss = _PartSamples(param_bytes=_parameter_bytes([norm, chunk.output_layer]))
+            prediction = ([chunk.mtp] + ([] if chunk.pre_process else [chunk.embedding])
+                          if getattr(chunk, "mtp_process", False) else [])
+            self.loss = _PartSamples(param_bytes=_parameter_bytes([norm, chunk.output_layer,
+                                                                   *prediction]))
             PartTimer(self, self.loss, norm, chunk)
 
     def local_costs(self, all_to_all_bytes: int) -> dict:

@@ -65,8 +65,9 @@ def forward_step(data_iterator, model):
     tokens = batch["tokens"] if embeds else None
     position_ids = batch["position_ids"] if embeds else None
     labels = batch["labels"] if stage.post_process else None
-    output = model(tokens, position_ids, None, labels=labels)
     loss_mask = batch["loss_mask"] if stage.post_process else None
+    # The multi-token prediction losses are masked like the model's.
+    output = model(tokens, position_ids, None, labels=labels, loss_mask=loss_mask)
     return output, partial(loss_func, loss_mask)
 
 
@@ -115,8 +116,11 @@ class MoeLosses:
     names: tuple[str, ...]
     """The metrics the routers record, in :data:`MOE_LOSSES` order."""
     num_layers: int
-    """Layers of the model: the length of each metric's record."""
+    """Layers of the model, multi-token prediction layers included: the length of each
+    metric's record."""
     num_moe_layers: int
+    """As Megatron counts them: the decoder's MoE layers and every multi-token prediction
+    layer."""
     data_parallel_size: int
 
     @classmethod
@@ -136,7 +140,9 @@ class MoeLosses:
         pattern = getattr(args, "moe_layer_freq", 1)
         moe_layers = (sum(pattern) if isinstance(pattern, list)
                       else len(range(0, args.num_layers, pattern)))
-        return cls(tuple(names), args.num_layers, moe_layers, args.data_parallel_size)
+        mtp_layers = getattr(args, "mtp_num_layers", None) or 0
+        return cls(tuple(names), args.num_layers + mtp_layers, moe_layers + mtp_layers,
+                   args.data_parallel_size)
 
     def values(self, sums: torch.Tensor, num_microbatches: int) -> dict[str, float]:
         """Each metric's value from the job-wide sums of :func:`recorded_losses`."""
