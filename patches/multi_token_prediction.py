@@ -13,7 +13,8 @@ acceptance counts ``correct_values`` and ``total_values``); to log them Megatron
 losses over ``parallel_state``'s data-parallel group and sums the counts over it, and
 Megatron-LM's log line divides by its micro-batch count. After a failure the replicas run
 different numbers of micro-batches and that group no longer pairs the holders of the last stage,
-so the metrics are summed over the job's ranks instead (:func:`register_job_wide_reduction`). A
+so the metrics are summed over the job's ranks instead, before ``track_mtp_metrics`` (in both
+releases) logs them (:func:`register_job_wide_reduction`). A
 broken iteration's values are discarded before it runs again (:func:`discard_mtp_losses`).
 """
 
@@ -48,34 +49,40 @@ def register_job_wide_reduction(registry: PatchRegistry, *, active: Callable[[],
                                 device: Callable[[], torch.device]) -> None:
     """While ``active()``, reduce the metrics Megatron logs by ``sum_over_job`` (a sum over every
     rank that trains, which each rank joins: one without the layers with zeros of
-    ``num_layers()`` on ``device()``); ``parallel_sizes()`` gives the job's launch ``(tensor,
-    data)`` parallel sizes, which Megatron-LM's micro-batch calculator keeps.
+    ``num_layers()`` on ``device()``) before ``MTPLossLoggingHelper.track_mtp_metrics`` logs
+    them, and leave Megatron's own reduction no group to reduce over; ``parallel_sizes()`` gives
+    the job's launch ``(tensor, data)`` parallel sizes, which Megatron-LM's micro-batch
+    calculator keeps.
 
     Every tensor-parallel rank of the last stage records the same values, so the job-wide sum
     is divided by the tensor-parallel size, and the losses also by the data-parallel size (the
     average Megatron takes): the result is Megatron's whatever the layout."""
+
+    def job_wide(track):
+        @functools.wraps(track)
+        def track_over_job(*args, **kwargs):
+            if active():
+                tracker = _tracker()
+                tp, dp = parallel_sizes()
+                for key in _recorded_keys():
+                    if key not in tracker:
+                        tracker[key] = torch.zeros(num_layers(), device=device())
+                    sum_over_job(tracker[key])
+                    tracker[key] /= tp * dp if key in _LOSSES else tp
+                tracker["reduce_group"] = tracker["avg_group"] = None
+            return track(*args, **kwargs)
+        return track_over_job
+
+    registry.register_wrapper(f"{HELPER}.track_mtp_metrics", job_wide)
+
+
+def _recorded_keys() -> tuple[str, ...]:
+    """The tracker's per-layer records of the installed megatron-core."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
     if hasattr(MTPLossLoggingHelper, "reduce_metrics_in_tracker"):
-        name, keys = "reduce_metrics_in_tracker", (_LOSSES[0],) + _COUNTS
-    else:
-        name, keys = "reduce_loss_in_tracker", (_LOSSES[1],)
-
-    def job_wide(reduce):
-        @functools.wraps(reduce)
-        def reduce_over_job():
-            if not active():
-                return reduce()
-            tracker = _tracker()
-            tp, dp = parallel_sizes()
-            for key in keys:
-                if key not in tracker:
-                    tracker[key] = torch.zeros(num_layers(), device=device())
-                sum_over_job(tracker[key])
-                tracker[key] /= tp * dp if key in _LOSSES else tp
-        return reduce_over_job
-
-    registry.register_wrapper(f"{HELPER}.{name}", job_wide)
+        return (_LOSSES[0],) + _COUNTS
+    return (_LOSSES[1],)
 
 
 def unsupported_mtp_model(args) -> str | None:

@@ -51,41 +51,36 @@ def reduction(active: bool, ranks: int, num_layers: int = 2) -> PatchRegistry:
     return registry
 
 
-def losses(tracker: dict) -> torch.Tensor | None:
-    """The per-layer losses (0.19.2's ``loss_values``, 0.16.1's ``values``)."""
-    return tracker.get("loss_values", tracker.get("values"))
-
-
-def reduce_tracker() -> None:
-    """What Megatron-LM's log line calls to reduce the tracker."""
+def logged(tracker: dict, recorded: list[float] | None) -> dict:
+    """What Megatron-LM's log line takes of the tracker (a loss scale of 1), this rank having
+    recorded ``recorded`` (``None``: nothing)."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    if hasattr(MTPLossLoggingHelper, "reduce_metrics_in_tracker"):
-        MTPLossLoggingHelper.reduce_metrics_in_tracker()
-    else:
-        MTPLossLoggingHelper.reduce_loss_in_tracker()
+    if recorded is not None:
+        key = "loss_values" if hasattr(MTPLossLoggingHelper, "reduce_metrics_in_tracker") \
+            else "values"
+        tracker[key] = torch.tensor(recorded)
+        tracker["avg_group"] = tracker["reduce_group"] = None
+    total: dict = {}
+    MTPLossLoggingHelper.track_mtp_metrics(1.0, 1, None, None, total)
+    return {name: float(value) for name, value in total.items() if name.endswith(" loss")}
 
 
 def test_the_losses_are_summed_over_the_job_and_averaged_as_megatron_does(tracker):
     registry = reduction(active=True, ranks=12)
     try:
         # A rank without the layers records nothing and joins the sum with zeros.
-        reduce_tracker()
-        assert torch.equal(losses(tracker), torch.zeros(2))
-        losses(tracker).copy_(torch.tensor([6.0, 12.0]))
-        reduce_tracker()
+        assert logged(tracker, None) == {"mtp_1 loss": 0.0, "mtp_2 loss": 0.0}
         # Twelve ranks of the same values, over TP 2 x DP 3.
-        assert torch.allclose(losses(tracker), torch.tensor([12.0, 24.0]))
-        if "total_values" in tracker:  # 0.19: the counts are summed over DP, not averaged
-            assert torch.equal(tracker["total_values"], torch.zeros(2))
+        assert logged(tracker, [6.0, 12.0]) == {"mtp_1 loss": 12.0, "mtp_2 loss": 24.0}
     finally:
         registry.remove()
 
 
-def test_without_elastic_megatron_reduces_as_it_does(tracker):
+def test_without_elastic_megatron_logs_as_it_does(tracker):
     registry = reduction(active=False, ranks=12)
     try:
-        reduce_tracker()  # no values, no groups: Megatron returns
-        assert losses(tracker) is None
+        assert logged(tracker, None) == {}  # nothing recorded: nothing logged
+        assert logged(tracker, [6.0, 12.0]) == {"mtp_1 loss": 6.0, "mtp_2 loss": 12.0}
     finally:
         registry.remove()
