@@ -257,11 +257,11 @@ class Trainer:
         of every rank's ``report`` and of its MoE loss metrics and multi-token prediction
         losses, where the model has them."""
         mbs = self.args.micro_batch_size
-        tails = [t for t in (
-            recorded_losses(self.moe_losses.num_layers)[0].flatten()
-            if self.moe_losses is not None else None,
-            recorded_mtp_losses(self.mtp_num_layers) if self.mtp_num_layers else None)
-            if t is not None]
+        tails = []
+        if self.moe_losses is not None:
+            tails.append(recorded_losses(self.moe_losses.num_layers)[0].flatten())
+        if self.mtp_num_layers:
+            tails.append(recorded_mtp_losses(self.mtp_num_layers))
         if tails:
             report = torch.cat(([report.double()] if report is not None else []) + tails)
         extra = 0 if report is None else report.numel()
