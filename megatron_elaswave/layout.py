@@ -53,18 +53,23 @@ def layer_ranges(stage_layers: tuple[int, ...] | list[int]) -> list[tuple[int, i
     return ranges
 
 
-def megatron_stage_layers(num_layers: int, num_stages: int, *, first: int | None = None,
-                          last: int | None = None, embedding_counts: bool = False,
-                          loss_counts: bool = False) -> tuple[int, ...]:
-    """Transformer layers per pipeline stage as Megatron splits them: ``first`` and ``last`` on
-    the first and last stage where given (``--decoder-first/last-pipeline-num-layers``) and the
-    rest evenly over the stages between; or, where the embedding or the loss counts as a layer
-    (``--account-for-embedding/loss-in-pipeline-split``), an even split of the layers and those
-    that takes them from the first or last stage; an even split otherwise.
+def megatron_chunk_layers(num_layers: int, num_stages: int, *, virtual_stages: int = 1,
+                          first: int | None = None, last: int | None = None,
+                          embedding_counts: bool = False, loss_counts: bool = False
+                          ) -> tuple[int, ...]:
+    """Transformer layers per model chunk as Megatron splits them, in its order (every stage's
+    first chunk, then every stage's second, ...; with one virtual stage, a chunk is a stage):
+    ``first`` and ``last`` on the first and last stage where given
+    (``--decoder-first/last-pipeline-num-layers``) and the rest evenly over the stages between,
+    each stage's layers evenly over its ``virtual_stages`` chunks; or, where the embedding or the
+    loss counts as a layer (``--account-for-embedding/loss-in-pipeline-split``), an even split
+    of the layers and those over all chunks, that takes them from the first or last chunk; an
+    even split otherwise.
 
-    Raises ``ValueError`` where the layers do not split so, or a stage would hold none."""
-    if num_stages < 1:
-        raise ValueError("the pipeline needs at least one stage")
+    Raises ``ValueError`` where the layers do not split so, or a chunk would hold none."""
+    if num_stages < 1 or virtual_stages < 1:
+        raise ValueError("the pipeline needs at least one stage and one virtual stage")
+    chunks = num_stages * virtual_stages
     if first is not None or last is not None:
         if embedding_counts or loss_counts:
             raise ValueError("give the first and last stage's layers or count the embedding "
@@ -74,26 +79,46 @@ def megatron_stage_layers(num_layers: int, num_stages: int, *, first: int | None
                              "last stage of their own")
         middle_stages = num_stages - (first is not None) - (last is not None)
         middle_layers = num_layers - (first or 0) - (last or 0)
+        if middle_stages == 0 and virtual_stages > 1:
+            # megatron-core's layer offset divides by the middle stages' count.
+            raise ValueError("megatron-core cannot place virtual pipeline stages between a first "
+                             "and a last stage with no stage between them: give the split as "
+                             "--pipeline-model-parallel-layout")
         if middle_stages == 0 and middle_layers != 0 or middle_stages and (
                 middle_layers < 0 or middle_layers % middle_stages):
             raise ValueError(f"the {middle_layers} layers left between the first and last "
                              f"pipeline stages cannot be split evenly over {middle_stages} stages")
-        counts = [middle_layers // middle_stages if middle_stages else 0] * num_stages
+        stages = [middle_layers // middle_stages if middle_stages else 0] * num_stages
         if first is not None:
-            counts[0] = first
+            stages[0] = first
         if last is not None:
-            counts[-1] = last
+            stages[-1] = last
+        for s, count in enumerate(stages):
+            if count % virtual_stages:
+                raise ValueError(f"the {count} layers of pipeline stage {s} cannot be split "
+                                 f"evenly into {virtual_stages} virtual stages")
+        counts = [stages[s] // virtual_stages for _ in range(virtual_stages)
+                  for s in range(num_stages)]
     else:
         counted = num_layers + embedding_counts + loss_counts
-        if counted % num_stages:
+        if counted % chunks:
             raise ValueError(f"{counted} layers (the embedding and loss counted as layers where "
-                             f"asked) cannot be split evenly over {num_stages} pipeline stages")
-        counts = [counted // num_stages] * num_stages
+                             f"asked) cannot be split evenly over {num_stages} pipeline stages"
+                             + (f" of {virtual_stages} virtual stages" if virtual_stages > 1
+                                else ""))
+        counts = [counted // chunks] * chunks
         counts[0] -= embedding_counts
         counts[-1] -= loss_counts
     if min(counts) < 1:
-        raise ValueError(f"the pipeline split {counts} leaves a stage without a transformer layer")
+        what = "stage" if virtual_stages == 1 else "model chunk"
+        raise ValueError(f"the pipeline split {counts} leaves a {what} without a transformer layer")
     return tuple(counts)
+
+
+def stage_totals(chunk_layers: tuple[int, ...], num_stages: int) -> tuple[int, ...]:
+    """Transformer layers of each stage whose model chunks hold ``chunk_layers``, in Megatron's
+    order (:func:`megatron_chunk_layers`)."""
+    return tuple(sum(chunk_layers[s::num_stages]) for s in range(num_stages))
 
 
 @dataclass(frozen=True)
@@ -178,11 +203,15 @@ class Replica:
     """Global micro-batch ids this replica runs each step, in order."""
     virtual_stages: int = 1
     """Model chunks per stage (Megatron's virtual pipeline stages, run by the interleaved
-    schedule). With more than one, the layers are split evenly into ``len(stages) *
-    virtual_stages`` chunks and stage ``s`` holds chunks ``s``, ``s + len(stages)``, ...
+    schedule). With more than one, the layers are split into ``len(stages) * virtual_stages``
+    chunks (:attr:`chunk_layers`) and stage ``s`` holds chunks ``s``, ``s + len(stages)``, ...
     (:meth:`held_ranges`); its ``first_layer`` and ``last_layer`` are then the range a stage of
     the plain split would hold, as many layers, which is what the planner costs. A replica whose
     stages change is built with one."""
+    chunk_layers: tuple[int, ...] = ()
+    """Transformer layers of each model chunk in Megatron's order (every stage's first chunk,
+    then every stage's second, ...) where the user split them unevenly
+    (:func:`megatron_chunk_layers`); empty: as many in each. Only with virtual stages."""
 
     @property
     def num_microbatches(self) -> int:
@@ -195,6 +224,8 @@ class Replica:
             stage = self.stages[stage_index]
             return [(stage.first_layer, stage.last_layer)]
         depth = len(self.stages)
+        if self.chunk_layers:
+            return layer_ranges(self.chunk_layers)[stage_index::depth]
         chunks = even_layer_split(self.stages[-1].last_layer + 1, depth * self.virtual_stages)
         return chunks[stage_index::depth]
 
@@ -207,11 +238,13 @@ class Replica:
 
     def keeping_chunks(self, stages: tuple[StageInstance, ...],
                        microbatch_ids: tuple[int, ...]) -> "Replica":
-        """This replica with ``stages`` and ``microbatch_ids``: its virtual stages kept where the
-        stages are the same and the interleaved schedule can run the micro-batches (at least one
-        per stage), one chunk per stage otherwise."""
-        keep = stages == self.stages and len(microbatch_ids) >= len(stages)
-        return Replica(self.index, stages, microbatch_ids, self.virtual_stages if keep else 1)
+        """This replica with ``stages`` and ``microbatch_ids``: its virtual stages (and their
+        split) kept where the stages are the same and the interleaved schedule can run the
+        micro-batches (at least one per stage), one chunk per stage otherwise."""
+        if stages == self.stages and len(microbatch_ids) >= len(stages):
+            return Replica(self.index, stages, microbatch_ids, self.virtual_stages,
+                           self.chunk_layers)
+        return Replica(self.index, stages, microbatch_ids)
 
     def to_json(self, with_microbatch_ids: bool = False) -> dict:
         record = {
@@ -242,26 +275,28 @@ class Layout:
     def megatron(
         cls, *, tp: int, pp: int, dp: int, num_layers: int, num_microbatches: int,
         virtual_stages: int = 1, experts: ExpertParallelism | None = None,
-        stage_layers: tuple[int, ...] | None = None,
+        chunk_layers: tuple[int, ...] | None = None,
     ) -> "Layout":
-        """The failure-free layout Megatron builds: the layers split as ``stage_layers`` says
-        (:func:`megatron_stage_layers`; evenly by default, into ``virtual_stages`` chunks per
-        stage), and the micro-batches dealt round-robin over replicas as Megatron-LM's
-        pretraining sampler does (micro-batch ``j`` of the global batch goes to replica
-        ``j % dp``). Raises ``ValueError`` for an uneven split with virtual stages."""
+        """The failure-free layout Megatron builds: the layers split into ``pp *
+        virtual_stages`` model chunks as ``chunk_layers`` says (:func:`megatron_chunk_layers`;
+        evenly by default), and the micro-batches dealt round-robin over replicas as
+        Megatron-LM's pretraining sampler does (micro-batch ``j`` of the global batch goes to
+        replica ``j % dp``). Raises ``ValueError`` where the split does not fit."""
         if experts is not None:
             experts.check(tp, dp)
         if num_microbatches % dp:
             raise ValueError(f"{num_microbatches} micro-batches cannot be dealt evenly to {dp} replicas")
-        if stage_layers is None:
+        if chunk_layers is None:
             splits = even_layer_split(num_layers, pp)
-        elif len(stage_layers) != pp or sum(stage_layers) != num_layers:
-            raise ValueError(f"the pipeline split {list(stage_layers)} does not hold "
-                             f"{num_layers} layers in {pp} stages")
-        elif virtual_stages > 1 and len(set(stage_layers)) > 1:
-            raise ValueError("an uneven pipeline split runs without virtual pipeline stages")
+            chunk_layers = ()
+        elif (len(chunk_layers) != pp * virtual_stages or sum(chunk_layers) != num_layers
+              or min(chunk_layers) < 1):
+            raise ValueError(f"the pipeline split {list(chunk_layers)} does not hold "
+                             f"{num_layers} layers in {pp * virtual_stages} non-empty chunks")
         else:
-            splits = layer_ranges(stage_layers)
+            splits = layer_ranges(stage_totals(chunk_layers, pp))
+            if virtual_stages == 1 or len(set(chunk_layers)) == 1:
+                chunk_layers = ()
         replicas = []
         for d in range(dp):
             stages = tuple(
@@ -273,7 +308,7 @@ class Layout:
                 for s, (first, last) in enumerate(splits)
             )
             replicas.append(Replica(d, stages, tuple(range(d, num_microbatches, dp)),
-                                    virtual_stages))
+                                    virtual_stages, tuple(chunk_layers)))
         layout = cls(num_layers=num_layers, replicas=tuple(replicas), experts=experts)
         layout.validate()
         return layout
@@ -358,12 +393,9 @@ class Layout:
             if expected_first != self.num_layers:
                 raise ValueError(f"replica {replica.index}: stages do not cover all {self.num_layers} layers")
             if replica.virtual_stages > 1:
-                chunks = len(replica.stages) * replica.virtual_stages
-                if self.num_layers % chunks or replica.num_microbatches < len(replica.stages):
-                    raise ValueError(
-                        f"replica {replica.index}: {replica.virtual_stages} virtual stages need "
-                        f"the layers to split evenly into {chunks} chunks and at least "
-                        f"{len(replica.stages)} micro-batches")
+                self._validate_chunks(replica)
+            elif replica.chunk_layers:
+                raise ValueError(f"replica {replica.index}: a chunk split without virtual stages")
         if seen & set(self.spares) or len(set(self.spares)) != len(self.spares):
             raise ValueError("a spare also holds a stage, or appears twice")
         ids = sorted(i for r in self.replicas for i in r.microbatch_ids)
@@ -373,6 +405,22 @@ class Layout:
             raise ValueError("two replicas share an index")
         if self.lockstep_size > 1:
             self._validate_lockstep()
+
+    def _validate_chunks(self, replica: Replica) -> None:
+        """Raise ``ValueError`` unless ``replica``'s virtual stages split its stages' layers
+        into non-empty chunks and it runs at least one micro-batch per stage."""
+        depth, chunks = len(replica.stages), len(replica.stages) * replica.virtual_stages
+        if replica.chunk_layers:
+            stages = tuple(s.last_layer - s.first_layer + 1 for s in replica.stages)
+            fits = (len(replica.chunk_layers) == chunks and min(replica.chunk_layers) >= 1
+                    and stage_totals(replica.chunk_layers, depth) == stages)
+        else:
+            fits = self.num_layers % chunks == 0
+        if not fits or replica.num_microbatches < depth:
+            raise ValueError(
+                f"replica {replica.index}: {replica.virtual_stages} virtual stages need the "
+                f"stages' layers to split into {chunks} non-empty chunks and at least "
+                f"{depth} micro-batches")
 
     def _validate_lockstep(self) -> None:
         """Raise ``ValueError`` unless every lockstep set is whole and its replicas run the same
@@ -386,7 +434,7 @@ class Layout:
                 raise ValueError(f"replicas {sorted(r.index for r in members)} share expert-"
                                  f"parallel groups with replicas they run without")
             shapes = {(tuple((s.first_layer, s.last_layer) for s in r.stages), r.num_microbatches,
-                       r.virtual_stages) for r in members}
+                       r.virtual_stages, r.chunk_layers) for r in members}
             if len(shapes) != 1:
                 raise ValueError(f"replicas {[r.index for r in members]} share expert-parallel "
                                  "groups but differ in stages or micro-batches")
@@ -401,10 +449,21 @@ class Layout:
             stages = tuple(
                 StageInstance(tuple(s["ranks"]), s["layers"][0], s["layers"][1]) for s in record["stages"]
             )
+            virtual_stages = record.get("virtual_stages", 1)
             built.append(Replica(record["replica"], stages, tuple(record["microbatch_ids"]),
-                                 record.get("virtual_stages", 1)))
+                                 virtual_stages, _chunk_layers_of(record, virtual_stages)))
         num_layers = built[0].stages[-1].last_layer + 1 if built else 0
         layout = cls(num_layers=num_layers, replicas=tuple(built), spares=tuple(spares),
                      experts=ExpertParallelism(**experts) if experts else None)
         layout.validate()
         return layout
+
+
+def _chunk_layers_of(record: dict, virtual_stages: int) -> tuple[int, ...]:
+    """:attr:`Replica.chunk_layers` of a replica's JSON record: its stages' ``chunks`` in
+    Megatron's order, empty where they split evenly."""
+    if virtual_stages == 1 or any("chunks" not in stage for stage in record["stages"]):
+        return ()
+    counts = tuple(last - first + 1 for v in range(virtual_stages)
+                   for stage in record["stages"] for first, last in [stage["chunks"][v]])
+    return () if len(set(counts)) == 1 else counts

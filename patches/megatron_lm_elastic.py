@@ -151,7 +151,8 @@ def optimizer_config_of(args: argparse.Namespace) -> tuple[Any, Any]:
 def forward_step_on_current_layout(forward_step_func: Callable) -> Callable:
     """The script's ``forward_step``, called where this rank's replica has a single stage with
     ``args.pipeline_model_parallel_size`` 1, and where it runs without virtual stages with
-    ``parallel_state``'s virtual pipeline size unset.
+    ``parallel_state``'s virtual pipeline size and ``args.virtual_pipeline_model_parallel_size``
+    unset.
 
     ``get_batch_on_this_tp_rank`` (``megatron.training.utils`` in core_v0.16.1; megatron-core's,
     given the flag by ``pretrain_gpt.py``, in core_v0.19) keeps every field of a micro-batch only
@@ -159,7 +160,9 @@ def forward_step_on_current_layout(forward_step_func: Callable) -> Callable:
     (core_v0.19 drops the labels on the first stage even on the rank that read them). After a
     recovery a replica may have fewer stages than the flag says: one stage is both. A replica
     that a recovery re-partitions runs 1F1B: its stage has no ``vp_stage``, which
-    ``is_pipeline_first_stage`` would otherwise require.
+    ``is_pipeline_first_stage`` would otherwise require; core_v0.19's ``get_batch`` builds a
+    config from ``args``, which must not pair a layout string's virtual stages with another
+    count.
     """
 
     @functools.wraps(forward_step_func)
@@ -168,16 +171,17 @@ def forward_step_on_current_layout(forward_step_func: Callable) -> Callable:
         from megatron.training import get_args
 
         margs = get_args()
-        launched = margs.pipeline_model_parallel_size
+        launched = margs.pipeline_model_parallel_size, margs.virtual_pipeline_model_parallel_size
         virtual = parallel_state.get_virtual_pipeline_model_parallel_world_size()
         if parallel_state.get_pipeline_model_parallel_world_size() == 1:
             margs.pipeline_model_parallel_size = 1
         if getattr(model, "vp_stage", None) is None:
             parallel_state.set_virtual_pipeline_model_parallel_world_size(None)
+            margs.virtual_pipeline_model_parallel_size = None
         try:
             return forward_step_func(data_iterator, model, *args, **kwargs)
         finally:
-            margs.pipeline_model_parallel_size = launched
+            margs.pipeline_model_parallel_size, margs.virtual_pipeline_model_parallel_size = launched
             parallel_state.set_virtual_pipeline_model_parallel_world_size(virtual)
 
     return forward_step

@@ -55,6 +55,11 @@ def stage_layers(layout: list[dict]) -> list[list[list[int]]]:
     return [[stage["layers"] for stage in replica["stages"]] for replica in layout]
 
 
+def stage_chunks(layout: list[dict]) -> list[list[list[list[int]]]]:
+    """The layer range of each virtual stage of each stage of each replica of a layout record."""
+    return [[stage["chunks"] for stage in replica["stages"]] for replica in layout]
+
+
 # -- against Megatron-LM's own loop -------------------------------------------------------------
 
 def megatron_lm_oracle_flags(tp: int, pp: int, *extra: str) -> list[str]:
@@ -216,21 +221,30 @@ def test_a_replacement_that_rejoins_stays_on_megatron_lms_own_loop(megatron_lm_r
 
 @pytest.mark.timeout(600)
 @needs_megatron_lm
+@pytest.mark.parametrize("layout, num_layers, users_split, users_chunks", [
+    ("Ettt|tL", 4, [[0, 2], [3, 3]], None),
+    ("Et|tt|t|ttL", 6, [[0, 1], [2, 5]], [[[0, 0], [3, 3]], [[1, 2], [4, 5]]]),
+], ids=["pp2", "pp2-interleaved"])
 def test_an_uneven_pipeline_layout_stays_on_megatron_lms_own_loop_through_a_failure_and_back(
-        megatron_lm_reference, tmp_path):
-    """TP1 x PP2 x DP2 with ``--pipeline-model-parallel-layout 'Ettt|tL'``: three layers on the
-    first stage, one on the last, as Megatron-LM builds them without ``--elastic``. Rank 3 (the
-    last stage of replica 1) is SIGKILLed after iteration 3 and started again; the job goes on
+        megatron_lm_reference, tmp_path, layout, num_layers, users_split, users_chunks):
+    """TP1 x PP2 x DP2 with an uneven ``--pipeline-model-parallel-layout``: more layers on one
+    stage than the other, as Megatron-LM builds them without ``--elastic``; with two stages
+    per pipeline rank in the string, the chunks of its interleaved schedule. Rank 3 (the last
+    stage of replica 1) is SIGKILLed after iteration 3 and started again; the job goes on
     without it and ends on the user's layout. Within 1e-5 of Megatron-LM's own loop before the
     kill, 1e-4 after."""
-    flags = megatron_lm_oracle_flags(1, 2, "--pipeline-model-parallel-layout", "Ettt|tL")
+    flags = megatron_lm_oracle_flags(1, 2, "--pipeline-model-parallel-layout", layout,
+                                     "--num-layers", str(num_layers))
     reference = megatron_lm_reference(4, flags)
     elastic = train_elastic_in_megatron_lm(tmp_path, 4, flags + HELD, kill=(3, 3), rejoin=True)
     [recovery], [grow] = elastic["recovery"], elastic["grow"]
-    users_layout = [[[0, 2], [3, 3]]] * 2
+    users_layout = [users_split] * 2
     assert stage_layers(elastic["iteration"][0]["layout"]) == users_layout
     assert stage_ranks(recovery["layout"]) == [[[0], [2]], [[1]]], recovery["layout"]
     assert stage_layers(grow["layout"]) == users_layout, grow["layout"]
+    if users_chunks is not None:
+        for record in (elastic["iteration"][0]["layout"], grow["layout"]):
+            assert stage_chunks(record) == [users_chunks] * 2, record
     assert elastic["iteration"][-1]["world_size"] == 4
     assert_follows_megatron_lm(reference[:3], elastic["iteration"][:3], EXACT)
     assert_follows_megatron_lm(reference, elastic["iteration"], AFTER_FAILURE)
@@ -411,25 +425,36 @@ def test_tied_embeddings_through_a_one_stage_replica_and_back_stay_on_the_plain_
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.parametrize("split, users_split, users_chunks", [
+    pytest.param({"decoder_first_pipeline_num_layers": 1}, [[0, 0], [1, 3]], None,
+                 marks=pytest.mark.sweep, id="pp2"),
+    pytest.param({"decoder_first_pipeline_num_layers": 2, "num_layers": 6,
+                  "virtual_pipeline_model_parallel_size": 2}, [[0, 1], [2, 5]],
+                 [[[0, 0], [3, 3]], [[1, 2], [4, 5]]], id="pp2-interleaved"),
+])
 def test_an_uneven_pipeline_stays_on_the_plain_path_through_a_failure_and_back(
-        plain_path, text_data, tmp_path):  # noqa: F811
-    """TP1 x PP2 x DP2 with ``--decoder-first-pipeline-num-layers 1``: the first stage holds
-    the embedding and layer 0, the last layers 1 to 3, as megatron-core splits it on the plain
-    path. Rank 3 (the last stage of replica 1) is SIGKILLed after iteration 3 and started again:
-    rank 1 carries its replica's four layers, then the replacement rejoins and the job is back on
-    the user's split. Every iteration stays on the plain path's, within 1e-5 before the kill."""
-    flags = oracle_flags(text_data, pipeline_model_parallel_size=2,
-                         decoder_first_pipeline_num_layers=1)
+        plain_path, text_data, tmp_path, split, users_split, users_chunks):  # noqa: F811
+    """TP1 x PP2 x DP2 with ``--decoder-first-pipeline-num-layers``: the first stage holds the
+    embedding and fewer layers than the last, as megatron-core splits them on the plain path;
+    with two virtual stages, split again into the chunks the interleaved schedule runs. Rank 3
+    (the last stage of replica 1) is SIGKILLed after iteration 3 and started again: rank 1
+    carries its replica's layers, then the replacement rejoins and the job is back on the
+    user's split (the plain split's stage ranges in ``layers``, the chunks in ``chunks``).
+    Every iteration stays on the plain path's, within 1e-5 before the kill."""
+    flags = oracle_flags(text_data, pipeline_model_parallel_size=2, **split)
     plain = plain_path(4, flags)
     records = train(tmp_path, "elastic", 4, flags + ELASTIC + HELD, kill=(3, 3), rejoin=True)
     elastic = [r for r in records if r["event"] == "iteration"]
     [recovery] = [r for r in records if r["event"] == "recovery"]
     [grow] = [r for r in records if r["event"] == "grow"]
-    users_split = [[[0, 0], [1, 3]]] * 2
+    users_split = [users_split] * 2
     assert stage_layers(elastic[0]["layout"]) == users_split, elastic[0]["layout"]
     assert stage_ranks(recovery["layout"]) == [[[0], [2]], [[1]]], recovery["layout"]
     assert stage_layers(grow["layout"]) == users_split, grow["layout"]
     assert stage_ranks(grow["layout"]) == [[[0], [2]], [[1], [3]]], grow["layout"]
+    if users_chunks is not None:
+        for layout in (elastic[0]["layout"], grow["layout"]):
+            assert stage_chunks(layout) == [users_chunks] * 2, layout
     assert elastic[-1]["world_size"] == 4 and elastic[-1]["layout"] == grow["layout"]
     assert_matches_plain(plain[:3], elastic[:3], EXACT)
     assert_matches_plain(plain, elastic, AFTER_FAILURE)

@@ -34,8 +34,8 @@ class JobSpec:
     model. Checked against the grid (:meth:`ExpertParallelism.check`)."""
     stage_layers: tuple[int, ...] | None = None
     """Transformer layers of each pipeline stage in the failure-free layout, as Megatron's
-    uneven split gives them (:func:`~megatron_elaswave.layout.megatron_stage_layers`); ``None``:
-    an even split."""
+    uneven split gives them (:func:`~megatron_elaswave.layout.stage_totals` of its chunks);
+    ``None``: an even split."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -98,7 +98,7 @@ class JobSpec:
             num_layers=self.num_layers,
             num_microbatches=self.num_microbatches,
             experts=self.experts,
-            stage_layers=self.stage_layers,
+            chunk_layers=self.stage_layers,
         )
 
     def initial_ranges(self) -> list[tuple[int, int]]:

@@ -12,7 +12,7 @@ import importlib.util
 import os
 from typing import Sequence
 
-from megatron_elaswave.layout import megatron_stage_layers
+from megatron_elaswave.layout import megatron_chunk_layers
 from megatron_elaswave.runtime.dvfs import BACKENDS
 from megatron_elaswave.runtime.faults import FailureSpecError, InjectedFailure, InjectedSlowdown
 
@@ -438,9 +438,7 @@ def validate_elastic(args: argparse.Namespace, world_size: int, *,
                  "--elastic reshards the distributed optimizer's state: add --use-distributed-optimizer")
     _fail_unless(not args.fp16, "--elastic does not support --fp16 (loss scaling); use --bf16")
     _validate_experts(args)
-    _fail_unless(_uneven_stage_layers(args) is None
-                 or (args.virtual_pipeline_model_parallel_size or 1) == 1,
-                 "--elastic runs an uneven pipeline split without virtual pipeline stages")
+    _uneven_chunk_layers(args)
     if getattr(args, "save", None):
         _check_writable(args.save)
     for slowdown in args.elastic_inject_slowdown:
@@ -535,72 +533,107 @@ def _validate_writers(args: argparse.Namespace) -> None:
 
 
 def _validate_pipeline(args: argparse.Namespace) -> None:
+    """Resolve ``virtual_pipeline_model_parallel_size`` as Megatron-LM does (from
+    ``--num-layers-per-virtual-pipeline-stage`` or a layout string; ``None`` for one chunk per
+    stage) and check the split of the layers it gives."""
     pp = args.pipeline_model_parallel_size
     vpp = args.virtual_pipeline_model_parallel_size
-    if _uneven_stage_layers(args) is not None:
-        _fail_unless(vpp is None and args.num_layers_per_virtual_pipeline_stage is None,
-                     "an uneven pipeline split runs without virtual pipeline stages")
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    _fail_unless(vpp is None or per_chunk is None, "use --num-layers-per-virtual-pipeline-stage "
+                 "or --virtual-pipeline-model-parallel-size, not both")
+    if args.pipeline_model_parallel_layout is not None:
+        stages = _layout_string_stages(str(args.pipeline_model_parallel_layout))
+        _fail_unless(per_chunk is None and len(stages) % pp == 0
+                     and vpp in (None, len(stages) // pp),
+                     f"--pipeline-model-parallel-layout {args.pipeline_model_parallel_layout} has "
+                     f"{len(stages)} stages: give one per pipeline stage ({pp}) and virtual "
+                     "stage, without --virtual-pipeline-model-parallel-size or "
+                     "--num-layers-per-virtual-pipeline-stage")
+        vpp = len(stages) // pp
+    elif per_chunk is not None:
+        _fail_unless(not _uneven_split_flags(args),
+                     "an uneven pipeline split takes --virtual-pipeline-model-parallel-size, not "
+                     "--num-layers-per-virtual-pipeline-stage")
+        _fail_unless(args.num_layers % pp == 0 and per_chunk > 0
+                     and (args.num_layers // pp) % per_chunk == 0,
+                     f"--num-layers-per-virtual-pipeline-stage {per_chunk} does not divide the "
+                     f"layers of a pipeline stage (--num-layers {args.num_layers} over {pp})")
+        vpp = args.num_layers // pp // per_chunk
+    if vpp is not None:
+        _fail_unless(pp > 1, "the interleaved schedule needs --pipeline-model-parallel-size > 1")
+        _fail_unless(vpp >= 1, "--virtual-pipeline-model-parallel-size must be positive")
+    args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
+    if _uneven_chunk_layers(args) is not None:
         return
     _fail_unless(args.num_layers % pp == 0,
                  f"--num-layers {args.num_layers} is not divisible by "
                  f"--pipeline-model-parallel-size {pp}")
-    if args.num_layers_per_virtual_pipeline_stage is not None:
-        per_chunk = args.num_layers_per_virtual_pipeline_stage
-        _fail_unless(vpp is None, "use --num-layers-per-virtual-pipeline-stage or "
-                     "--virtual-pipeline-model-parallel-size, not both")
-        _fail_unless(per_chunk > 0 and (args.num_layers // pp) % per_chunk == 0,
-                     f"--num-layers-per-virtual-pipeline-stage {per_chunk} does not divide the "
-                     f"{args.num_layers // pp} layers of a pipeline stage")
-        vpp = args.num_layers // pp // per_chunk
-    if vpp is not None:
-        _fail_unless(pp > 1, "the interleaved schedule needs --pipeline-model-parallel-size > 1")
-        _fail_unless(vpp >= 1 and (args.num_layers // pp) % vpp == 0,
-                     f"{args.num_layers // pp} layers per pipeline stage cannot be split into "
-                     f"{vpp} virtual stages")
-        vpp = vpp if vpp > 1 else None
-    args.virtual_pipeline_model_parallel_size = vpp
+    vpp = args.virtual_pipeline_model_parallel_size
+    _fail_unless(vpp is None or (args.num_layers // pp) % vpp == 0,
+                 f"{args.num_layers // pp} layers per pipeline stage cannot be split into "
+                 f"{vpp} virtual stages")
 
 
-def pipeline_stage_layers(args: argparse.Namespace) -> tuple[int, ...] | None:
-    """Transformer layers per pipeline stage where the flags split the pipeline unevenly
-    (``--pipeline-model-parallel-layout``, ``--decoder-first/last-pipeline-num-layers``,
+def _uneven_split_flags(args: argparse.Namespace) -> bool:
+    """Whether the first or last stage's layers are given, or the embedding or loss counts."""
+    return (getattr(args, "decoder_first_pipeline_num_layers", None) is not None
+            or getattr(args, "decoder_last_pipeline_num_layers", None) is not None
+            or bool(getattr(args, "account_for_embedding_in_pipeline_split", False))
+            or bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
+
+
+def pipeline_chunk_layers(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """Transformer layers per model chunk, in Megatron's order (every stage's first chunk, then
+    every stage's second, ...; one chunk per stage without virtual stages), where the flags
+    split the pipeline unevenly (``--pipeline-model-parallel-layout``,
+    ``--decoder-first/last-pipeline-num-layers``,
     ``--account-for-embedding/loss-in-pipeline-split``); ``None`` for Megatron's even split.
 
     Raises ``ValueError`` for a split the elastic layout cannot start from: one Megatron
-    refuses, a stage without a transformer layer, virtual pipeline stages in a layout string or
-    multi-token prediction layers in it before its last stage."""
+    refuses, a chunk without a transformer layer, or multi-token prediction layers in a layout
+    string before its last chunk."""
     pp = args.pipeline_model_parallel_size
+    vpp = args.virtual_pipeline_model_parallel_size or 1
     layout = getattr(args, "pipeline_model_parallel_layout", None)
-    first = getattr(args, "decoder_first_pipeline_num_layers", None)
-    last = getattr(args, "decoder_last_pipeline_num_layers", None)
-    embedding = bool(getattr(args, "account_for_embedding_in_pipeline_split", False))
-    loss = bool(getattr(args, "account_for_loss_in_pipeline_split", False))
     if layout is not None:
-        if first is not None or last is not None or embedding or loss:
+        if _uneven_split_flags(args):
             raise ValueError("--pipeline-model-parallel-layout places every layer itself: give it "
                              "without --decoder-first/last-pipeline-num-layers and "
                              "--account-for-embedding/loss-in-pipeline-split")
-        return _layout_string_stage_layers(str(layout), pp, args.num_layers)
-    if first is None and last is None and not embedding and not loss:
+        return _layout_string_chunk_layers(str(layout), pp * vpp, args.num_layers)
+    if not _uneven_split_flags(args):
         return None
-    return megatron_stage_layers(args.num_layers, pp, first=first, last=last,
-                                 embedding_counts=embedding, loss_counts=loss)
+    return megatron_chunk_layers(
+        args.num_layers, pp, virtual_stages=vpp,
+        first=getattr(args, "decoder_first_pipeline_num_layers", None),
+        last=getattr(args, "decoder_last_pipeline_num_layers", None),
+        embedding_counts=bool(getattr(args, "account_for_embedding_in_pipeline_split", False)),
+        loss_counts=bool(getattr(args, "account_for_loss_in_pipeline_split", False)))
 
 
-def _layout_string_stage_layers(layout: str, pp: int, num_layers: int) -> tuple[int, ...]:
-    from megatron.core.transformer.enums import LayerType
+def _layout_string_stages(layout: str) -> list[list]:
+    """The layer kinds of each stage of a ``--pipeline-model-parallel-layout``, in layer order.
+    Raises :class:`ArgumentError` for one megatron-core cannot parse."""
     from megatron.core.transformer.pipeline_parallel_layer_layout import (
         PipelineParallelLayerLayout,
     )
 
     try:
-        stages = PipelineParallelLayerLayout.parse_str_to_list(layout)
+        return PipelineParallelLayerLayout.parse_str_to_list(layout)
     except (AssertionError, ValueError) as error:
-        raise ValueError(f"--pipeline-model-parallel-layout {layout}: {error}") from None
-    if len(stages) != pp:
+        raise ArgumentError(f"--pipeline-model-parallel-layout {layout}: {error}") from None
+
+
+def _layout_string_chunk_layers(layout: str, chunks: int, num_layers: int) -> tuple[int, ...]:
+    from megatron.core.transformer.enums import LayerType
+
+    try:
+        stages = _layout_string_stages(layout)
+    except ArgumentError as error:
+        raise ValueError(str(error)) from None
+    if len(stages) != chunks:
         raise ValueError(f"--pipeline-model-parallel-layout {layout} has {len(stages)} stages: "
-                         f"one per pipeline stage ({pp}) is supported, without virtual "
-                         "pipeline stages")
+                         f"give one per pipeline stage and virtual stage ({chunks})")
     flat = [kind for stage in stages for kind in stage]
     if any(LayerType.mtp in stage for stage in stages[:-1]):
         raise ValueError(f"--pipeline-model-parallel-layout {layout} places multi-token "
@@ -620,10 +653,10 @@ def _layout_string_stage_layers(layout: str, pp: int, num_layers: int) -> tuple[
     return counts
 
 
-def _uneven_stage_layers(args: argparse.Namespace) -> tuple[int, ...] | None:
-    """:func:`pipeline_stage_layers`, its refusal as an :class:`ArgumentError`."""
+def _uneven_chunk_layers(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """:func:`pipeline_chunk_layers`, its refusal as an :class:`ArgumentError`."""
     try:
-        return pipeline_stage_layers(args)
+        return pipeline_chunk_layers(args)
     except ValueError as error:
         raise ArgumentError(str(error)) from None
 

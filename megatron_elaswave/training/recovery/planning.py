@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_elaswave.device import DeviceBackend
-from megatron_elaswave.layout import ExpertParallelism, Layout
+from megatron_elaswave.layout import ExpertParallelism, Layout, stage_totals
 from megatron_elaswave.planner.cost import CostModel, MemoryModel
 from megatron_elaswave.planner.frequency import ClockPlan, PowerModel
 from megatron_elaswave.planner.job import JobSpec
@@ -25,7 +25,7 @@ from megatron_elaswave.planner.replan import (
     plan_replica_drop,
 )
 
-from ..arguments import pipeline_stage_layers
+from ..arguments import pipeline_chunk_layers
 from ..step.snapshots import ranks_per_node
 
 CPU_DEVICE = SyntheticDevice(name="CPU core (gloo)", peak_tflops=0.02, model_flops_utilisation=0.5,
@@ -49,7 +49,7 @@ def expert_parallelism(args: argparse.Namespace) -> ExpertParallelism | None:
 def failure_free_layout(args: argparse.Namespace, global_batch_size: int | None = None) -> Layout:
     """The layout Megatron builds for the job's flags, dealing ``global_batch_size`` samples
     (default ``--global-batch-size``; a ramp-up's first size), its pipeline split as the flags
-    give it (:func:`pipeline_stage_layers`)."""
+    give it (:func:`pipeline_chunk_layers`)."""
     return Layout.megatron(tp=args.tensor_model_parallel_size,
                            pp=args.pipeline_model_parallel_size, dp=args.data_parallel_size,
                            num_layers=args.num_layers,
@@ -57,7 +57,14 @@ def failure_free_layout(args: argparse.Namespace, global_batch_size: int | None 
                            // args.micro_batch_size,
                            virtual_stages=args.virtual_pipeline_model_parallel_size or 1,
                            experts=expert_parallelism(args),
-                           stage_layers=pipeline_stage_layers(args))
+                           chunk_layers=pipeline_chunk_layers(args))
+
+
+def _stage_layers(args: argparse.Namespace) -> tuple[int, ...] | None:
+    """Transformer layers of each pipeline stage where the flags split them unevenly."""
+    chunk_layers = pipeline_chunk_layers(args)
+    return None if chunk_layers is None else stage_totals(chunk_layers,
+                                                          args.pipeline_model_parallel_size)
 
 
 def cost_model(args: argparse.Namespace, vocab_size: int, backend: DeviceBackend) -> CostModel:
@@ -74,7 +81,7 @@ def cost_model(args: argparse.Namespace, vocab_size: int, backend: DeviceBackend
         micro_batch_size=args.micro_batch_size,
         ranks_per_node=ranks_per_node(),
         experts=experts,
-        stage_layers=pipeline_stage_layers(args),
+        stage_layers=_stage_layers(args),
     )
     if args.elastic_profile:
         profile = load_profile(args.elastic_profile)
