@@ -313,14 +313,18 @@ def train(tmp_path: Path, name: str, nproc: int, flags: list[str],
 
 
 def assert_matches_plain(plain: list[dict], elastic: list[dict], tolerance: float) -> None:
-    """Same samples, lm loss and grad norm within ``tolerance`` relative, every iteration."""
+    """Same samples, lm loss, grad norm and multi-token prediction losses within ``tolerance``
+    relative, every iteration."""
     worst = {"lm_loss": 0.0, "grad_norm": 0.0}
     for ref, got in zip(plain, elastic, strict=True):
         assert got["samples_digest"] == ref["samples_digest"], got["iteration"]
-        for field in worst:
-            deviation = relative(got[field], ref[field])
-            assert deviation <= tolerance, (got["iteration"], field, ref[field], got[field])
-            worst[field] = max(worst[field], deviation)
+        values = [(field, ref[field], got[field]) for field in ("lm_loss", "grad_norm")]
+        values += [(name, value, got["mtp_losses"][name])
+                   for name, value in ref.get("mtp_losses", {}).items()]
+        for field, expected, value in values:
+            deviation = relative(value, expected)
+            assert deviation <= tolerance, (got["iteration"], field, expected, value)
+            worst[field] = max(worst.get(field, 0.0), deviation)
     print(f"largest relative difference from the plain path: {worst}")
 
 
@@ -429,14 +433,16 @@ def test_tied_embeddings_through_a_one_stage_replica_and_back_stay_on_the_plain_
     pytest.param({"decoder_first_pipeline_num_layers": 1}, [[0, 0], [1, 3]], None,
                  marks=pytest.mark.sweep, id="pp2"),
     pytest.param({"decoder_first_pipeline_num_layers": 2, "num_layers": 6,
-                  "virtual_pipeline_model_parallel_size": 2}, [[0, 1], [2, 5]],
-                 [[[0, 0], [3, 3]], [[1, 2], [4, 5]]], id="pp2-interleaved"),
+                  "virtual_pipeline_model_parallel_size": 2, "mtp_num_layers": 1,
+                  "position_embedding_type": "rope"}, [[0, 1], [2, 5]],
+                 [[[0, 0], [3, 3]], [[1, 2], [4, 5]]], id="pp2-interleaved-mtp"),
 ])
 def test_an_uneven_pipeline_stays_on_the_plain_path_through_a_failure_and_back(
         plain_path, text_data, tmp_path, split, users_split, users_chunks):  # noqa: F811
     """TP1 x PP2 x DP2 with ``--decoder-first-pipeline-num-layers``: the first stage holds the
     embedding and fewer layers than the last, as megatron-core splits them on the plain path;
-    with two virtual stages, split again into the chunks the interleaved schedule runs. Rank 3
+    with two virtual stages, split again into the chunks the interleaved schedule runs, and a
+    multi-token prediction layer in the last chunk. Rank 3
     (the last stage of replica 1) is SIGKILLed after iteration 3 and started again: rank 1
     carries its replica's layers, then the replacement rejoins and the job is back on the
     user's split (the plain split's stage ranges in ``layers``, the chunks in ``chunks``).
