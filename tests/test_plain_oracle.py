@@ -433,7 +433,7 @@ def test_tied_embeddings_through_a_one_stage_replica_and_back_stay_on_the_plain_
     pytest.param({"decoder_first_pipeline_num_layers": 1}, [[0, 0], [1, 3]], None,
                  marks=pytest.mark.sweep, id="pp2"),
     pytest.param({"decoder_first_pipeline_num_layers": 2, "num_layers": 6,
-                  "virtual_pipeline_model_parallel_size": 2, "mtp_num_layers": 1,
+                  "num_virtual_stages_per_pipeline_rank": 2, "mtp_num_layers": 1,
                   "position_embedding_type": "rope"}, [[0, 1], [2, 5]],
                  [[[0, 0], [3, 3]], [[1, 2], [4, 5]]], id="pp2-interleaved-mtp"),
 ])

@@ -112,7 +112,9 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
                        help="enables the interleaved 1F1B schedule")
-    group.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+    group.add_argument("--num-virtual-stages-per-pipeline-rank",
+                       "--virtual-pipeline-model-parallel-size", type=int, default=None,
+                       dest="virtual_pipeline_model_parallel_size",
                        help="model chunks per pipeline rank (interleaved 1F1B schedule)")
     group.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None,
                        help="transformer layers of the first pipeline stage (the rest split "
@@ -540,19 +542,19 @@ def _validate_pipeline(args: argparse.Namespace) -> None:
     vpp = args.virtual_pipeline_model_parallel_size
     per_chunk = args.num_layers_per_virtual_pipeline_stage
     _fail_unless(vpp is None or per_chunk is None, "use --num-layers-per-virtual-pipeline-stage "
-                 "or --virtual-pipeline-model-parallel-size, not both")
+                 "or --num-virtual-stages-per-pipeline-rank, not both")
     if args.pipeline_model_parallel_layout is not None:
         stages = _layout_string_stages(str(args.pipeline_model_parallel_layout))
         _fail_unless(per_chunk is None and len(stages) % pp == 0
                      and vpp in (None, len(stages) // pp),
                      f"--pipeline-model-parallel-layout {args.pipeline_model_parallel_layout} has "
                      f"{len(stages)} stages: give one per pipeline stage ({pp}) and virtual "
-                     "stage, without --virtual-pipeline-model-parallel-size or "
+                     "stage, without --num-virtual-stages-per-pipeline-rank or "
                      "--num-layers-per-virtual-pipeline-stage")
         vpp = len(stages) // pp
     elif per_chunk is not None:
         _fail_unless(not _uneven_split_flags(args),
-                     "an uneven pipeline split takes --virtual-pipeline-model-parallel-size, not "
+                     "an uneven pipeline split takes --num-virtual-stages-per-pipeline-rank, not "
                      "--num-layers-per-virtual-pipeline-stage")
         _fail_unless(args.num_layers % pp == 0 and per_chunk > 0
                      and (args.num_layers // pp) % per_chunk == 0,
@@ -561,7 +563,7 @@ def _validate_pipeline(args: argparse.Namespace) -> None:
         vpp = args.num_layers // pp // per_chunk
     if vpp is not None:
         _fail_unless(pp > 1, "the interleaved schedule needs --pipeline-model-parallel-size > 1")
-        _fail_unless(vpp >= 1, "--virtual-pipeline-model-parallel-size must be positive")
+        _fail_unless(vpp >= 1, "--num-virtual-stages-per-pipeline-rank must be positive")
     args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
     if _uneven_chunk_layers(args) is not None:
         return
