@@ -789,6 +789,23 @@ def keep_writers_on_logging_rank(args: argparse.Namespace, runtime: ElasticRunti
         global_vars._GLOBAL_WANDB_WRITER = None
 
 
+def close_writers(exit_code: int) -> None:
+    """Flush and close Megatron-LM's TensorBoard and W&B writers where this rank has them (the
+    W&B run marked with ``exit_code``): what its exit handlers would do for a process that ends
+    without them."""
+    global_vars = sys.modules.get(GLOBAL_VARS)
+    if global_vars is None:
+        return
+    writer = global_vars._GLOBAL_TENSORBOARD_WRITER
+    if writer is not None:
+        writer.close()
+        global_vars._GLOBAL_TENSORBOARD_WRITER = None
+    wandb_writer = global_vars._GLOBAL_WANDB_WRITER
+    if wandb_writer is not None:
+        wandb_writer.finish(exit_code=exit_code)
+        global_vars._GLOBAL_WANDB_WRITER = None
+
+
 def register(registry: PatchRegistry, backend: DeviceBackend, runtime: ElasticRuntime) -> None:
     """Register the hooks, calling into ``runtime``, and, on CUDA, the default-group redirect of
     the loop modules (off CUDA :mod:`.megatron_lm` puts the redirect into its device-mapped

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.launch.config import REJOIN_ENV
 from megatron_elaswave.patches import PatchRegistry, register_layout_invariant_rng
-from megatron_elaswave.patches.megatron_lm_elastic import DefaultGroupRedirect
+from megatron_elaswave.patches.megatron_lm_elastic import DefaultGroupRedirect, close_writers
 from megatron_elaswave.runtime import dropout_rng
 from megatron_elaswave.training.setup import exit_status
 from megatron_elaswave.training.arguments import ArgumentError, add_elastic_args, validate_elastic
@@ -140,9 +140,8 @@ class ElasticHooks:
                       prefix="")
         except StepFailed as error:  # the iteration's own error; every member stops with it
             self.job.finish_saves()
-            if error.announce:
-                exit_with(exit_status.STEP_FAILED, str(error), every_rank=True)
-            sys.exit(exit_status.STEP_FAILED)
+            exit_with(exit_status.STEP_FAILED, str(error) if error.announce else None,
+                      every_rank=True)
         except SaveFailed as error:  # every member knows it at the same iteration
             self.job.finish_saves()
             exit_with(exit_status.SAVE_FAILED, str(error), every_rank=True)
@@ -202,13 +201,20 @@ class ElasticHooks:
             exit_with(exit_status.SAVE_FAILED, failure.line(trainer.args.save), every_rank=True)
 
 
-def exit_with(code: int, message: str, *, every_rank: bool = False,
+def exit_with(code: int, message: str | None, *, every_rank: bool = False,
               prefix: str = "error: ") -> NoReturn:
-    """End this process with ``code`` after one line on stderr (from rank 0 only, unless
-    ``every_rank``: every rank fails the same checks)."""
-    if every_rank or not dist.is_initialized() or dist.get_rank() == 0:
+    """End this process with ``code`` after one line on stderr where there is a ``message``
+    (from rank 0 only, unless ``every_rank``: every rank fails the same checks), Megatron-LM's
+    writers closed.
+
+    The interpreter is not finalized: a job that stops has threads still waiting in collectives
+    of its process groups, whose teardown may abort the process (``std::terminate``) and turn
+    the status into SIGABRT's."""
+    if message is not None and (every_rank or not dist.is_initialized() or dist.get_rank() == 0):
         script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "megatron-lm"
         # One write: the workers of a node share their launcher's output.
         sys.stderr.write(f"{script}: {prefix}{message}\n")
-        sys.stderr.flush()
-    sys.exit(code)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    close_writers(code)
+    os._exit(code)
