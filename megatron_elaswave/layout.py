@@ -295,8 +295,7 @@ class Layout:
                              f"{num_layers} layers in {pp * virtual_stages} non-empty chunks")
         else:
             splits = layer_ranges(stage_totals(chunk_layers, pp))
-            if virtual_stages == 1 or len(set(chunk_layers)) == 1:
-                chunk_layers = ()
+            chunk_layers = _uneven_chunks(chunk_layers, virtual_stages)
         replicas = []
         for d in range(dp):
             stages = tuple(
@@ -308,7 +307,7 @@ class Layout:
                 for s, (first, last) in enumerate(splits)
             )
             replicas.append(Replica(d, stages, tuple(range(d, num_microbatches, dp)),
-                                    virtual_stages, tuple(chunk_layers)))
+                                    virtual_stages, chunk_layers))
         layout = cls(num_layers=num_layers, replicas=tuple(replicas), experts=experts)
         layout.validate()
         return layout
@@ -459,11 +458,19 @@ class Layout:
         return layout
 
 
+def _uneven_chunks(chunk_layers: tuple[int, ...], virtual_stages: int) -> tuple[int, ...]:
+    """:attr:`Replica.chunk_layers` for chunks of ``chunk_layers`` layers: themselves where
+    virtual stages split the layers unevenly, empty otherwise."""
+    if virtual_stages == 1 or len(set(chunk_layers)) <= 1:
+        return ()
+    return tuple(chunk_layers)
+
+
 def _chunk_layers_of(record: dict, virtual_stages: int) -> tuple[int, ...]:
     """:attr:`Replica.chunk_layers` of a replica's JSON record: its stages' ``chunks`` in
     Megatron's order, empty where they split evenly."""
     if virtual_stages == 1 or any("chunks" not in stage for stage in record["stages"]):
         return ()
-    counts = tuple(last - first + 1 for v in range(virtual_stages)
-                   for stage in record["stages"] for first, last in [stage["chunks"][v]])
-    return () if len(set(counts)) == 1 else counts
+    return _uneven_chunks(tuple(last - first + 1 for v in range(virtual_stages)
+                                for stage in record["stages"]
+                                for first, last in [stage["chunks"][v]]), virtual_stages)

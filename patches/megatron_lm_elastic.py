@@ -763,19 +763,16 @@ def keep_writers_on_logging_rank(args: argparse.Namespace, runtime: ElasticRunti
     after a failure of the last rank the new last rank opens them (TensorBoard in the same
     ``--tensorboard-dir``, W&B resuming the same run), and a rank that no longer logs (the
     replaced rank is back) closes its own."""
+    if not runtime.logs:
+        close_writers()
+        return
     global_vars = sys.modules[GLOBAL_VARS]
-    logs = runtime.logs
-    writer = global_vars._GLOBAL_TENSORBOARD_WRITER
-    if logs and writer is None and getattr(args, "tensorboard_dir", None):
+    if global_vars._GLOBAL_TENSORBOARD_WRITER is None and getattr(args, "tensorboard_dir", None):
         from torch.utils.tensorboard import SummaryWriter
 
         global_vars._GLOBAL_TENSORBOARD_WRITER = SummaryWriter(
             log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
-    elif not logs and writer is not None:
-        writer.close()
-        global_vars._GLOBAL_TENSORBOARD_WRITER = None
-    wandb_writer = global_vars._GLOBAL_WANDB_WRITER
-    if logs and wandb_writer is None and getattr(args, "wandb_project", None):
+    if global_vars._GLOBAL_WANDB_WRITER is None and getattr(args, "wandb_project", None):
         import wandb
 
         save_dir = args.wandb_save_dir or os.path.join(args.save or ".", "wandb")
@@ -784,15 +781,12 @@ def keep_writers_on_logging_rank(args: argparse.Namespace, runtime: ElasticRunti
                    config=vars(args), id=runtime.share(WANDB_RUN), resume="allow",
                    **({"entity": args.wandb_entity} if args.wandb_entity else {}))
         global_vars._GLOBAL_WANDB_WRITER = wandb
-    elif not logs and wandb_writer is not None:
-        wandb_writer.finish()
-        global_vars._GLOBAL_WANDB_WRITER = None
 
 
-def close_writers(exit_code: int) -> None:
-    """Flush and close Megatron-LM's TensorBoard and W&B writers where this rank has them (the
-    W&B run marked with ``exit_code``): what its exit handlers would do for a process that ends
-    without them."""
+def close_writers(exit_code: int | None = None) -> None:
+    """Flush and close Megatron-LM's TensorBoard and W&B writers where this rank has them: on a
+    rank that no longer logs, and before a process ends without its exit handlers (the W&B run
+    then marked with ``exit_code``)."""
     global_vars = sys.modules.get(GLOBAL_VARS)
     if global_vars is None:
         return

@@ -544,7 +544,10 @@ def _validate_pipeline(args: argparse.Namespace) -> None:
     _fail_unless(vpp is None or per_chunk is None, "use --num-layers-per-virtual-pipeline-stage "
                  "or --num-virtual-stages-per-pipeline-rank, not both")
     if args.pipeline_model_parallel_layout is not None:
-        stages = _layout_string_stages(str(args.pipeline_model_parallel_layout))
+        try:
+            stages = _layout_string_stages(str(args.pipeline_model_parallel_layout))
+        except ValueError as error:
+            raise ArgumentError(str(error)) from None
         _fail_unless(per_chunk is None and len(stages) % pp == 0
                      and vpp in (None, len(stages) // pp),
                      f"--pipeline-model-parallel-layout {args.pipeline_model_parallel_layout} has "
@@ -615,7 +618,7 @@ def pipeline_chunk_layers(args: argparse.Namespace) -> tuple[int, ...] | None:
 
 def _layout_string_stages(layout: str) -> list[list]:
     """The layer kinds of each stage of a ``--pipeline-model-parallel-layout``, in layer order.
-    Raises :class:`ArgumentError` for one megatron-core cannot parse."""
+    Raises ``ValueError`` for one megatron-core cannot parse."""
     from megatron.core.transformer.pipeline_parallel_layer_layout import (
         PipelineParallelLayerLayout,
     )
@@ -623,16 +626,13 @@ def _layout_string_stages(layout: str) -> list[list]:
     try:
         return PipelineParallelLayerLayout.parse_str_to_list(layout)
     except (AssertionError, ValueError) as error:
-        raise ArgumentError(f"--pipeline-model-parallel-layout {layout}: {error}") from None
+        raise ValueError(f"--pipeline-model-parallel-layout {layout}: {error}") from None
 
 
 def _layout_string_chunk_layers(layout: str, chunks: int, num_layers: int) -> tuple[int, ...]:
     from megatron.core.transformer.enums import LayerType
 
-    try:
-        stages = _layout_string_stages(layout)
-    except ArgumentError as error:
-        raise ValueError(str(error)) from None
+    stages = _layout_string_stages(layout)
     if len(stages) != chunks:
         raise ValueError(f"--pipeline-model-parallel-layout {layout} has {len(stages)} stages: "
                          f"give one per pipeline stage and virtual stage ({chunks})")
