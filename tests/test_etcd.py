@@ -15,6 +15,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -28,6 +29,7 @@ from etcd_cluster import EtcdCluster, etcd_missing, make_tls_files
 from megatron_elaswave.launch.etcd_address import EtcdAddress
 from megatron_elaswave.launch.etcd_store import HistoryCompaction, StoreRefused
 from megatron_elaswave.launch.silence import Heartbeat
+from megatron_elaswave.launch.store import read_if_set
 from megatron_elaswave.metrics import read_metrics
 
 pytestmark = pytest.mark.multiprocess
@@ -45,9 +47,11 @@ def exercise(store) -> list:
                store.add("n", 0), store.get("n"), store.add("fresh", 0),
                store.compare_set("c", "", "x"), store.compare_set("c", "", "y"),
                store.compare_set("c", "x", "z"), store.compare_set("missing", "e", "d"),
+               store.set("empty", ""), store.compare_set("empty", "", "filled"),
                store.check(["a", "n"]), store.check(["a", "nope"]),
                store.multi_set(["m1", "m2"], ["v1", b"v2"]), store.multi_get(["m1", "m2"]),
                store.delete_key("m1"), store.delete_key("m1"), store.check(["m1"]),
+               read_if_set(store, "a"), read_if_set(store, "m1"),
                sorted(store.list_keys()), store.num_keys()]
     started = time.monotonic()
     with pytest.raises(DistStoreError):
@@ -59,6 +63,16 @@ def exercise(store) -> list:
 @pytest.mark.timeout(120)
 def test_the_etcd_store_answers_as_the_tcpstore_does(etcd_cluster, store):
     assert exercise(store_on(etcd_cluster, "semantics")) == exercise(store)
+
+
+@pytest.mark.timeout(120)
+def test_a_get_of_keys_not_yet_set_waits_for_them(etcd_cluster):
+    reader, writer = store_on(etcd_cluster, "late"), store_on(etcd_cluster, "late")
+    reader.set("early", "1")
+    threading.Timer(0.3, writer.set, ("late", "2")).start()
+    started = time.monotonic()
+    assert reader.multi_get(["early", "late"]) == [b"1", b"2"]
+    assert time.monotonic() - started >= 0.3
 
 
 @pytest.mark.timeout(120)

@@ -288,6 +288,27 @@ def test_the_keys_of_generations_two_behind_are_deleted_but_their_decisions(stor
     assert collect_generations(store, below=2) == 0  # done already
 
 
+def test_only_the_first_announcer_of_a_failure_raises_an_alert(store):
+    # Every alert makes every monitor read the shared state again: a notice per survivor, each
+    # with its alert, made an agreement's store traffic grow with the square of the survivors.
+    config = MonitorConfig(heartbeat_interval_s=2.0, heartbeat_timeout_s=10.0)
+    monitors = [FailureMonitor(store, rank, Decision.initial(3), config, on_failure=lambda: None)
+                for rank in (0, 1)]
+    for monitor in monitors:
+        monitor.start()
+    try:
+        before = store.add(ALERT_COUNT_KEY, 0)
+        monitors[0].report_error(RuntimeError("Connection closed by peer"))
+        wait_until(lambda: monitors[1].failure is not None, 5, "the announcement to be read")
+        monitors[1].report_error(RuntimeError("Connection reset by peer"))
+        assert monitors[1].failure.cause == ANNOUNCED
+        assert store.add(ALERT_COUNT_KEY, 0) - before == 1
+        assert FailureNotice(**json.loads(store.get(round_key(0)))).rank == 0
+    finally:
+        for monitor in monitors:
+            monitor.stop()
+
+
 def test_an_announcement_whose_writer_died_before_bumping_the_alerts_is_read_at_a_beat(store):
     config = MonitorConfig(heartbeat_interval_s=0.2, heartbeat_timeout_s=10.0)
     with FailureMonitor(store, 0, Decision.initial(3), config, on_failure=lambda: None) as monitor:

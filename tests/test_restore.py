@@ -18,12 +18,20 @@ MEMBERS = (0, 1, 2)
 
 
 def restore_round(store: dist.Store, rank: int, *, timeout_s: float = 30.0,
-                  failure_noticed: bool = False) -> RestoreRound:
+                  failure_noticed: bool = False,
+                  exchange: dist.Store | None = None) -> RestoreRound:
     abort = threading.Event()
     if failure_noticed:
         abort.set()
-    return RestoreRound(store, store, generation=3, rank=rank, members=MEMBERS,
-                        timeout=timedelta(seconds=timeout_s), abort=abort)
+    return RestoreRound(store, store if exchange is None else exchange, generation=3, rank=rank,
+                        members=MEMBERS, timeout=timedelta(seconds=timeout_s), abort=abort)
+
+
+class HostGone(dist.Store):
+    """A generation's store whose host died: every request fails as ``HostedStore``'s do."""
+
+    def add(self, key: str, amount: int) -> int:
+        raise WaitInterrupted("the store of generation 3 went down with its host")
 
 
 def outcome(restore: RestoreRound) -> str:
@@ -65,3 +73,27 @@ def test_a_member_that_never_restores_leaves_the_others_uncommitted(failure_noti
                                                       failure_noticed=failure_noticed))
                    for rank in (0, 1)]
         assert [future.result(timeout=30) for future in futures] == ["abandoned", "abandoned"]
+
+
+def test_a_member_that_loses_the_generations_store_follows_the_commit_of_the_others():
+    # The members count themselves in the generation's store, and the outcome is in the job
+    # store: a member that counted, then lost the store's host before it saw the count whole,
+    # must take the commit that the others made, not a view of its own.
+    job_store, exchange = dist.HashStore(), dist.HashStore()
+    prefix = restore_round(job_store, 2).prefix
+    exchange.add(f"{prefix}/restored", 1)  # rank 2 counted itself, then its host died
+    with ThreadPoolExecutor(2) as pool:
+        others = [pool.submit(outcome, restore_round(job_store, rank, exchange=exchange))
+                  for rank in (0, 1)]
+        assert [future.result(timeout=30) for future in others] == ["committed", "committed"]
+    assert outcome(restore_round(job_store, 2, exchange=HostGone())) == "committed"
+
+
+def test_a_member_that_loses_the_generations_store_before_counting_abandons_the_restore():
+    job_store, exchange = dist.HashStore(), dist.HashStore()
+    with ThreadPoolExecutor(2) as pool:
+        others = [pool.submit(outcome, restore_round(job_store, rank, timeout_s=0.5,
+                                                     exchange=exchange))
+                  for rank in (0, 1)]
+        assert outcome(restore_round(job_store, 2, exchange=HostGone())) == "abandoned"
+        assert [future.result(timeout=30) for future in others] == ["abandoned", "abandoned"]

@@ -138,16 +138,22 @@ class EtcdStore(dist.Store):
         return value
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        """The values of ``keys``, once they all exist (up to the timeout)."""
-        self.wait(keys)
-        values = {}
-        for response in self._ranges(keys):
-            for kv in response.get("kvs", ()):
-                values[_decode(kv["key"])] = _decode(kv.get("value", ""))
+        """The values of ``keys``, once they all exist (up to the timeout): one request when
+        they do."""
+        values = self._values(keys)
+        if len(values) < len(set(keys)):
+            self.wait(keys)
+            values = self._values(keys)
         try:
             return [values[self._key_bytes(key)] for key in keys]
         except KeyError as missing:  # deleted between the wait and the read
             raise dist.DistStoreError(f"key {missing} was deleted while it was read") from None
+
+    def get_if_set(self, key: str) -> bytes | None:
+        """The value of ``key``, or ``None`` while it is missing: one request, where a
+        ``check`` and a ``get`` are two."""
+        kv = self._read(key)
+        return None if kv is None else _decode(kv.get("value", ""))
 
     def multi_set(self, keys: Sequence[str], values: Sequence[str | bytes]) -> None:
         puts = [{"request_put": {"key": self._key(key), "value": _encode(value)}}
@@ -175,21 +181,21 @@ class EtcdStore(dist.Store):
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         """As ``TCPStore``: sets ``desired`` if the value is ``expected`` (or the key is missing
         and ``expected`` empty); returns the value the key then holds (``expected`` when the key
-        is missing and ``expected`` is not empty)."""
+        is missing and ``expected`` is not empty). One request, unless the key holds an empty
+        value and ``expected`` is empty."""
         expected, desired = _bytes(expected), _bytes(desired)
+        condition = ({"target": "VALUE", "value": _encode(expected)} if expected
+                     else {"target": "CREATE", "create_revision": "0"})
         while True:
-            kv = self._read(key)
-            if kv is None:
-                if expected:
-                    return expected
-                condition = {"target": "CREATE", "create_revision": "0"}
-            else:
-                current = _decode(kv.get("value", ""))
-                if current != expected:
-                    return current
-                condition = {"target": "MOD", "mod_revision": kv["mod_revision"]}
-            if self._commit_if(key, condition, desired):
+            committed, kv = self._commit_or_read(key, condition, desired)
+            if committed:
                 return desired
+            if kv is None:  # only a VALUE compare fails on a missing key
+                return expected
+            current = _decode(kv.get("value", ""))
+            if current != expected:
+                return current
+            condition = {"target": "MOD", "mod_revision": kv["mod_revision"]}
 
     def check(self, keys: Sequence[str]) -> bool:
         return all(int(response.get("count", 0)) > 0
@@ -276,6 +282,11 @@ class EtcdStore(dist.Store):
             lease = self._local.token_lease = (granted["ID"], now + ttl / 2)
         return lease[0]
 
+    def _values(self, keys: Sequence[str]) -> dict[bytes, bytes]:
+        """The values of those of ``keys`` that exist, by their full key."""
+        return {_decode(kv["key"]): _decode(kv.get("value", ""))
+                for response in self._ranges(keys) for kv in response.get("kvs", ())}
+
     def _namespace_range(self) -> dict[str, str]:
         prefix = self.address.namespace.encode()
         return {"key": _encode(prefix), "range_end": _encode(_prefix_end(prefix))}
@@ -304,6 +315,20 @@ class EtcdStore(dist.Store):
                                          "value": _encode(value), "lease": self._token_lease()}})
         return bool(self._call("kv/txn", {"compare": [compare], "success": puts})
                     .get("succeeded", False))
+
+    def _commit_or_read(self, key: str, condition: dict[str, str],
+                        value: str | bytes) -> tuple[bool, dict[str, Any] | None]:
+        """Put ``value`` at ``key`` if ``condition`` holds, else read the key, in one
+        transaction: whether it was put, and what the key held if not (``None``: missing)."""
+        compare = {**condition, "key": self._key(key), "result": "EQUAL"}
+        response = self._call("kv/txn", {
+            "compare": [compare],
+            "success": [{"request_put": {"key": self._key(key), "value": _encode(value)}}],
+            "failure": [{"request_range": {"key": self._key(key)}}]})
+        if response.get("succeeded", False):
+            return True, None
+        kvs = response["responses"][0].get("response_range", {}).get("kvs")
+        return False, kvs[0] if kvs else None
 
     def _clients(self) -> list:
         clients = getattr(self._local, "clients", None)

@@ -11,6 +11,7 @@ from megatron_elaswave.launch.console import log
 from megatron_elaswave.launch.decisions import Decision
 from megatron_elaswave.launch.guarded_store import GuardedStore
 from megatron_elaswave.launch.keys import decision_key
+from megatron_elaswave.launch.store import read_if_set
 from megatron_elaswave.launch.workers import WorkerPool
 
 if TYPE_CHECKING:
@@ -73,5 +74,5 @@ class ExclusionFence:
 
     def _read_decision(self, store: Store) -> Decision | None:
         """The decision that ended generation :attr:`_next_generation`, if committed."""
-        key = decision_key(self._next_generation)
-        return Decision.from_json(store.get(key)) if store.check([key]) else None
+        raw = read_if_set(store, decision_key(self._next_generation))
+        return None if raw is None else Decision.from_json(raw)

@@ -30,6 +30,7 @@ from megatron_elaswave.launch.store import (
     from_json,
     read_deaths,
     read_exit,
+    read_if_set,
     read_node_states,
     read_worker,
     record_death,
@@ -89,7 +90,7 @@ class NodeWatch:
         lost, if one did."""
         self.beat()
         lost = node_lost_key(self._config.node_rank)
-        raw = self._store.call(lambda store: store.get(lost) if store.check([lost]) else None)
+        raw = self._store.call(lambda store: read_if_set(store, lost))
         return None if raw is None else json.loads(raw).get("by", 0)
 
     def watch(self, store: Store) -> None:

@@ -25,6 +25,7 @@ import json
 import os
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -278,10 +279,18 @@ def publish_worker(store: Store, worker: WorkerRecord) -> None:
     store.set(worker_key(worker.rank), to_json(worker))
 
 
+def read_if_set(store: Store, key: str) -> bytes | None:
+    """The value of ``key``, or ``None`` while it is missing. On etcd one request: a check and a
+    get are two round trips to a quorum there."""
+    if isinstance(store, EtcdStore):
+        return store.get_if_set(key)
+    return store.get(key) if store.check([key]) else None
+
+
 def read_worker(store: Store, rank: int) -> WorkerRecord | None:
     """The record of ``rank``'s worker, or ``None`` while it has not been spawned."""
-    key = worker_key(rank)
-    return from_json(WorkerRecord, store.get(key)) if store.check([key]) else None
+    raw = read_if_set(store, worker_key(rank))
+    return None if raw is None else from_json(WorkerRecord, raw)
 
 
 def record_exit(store: Store, worker_exit: WorkerExit) -> None:
@@ -290,8 +299,8 @@ def record_exit(store: Store, worker_exit: WorkerExit) -> None:
 
 def read_exit(store: Store, rank: int) -> WorkerExit | None:
     """How ``rank``'s worker finished, or ``None`` if it has not finished normally."""
-    key = exit_key(rank)
-    return from_json(WorkerExit, store.get(key)) if store.check([key]) else None
+    raw = read_if_set(store, exit_key(rank))
+    return None if raw is None else from_json(WorkerExit, raw)
 
 
 def record_death(store: Store, death: WorkerDeath) -> int:
@@ -335,14 +344,8 @@ def report_silence(store: Store, silence: Silence) -> None:
 def read_silences(store: Store, generation: int, start: int = 0) -> list[Silence]:
     """Silences reported in ``generation`` from index ``start`` on, in order; never blocks (as
     :func:`read_deaths`)."""
-    count = store.add(silence_count_key(generation), 0)
-    silences = []
-    for index in range(start, count):
-        key = silence_key(generation, index)
-        if not store.check([key]):
-            break
-        silences.append(from_json(Silence, store.get(key)))
-    return silences
+    return _read_numbered(store, Silence, silence_count_key(generation),
+                          lambda index: silence_key(generation, index), start)
 
 
 def collect_generations(store: Store, below: int) -> int:
@@ -370,14 +373,20 @@ def read_deaths(store: Store, start: int = 0) -> list[WorkerDeath]:
     A writer numbers a death before it writes it, so the list stops at the first death that is
     numbered but not yet written; the next call, from ``start + len(result)``, picks it up.
     """
-    count = store.add(DEATH_COUNT_KEY, 0)
-    deaths = []
-    for index in range(start, count):
-        key = death_key(index)
-        if not store.check([key]):
+    return _read_numbered(store, WorkerDeath, DEATH_COUNT_KEY, death_key, start)
+
+
+def _read_numbered(store: Store, cls: type[_Record], count_key: str,
+                   key_of: Callable[[int], str], start: int) -> list[_Record]:
+    """Records numbered by the counter ``count_key`` and kept at ``key_of(index)``, from index
+    ``start`` on, up to the first one numbered but not yet written."""
+    records = []
+    for index in range(start, store.add(count_key, 0)):
+        raw = read_if_set(store, key_of(index))
+        if raw is None:
             break
-        deaths.append(from_json(WorkerDeath, store.get(key)))
-    return deaths
+        records.append(from_json(cls, raw))
+    return records
 
 
 class WaitInterrupted(RuntimeError):

@@ -44,6 +44,7 @@ from torch.distributed import ProcessGroup
 
 from megatron_elaswave.device import DeviceBackend
 from megatron_elaswave.launch.keys import shared_key
+from megatron_elaswave.launch.store import read_if_set
 from megatron_elaswave.patches.megatron_lm_elastic import DefaultGroupRedirect
 from megatron_elaswave.runtime import dropout_rng
 from megatron_elaswave.runtime.communicator import Role
@@ -377,7 +378,8 @@ class MegatronLMJob:
         if value is not None:
             store.compare_set(key, "", value)
             return None
-        return store.get(key).decode() if store.check([key]) else None
+        raw = read_if_set(store, key)
+        return None if raw is None else raw.decode()
 
     def close(self) -> None:
         """Stop the failure monitor and the clock governor; flush the metrics."""

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from megatron_elaswave.launch.decisions import Decision, Excluded
 from megatron_elaswave.launch.keys import decision_key, joined_key, round_key
-from megatron_elaswave.launch.store import read_deaths
+from megatron_elaswave.launch.store import read_deaths, read_if_set
 from megatron_elaswave.runtime.monitor import HEARTBEAT, FailureMonitor
 from megatron_elaswave.waiting import wait_until
 
@@ -114,8 +114,8 @@ class _Round:
             return Decision.from_json(raw)
 
     def _committed(self) -> Decision | None:
-        key = decision_key(self.generation)
-        return Decision.from_json(self.store.get(key)) if self.store.check([key]) else None
+        raw = read_if_set(self.store, decision_key(self.generation))
+        return None if raw is None else Decision.from_json(raw)
 
     def _proposal(self) -> Decision | None:
         """The decision to commit if this rank is the proposer and every live member has
@@ -165,8 +165,8 @@ class _Round:
 
     def _notice(self) -> dict | None:
         """The failure notice of the first rank that announced this round."""
-        key = round_key(self.generation)
-        return json.loads(self.store.get(key)) if self.store.check([key]) else None
+        raw = read_if_set(self.store, round_key(self.generation))
+        return None if raw is None else json.loads(raw)
 
     def _error(self) -> str:
         """The error that started a round in which no rank failed."""

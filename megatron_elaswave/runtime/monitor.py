@@ -79,6 +79,7 @@ from megatron_elaswave.launch.store import (
     collect_generations,
     raise_alert,
     read_deaths,
+    read_if_set,
     read_silences,
     report_silence,
 )
@@ -534,9 +535,11 @@ class FailureMonitor:
 
     def _check_announcement(self) -> None:
         generation = self.generation
-        key = round_key(generation)
-        if self.failure is None and self._store.check([key]):
-            self._trigger(ANNOUNCED, self._store.get(key).decode(), generation=generation)
+        if self.failure is not None:
+            return
+        notice = read_if_set(self._store, round_key(generation))
+        if notice is not None:
+            self._trigger(ANNOUNCED, notice.decode(), generation=generation)
 
     def _decision(self) -> tuple[Decision, float] | None:
         """The committed decision that ends the current generation and when this monitor first
@@ -595,8 +598,11 @@ class FailureMonitor:
         self.failure_detected.set()
         self._on_failure()
         if announce and not self.excluded():
-            self._store.compare_set(round_key(notice.generation), "", notice.to_json())
-            raise_alert(self._store)
+            announced = notice.to_json().encode()
+            # Only the first announcer alerts: a later notice changes nothing anyone reads, and
+            # an alert makes every monitor read the shared state again.
+            if self._store.compare_set(round_key(notice.generation), "", announced) == announced:
+                raise_alert(self._store)
 
 
 def leave_job(excluded: Excluded) -> None:

@@ -81,6 +81,7 @@ from megatron_elaswave.launch.keys import (
     checkpoint_key,
     committed_iteration_key,
 )
+from megatron_elaswave.launch.store import read_if_set
 from megatron_elaswave.patches.dist_checkpointing import (
     Box,
     Segment,
@@ -389,15 +390,13 @@ class DurableCheckpoints:
     def _resolved(self, save_id: str, store) -> bool:
         """Whether the job committed or abandoned ``save_id`` (then it is forgotten here, and
         why it failed remembered)."""
-        key = checkpoint_key(save_id, "outcome")
-        if not store.check([key]):
-            return False
-        outcome = store.get(key).decode()
+        outcome = read_if_set(store, checkpoint_key(save_id, "outcome"))
+        outcome = None if outcome is None else outcome.decode()
         if outcome not in (COMMITTED, ABANDONED):
             return False
-        error = checkpoint_key(save_id, "error")
-        reason = store.get(error).decode() if outcome == ABANDONED and store.check([error]) \
+        error = read_if_set(store, checkpoint_key(save_id, "error")) if outcome == ABANDONED \
             else None
+        reason = None if error is None else error.decode()
         with self._lock:
             name = self._unresolved.pop(save_id, None)
             self._outcomes[save_id] = outcome

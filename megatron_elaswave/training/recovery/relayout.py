@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from megatron_elaswave.launch.decisions import Decision
 from megatron_elaswave.launch.keys import FINISHED_KEY, accepted_key, change_key, decision_key, join_key
-from megatron_elaswave.launch.store import raise_alert
+from megatron_elaswave.launch.store import raise_alert, read_if_set
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.planner.frequency import ClockPlan
 from megatron_elaswave.waiting import wait_until
@@ -180,8 +180,8 @@ def commit(store: Store, plan: LayoutChange) -> bool:
 
 def published_plan(store: Store, generation: int) -> LayoutChange | None:
     """The plan of ``generation`` if one was published."""
-    key = change_key(generation)
-    return LayoutChange.from_json(store.get(key)) if store.check([key]) else None
+    raw = read_if_set(store, change_key(generation))
+    return None if raw is None else LayoutChange.from_json(raw)
 
 
 def committed_plan(store: Store, generation: int, timeout: timedelta) -> LayoutChange:

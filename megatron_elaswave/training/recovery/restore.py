@@ -6,8 +6,9 @@ Every member of the restore calls the same steps in the same order; each waits f
 through the store (keys under ``rt/gen<g>/restore/``, :mod:`megatron_elaswave.launch.keys`), and a
 failure noticed meanwhile interrupts the wait, so no member commits a layout another one has not
 reached. What the members exchange (their holdings, the rollback iteration, the small state)
-goes through the generation's store (:mod:`megatron_elaswave.runtime.generation_store`); the
-outcome, which the next recovery starts from, through the job store.
+and their count of those restored go through the generation's store
+(:mod:`megatron_elaswave.runtime.generation_store`); the outcome, which the next recovery starts
+from, through the job store.
 """
 
 from __future__ import annotations
@@ -112,22 +113,28 @@ class RestoreRound:
 
     def commit(self) -> None:
         """Return once every member has restored: then each takes the new layout as the one
-        whose state the ranks hold. The outcome is one store key written once with
-        ``compare_set``: committed by the first member that sees every member restored,
-        abandoned by the first that notices a failure (or waits past the timeout) before that.
-        Every member follows it, so the next recovery starts from one view of the state. Raises
-        :class:`~megatron_elaswave.launch.store.WaitInterrupted` when the restore was abandoned."""
+        whose state the ranks hold. The members count themselves in the generation's store;
+        the outcome is one job-store key written once with ``compare_set``: committed by the
+        first member that sees every member counted, abandoned by the first that notices a
+        failure (or waits past the timeout, or loses the generation's store with its host)
+        before that. Every member follows it, so the next recovery starts from one view of the
+        state. Raises :class:`~megatron_elaswave.launch.store.WaitInterrupted` when the restore
+        was abandoned."""
         restored, everyone = f"{self.prefix}/restored", len(self.members)
-        self.store.add(restored, 1)  # a count, not a key per member: a poll reads one key
 
         def all_restored() -> bool:
-            return self.store.add(restored, 0) >= everyone
+            try:
+                return self.exchange.add(restored, 0) >= everyone
+            except WaitInterrupted:  # the generation's store went down with its host
+                return False
 
-        outcome_key = f"{self.prefix}/outcome"
-        wait_until(lambda: all_restored() or self.store.check([outcome_key]),
-                   self.timeout.total_seconds(), abandon=self.abort)
+        try:
+            self.exchange.add(restored, 1)  # a count, not a key per member: a poll reads one key
+            wait_until(all_restored, self.timeout.total_seconds(), abandon=self.abort)
+        except WaitInterrupted:
+            pass  # not counted: abandon, unless another member committed first
         proposal = COMMITTED if all_restored() else ABANDONED
-        if self.store.compare_set(outcome_key, "", proposal).decode() == COMMITTED:
+        if self.store.compare_set(f"{self.prefix}/outcome", "", proposal).decode() == COMMITTED:
             return
         raise WaitInterrupted("the restore was abandoned: a failure was noticed before every "
                               "member had restored")

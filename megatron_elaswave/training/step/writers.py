@@ -15,6 +15,7 @@ import argparse
 import os
 
 from megatron_elaswave.launch.keys import shared_key
+from megatron_elaswave.launch.store import read_if_set
 
 WANDB_RUN = "wandb_run_id"
 """The name under which the first logging rank shares its W&B run's id."""
@@ -64,7 +65,8 @@ class ScalarWriters:
         if not cls.wanted(args):
             return None
         key = shared_key(WANDB_RUN)
-        run_id = store.get(key).decode() if store is not None and store.check([key]) else None
+        raw = None if store is None else read_if_set(store, key)
+        run_id = None if raw is None else raw.decode()
         writers = cls(args, wandb_run_id=run_id)
         if writers.wandb is not None and store is not None and run_id is None:
             store.compare_set(key, "", writers.wandb.id)
