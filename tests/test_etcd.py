@@ -65,6 +65,24 @@ def test_the_etcd_store_answers_as_the_tcpstore_does(etcd_cluster, store):
     assert exercise(store_on(etcd_cluster, "semantics")) == exercise(store)
 
 
+def test_a_compare_set_on_an_empty_key_that_is_deleted_meanwhile_creates_it(monkeypatch):
+    # The second try compares the empty key's revision; when the key is gone by then, the
+    # third must create it, as TCPStore's compare_set does on a missing key.
+    from megatron_elaswave.launch.etcd_store import EtcdStore
+
+    store = EtcdStore(EtcdAddress.parse("etcd://127.0.0.1:2379"), timedelta(seconds=1))
+    answers = iter([(False, {"value": "", "mod_revision": "5"}), (False, None), (True, None)])
+    compared = []
+
+    def commit_or_read(key, condition, value):
+        compared.append(condition["target"])
+        return next(answers)
+
+    monkeypatch.setattr(store, "_commit_or_read", commit_or_read)
+    assert store.compare_set("lock", "", "mine") == b"mine"
+    assert compared == ["CREATE", "MOD", "CREATE"]
+
+
 @pytest.mark.timeout(120)
 def test_a_get_of_keys_not_yet_set_waits_for_them(etcd_cluster):
     reader, writer = store_on(etcd_cluster, "late"), store_on(etcd_cluster, "late")

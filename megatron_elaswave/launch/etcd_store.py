@@ -182,7 +182,9 @@ class EtcdStore(dist.Store):
         """As ``TCPStore``: sets ``desired`` if the value is ``expected`` (or the key is missing
         and ``expected`` empty); returns the value the key then holds (``expected`` when the key
         is missing and ``expected`` is not empty). One request, unless the key holds an empty
-        value and ``expected`` is empty."""
+        value and ``expected`` is empty. A request sent again (its answer was lost) compares
+        the value, not the revision it was read at: the callers' values never return to one
+        they held, so a late copy of it finds the compare false."""
         expected, desired = _bytes(expected), _bytes(desired)
         condition = ({"target": "VALUE", "value": _encode(expected)} if expected
                      else {"target": "CREATE", "create_revision": "0"})
@@ -190,8 +192,11 @@ class EtcdStore(dist.Store):
             committed, kv = self._commit_or_read(key, condition, desired)
             if committed:
                 return desired
-            if kv is None:  # only a VALUE compare fails on a missing key
-                return expected
+            if kv is None:
+                if expected:
+                    return expected
+                condition = {"target": "CREATE", "create_revision": "0"}  # deleted meanwhile
+                continue
             current = _decode(kv.get("value", ""))
             if current != expected:
                 return current

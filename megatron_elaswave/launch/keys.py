@@ -66,7 +66,8 @@ State restore after a recovery or a layout change (:mod:`~megatron_elaswave.trai
 ``rt/gen<g>/restore/migrate/needs/<rank>``     the pieces ``rank`` needs
 ``rt/gen<g>/restore/rollback``                 the iteration to roll back to, or why there is none
                                                (JSON), published by the lowest member
-``rt/gen<g>/restore/restored``                 members restored (a ``store.add`` counter)
+``rt/gen<g>/restore/restored``                 members restored (a ``store.add`` counter, in the
+                                               generation's store)
 ``rt/gen<g>/restore/outcome``                  ``committed`` (once every member restored) or ``abandoned``
 ``rt/gen<g>/done/<rank>``                      ``rank`` finished training in ``g``
 ``rt/finished``                                the job ends: every member finished (empty) or the
