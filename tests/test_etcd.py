@@ -162,9 +162,14 @@ def test_the_history_is_compacted_an_interval_behind(etcd_cluster):
     compaction.tick(store, 9.0)  # not an interval yet
     assert at_revision(etcd_cluster, kept - 1) == "not compacted"
     compaction.tick(store, 10.0)
+    last = cluster_revision_and_keys(etcd_cluster)[0]  # the revision that tick read
     assert at_revision(etcd_cluster, kept - 1) == "compacted"
     assert at_revision(etcd_cluster, kept) == "not compacted"
     assert store.get("x") == b"4" and said == []
+    store.set("x", "5")
+    compaction.finish(store)  # the agent ends: no later tick would compact to its last reading
+    assert at_revision(etcd_cluster, last - 1) == "compacted"
+    assert at_revision(etcd_cluster, last) == "not compacted"
 
 
 def at_revision(cluster, revision: int) -> str:

@@ -439,15 +439,26 @@ class HistoryCompaction:
         if self._refused or (self._last is not None and now < self._last[0] + self.interval_s):
             return
         revision = store.revision()
-        if self._last is not None:
-            try:
-                store.compact(self._last[1])
-            except StoreRefused as refused:
-                self._refused = True
-                self._log(f"{refused}; the etcd cluster's history is not compacted by the job "
-                          "(give it --auto-compaction-retention, or this user the permission)")
-                return
+        if self._last is not None and not self._compact(store):
+            return
         self._last = (now, revision)
+
+    def finish(self, store: EtcdStore) -> None:
+        """Compact to the revision read at the last tick without waiting for the interval: the
+        agent ends, and no later tick of it would."""
+        if not self._refused and self._last is not None:
+            self._compact(store)
+
+    def _compact(self, store: EtcdStore) -> bool:
+        """Compact to the revision read at the last tick; ``False`` once refused."""
+        try:
+            store.compact(self._last[1])
+        except StoreRefused as refused:
+            self._refused = True
+            self._log(f"{refused}; the etcd cluster's history is not compacted by the job "
+                      "(give it --auto-compaction-retention, or this user the permission)")
+            return False
+        return True
 
 
 def _bytes(value: str | bytes) -> bytes:

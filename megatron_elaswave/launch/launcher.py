@@ -222,6 +222,7 @@ class _NodeAgent:
                 if self._store.lost is not None:
                     return self._stop_without_store()
             self._workers.wait(POLL_INTERVAL_S)
+        self._store.call(lambda store: self._compact_history(store, finish=True))
         if not self._config.is_store_host:
             # Workers that lost the store may all have left before a heartbeat found it gone:
             # one more look, so that this agent says so too. Node 0 keeps the store up until
@@ -231,11 +232,16 @@ class _NodeAgent:
                 return self._stop_without_store()
         return job_exit_status(self._workers.returncodes)
 
-    def _compact_history(self, store: Store) -> None:
+    def _compact_history(self, store: Store, finish: bool = False) -> None:
         """On etcd, the lowest running node's agent keeps the cluster's history bounded; when
-        it is lost or done, the next one does."""
+        it is lost or done, the next one does. ``finish``: this agent's last turn, when its
+        workers have ended."""
         me = self._config.node_rank
-        if self._compaction is not None and me == min(self._peers.running_nodes | {me}):
+        if self._compaction is None or me != min(self._peers.running_nodes | {me}):
+            return
+        if finish:
+            self._compaction.finish(store)
+        else:
             self._compaction.tick(store, time.monotonic())
 
     def _shut_down(self, signum: int) -> int:

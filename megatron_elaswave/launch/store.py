@@ -254,10 +254,11 @@ class NodeStates:
 
 
 def read_node_states(store: Store) -> NodeStates:
-    if not store.check([NODES_STATE_KEY]):
+    raw = read_if_set(store, NODES_STATE_KEY)
+    if raw is None:
         return NodeStates()
-    raw = json.loads(store.get(NODES_STATE_KEY))
-    return NodeStates(frozenset(raw["lost"]), frozenset(raw["done"]))
+    states = json.loads(raw)
+    return NodeStates(frozenset(states["lost"]), frozenset(states["done"]))
 
 
 def change_node_state(store: Store, node_rank: int, state: str | None) -> None:

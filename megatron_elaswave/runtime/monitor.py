@@ -546,11 +546,10 @@ class FailureMonitor:
         read it, if there is one."""
         generation = self.generation
         if self._committed is None or self._committed[0] != generation:
-            key = decision_key(generation)
-            if not self._store.check([key]):
+            raw = read_if_set(self._store, decision_key(generation))
+            if raw is None:
                 return None
-            self._committed = (generation, Decision.from_json(self._store.get(key)),
-                               time.monotonic())
+            self._committed = (generation, Decision.from_json(raw), time.monotonic())
         return self._committed[1:]
 
     def excluded(self) -> bool:

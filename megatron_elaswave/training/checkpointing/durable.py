@@ -379,9 +379,9 @@ class DurableCheckpoints:
             failure = self._failures.get(save_id)
         if outcome == COMMITTED:
             return None
-        error = checkpoint_key(save_id, "error")
-        if self.store.check([error]):  # the first rank that failed it says, on every rank
-            return SaveFailure(iteration, self.store.get(error).decode())
+        error = read_if_set(self.store, checkpoint_key(save_id, "error"))
+        if error is not None:  # the first rank that failed it says, on every rank
+            return SaveFailure(iteration, error.decode())
         if failure is not None:
             return failure
         return SaveFailure(iteration, "a rank that wrote it failed" if outcome == ABANDONED
@@ -491,8 +491,7 @@ class DurableCheckpoints:
         raise AssertionError("unreachable")
 
     def _abandoned(self, store, request: SaveName) -> bool:
-        key = request.key("outcome")
-        return store.check([key]) and store.get(key).decode() == ABANDONED
+        return read_if_set(store, request.key("outcome")) == ABANDONED.encode()
 
     def _write(self, store, request: SaveRequest) -> None:
         request.snapshot.wait()
@@ -562,8 +561,8 @@ class DurableCheckpoints:
         the save is committed, or failed."""
         # What this job committed before, as opposed to a run that used the same --save.
         ours = store.check([committed_iteration_key(name.iteration)])
-        latest = (int(store.get(CHECKPOINT_LATEST_KEY).decode())
-                  if store.check([CHECKPOINT_LATEST_KEY]) else None)
+        latest = read_if_set(store, CHECKPOINT_LATEST_KEY)
+        latest = None if latest is None else int(latest.decode())
         try:
             directory = self._retrying(
                 lambda: _commit(name, keep_existing=ours,

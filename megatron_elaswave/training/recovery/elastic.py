@@ -49,6 +49,7 @@ from megatron_elaswave.launch.keys import (
     checkpoint_key,
     done_key,
 )
+from megatron_elaswave.launch.store import read_if_set
 from megatron_elaswave.layout import Layout
 from megatron_elaswave.metrics import MetricsWriter
 from megatron_elaswave.patches.dist_checkpointing import chunk_placements
@@ -526,8 +527,9 @@ class ElasticTrainer(Trainer):
         if self.is_active:
             self.save_durably(root)
         outcome = checkpoint_key(f"{iteration}-g{generation}", "outcome")
-        if not wait_until(lambda: self.store.check([outcome]) and self.store.get(outcome).decode()
-                          in (COMMITTED, ABANDONED), self.durable.config.timeout_s,
+        resolved = {COMMITTED.encode(), ABANDONED.encode()}
+        if not wait_until(lambda: read_if_set(self.store, outcome) in resolved,
+                          self.durable.config.timeout_s,
                           max_pause_s=_END_POLL_S):
             raise CannotContinue(f"the checkpoint of iteration {iteration} was not saved "
                                  f"within {self.durable.config.timeout_s:g} s")
@@ -660,8 +662,8 @@ class ElasticTrainer(Trainer):
         times.migrated_at = time.time()
         if self.is_logger and self.metrics.path is None:
             self.metrics = MetricsWriter(self.args.elastic_metrics_file)
-            written = self.store.check([RECORDS_WRITTEN_KEY])
-            self._records_written = int(self.store.get(RECORDS_WRITTEN_KEY)) if written else 0
+            written = read_if_set(self.store, RECORDS_WRITTEN_KEY)
+            self._records_written = 0 if written is None else int(written)
         elif not self.is_logger and self.metrics.path is not None:  # another rank logs now
             self.metrics.close()
             self.metrics = MetricsWriter(None)
